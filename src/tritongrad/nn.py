@@ -1,0 +1,33 @@
+"""Modules built on the functional ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops.weighted_sum import weighted_sum
+
+
+class WeightedSum(torch.nn.Module):
+    """``y = (x * weight).sum(-1)`` with a learnable ``weight: [in_features]``.
+
+    Input ``[..., in_features]``, output ``[...]``. The weight is initialised uniformly in
+    ``[-1/sqrt(in_features), 1/sqrt(in_features)]``, as for ``torch.nn.Linear`` with one output.
+    """
+
+    def __init__(self, in_features: int, device=None, dtype=None):
+        super().__init__()
+        self.in_features = in_features
+        self.weight = torch.nn.Parameter(torch.empty(in_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+        torch.nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return weighted_sum(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}"

@@ -1,0 +1,1 @@
+"""One folder per operator: kernels.py (Triton), launch.py (host launchers + registration), reference.py."""

@@ -1,0 +1,24 @@
+"""Without a GPU, the Triton kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before
+triton is imported, so it is set here, before anything imports tritongrad."""
+
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Absolute slack on top of "2x eager PyTorch's error": a few ulps of each dtype at the magnitudes tested.
+ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # Different data per test, reproducible per test id.
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,282 @@
+"""weighted_sum on small shapes: through Triton's interpreter on CPU, compiled on a GPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ATOL, DEVICE
+
+import tritongrad
+from tritongrad.ops.weighted_sum import launch as ws_launch
+from tritongrad.ops.weighted_sum import weighted_sum_reference
+from tritongrad.testing import assert_close_earned, make_rows
+
+# (leading shape, D): why each is here
+SHAPES = [
+    ((1,), 1),          # smallest: one program, one element
+    ((5,), 37),         # D not a power of two and N not a multiple of the row tile: both masks active
+    ((3,), 1500),       # D larger than one block (1024): loop over D, and few rows -> split-D forward
+    ((300,), 24),       # many row tiles: several grad_w partial rows, reduced by the second stage
+    ((2, 3), 20),       # 3-D input
+    ((2, 2, 3), 9),     # 4-D input
+    ((0,), 8),          # N = 0
+    ((4,), 0),          # D = 0: y is zeros, grad_w empty
+    ((2, 0), 5),        # a size-0 leading dim
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def eager(x, w):
+    """What a user would write in plain PyTorch, in the inputs' own dtypes: the error baseline."""
+    return (x * w).sum(-1)
+
+
+def check(x, w, g=None, needs=(True, True), factor=2.0):
+    """Forward and the requested gradients against float64, within 2x eager PyTorch's own error."""
+    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    atol = ATOL[out_dtype] * max(1.0, x.shape[-1] ** 0.5)
+    xs = x.detach().requires_grad_(needs[0])
+    ws = w.detach().requires_grad_(needs[1])
+    y = tritongrad.weighted_sum(xs, ws)
+    assert y.dtype == out_dtype and y.shape == x.shape[:-1]
+    x64 = x.detach().double().requires_grad_(needs[0])
+    w64 = w.detach().double().requires_grad_(needs[1])
+    y64 = weighted_sum_reference(x64, w64)
+    xe = x.detach().requires_grad_(needs[0])
+    we = w.detach().requires_grad_(needs[1])
+    ye = eager(xe, we)
+    assert_close_earned("y", y, y64, ye, factor, atol)
+    if not any(needs):
+        assert y.grad_fn is None
+        return
+    if g is None:
+        g = torch.randn(y.shape, dtype=y.dtype, device=y.device)
+    y.backward(g)
+    y64.backward(g.double())
+    ye.backward(g)
+    if needs[0]:
+        assert xs.grad.dtype == x.dtype and xs.grad.shape == x.shape
+        assert_close_earned("grad_x", xs.grad, x64.grad, xe.grad, factor, atol)
+    else:
+        assert xs.grad is None
+    if needs[1]:
+        assert ws.grad.dtype == w.dtype and ws.grad.shape == w.shape
+        gw_atol = ATOL[w.dtype] * max(1.0, (x.numel() // max(1, x.shape[-1])) ** 0.5)
+        assert_close_earned("grad_w", ws.grad, w64.grad, we.grad, factor, gw_atol)
+    else:
+        assert ws.grad is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lead,D", SHAPES, ids=lambda v: str(v))
+def test_shapes_and_dtypes(lead, D, dtype):
+    x = torch.randn(*lead, D, device=DEVICE).to(dtype)
+    w = torch.randn(D, device=DEVICE).to(dtype)
+    check(x, w)
+
+
+@pytest.mark.parametrize(
+    "layout,shape",
+    [
+        ("transposed", (37, 24)),   # column stride N: read in place, no copy
+        ("row-sliced", (37, 24)),   # row stride D + 7
+        ("col-strided", (37, 24)),  # column stride 2
+        ("permuted", (3, 5, 24)),   # leading dims not mergeable: copied once
+        ("transposed", (4, 5, 24)), # 3-D with the feature dim outermost in memory
+    ],
+)
+def test_layouts(layout, shape):
+    x = make_rows(shape, torch.float32, DEVICE, layout)
+    w = torch.randn(2 * shape[-1], device=DEVICE)[::2]  # w strided too
+    check(x, w)
+
+
+def test_strided_x_is_not_copied(monkeypatch):
+    # A transposed 2-D x must reach the kernel as the same storage, not as a contiguous copy.
+    x = make_rows((33, 16), torch.float32, DEVICE, "transposed")
+    w = torch.randn(16, device=DEVICE)
+    seen = []
+    kernel = ws_launch._weighted_sum_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(x_arg, *args, **kw):
+                seen.append((x_arg.data_ptr(), x_arg.stride()))
+                return kernel[grid](x_arg, *args, **kw)
+            return run
+
+    monkeypatch.setattr(ws_launch, "_weighted_sum_fwd_kernel", Spy())
+    tritongrad.weighted_sum(x, w)
+    assert seen == [(x.data_ptr(), x.stride())]
+
+
+def test_expanded_grad_from_sum_backward():
+    # y.sum().backward() hands the backward a stride-0 grad_y.
+    x = torch.randn(6, 5, 11, device=DEVICE, requires_grad=True)
+    w = torch.randn(11, device=DEVICE, requires_grad=True)
+    tritongrad.weighted_sum(x, w).sum().backward()
+    torch.testing.assert_close(x.grad, w.detach().expand_as(x))
+    torch.testing.assert_close(w.grad, x.detach().sum((0, 1)))
+
+
+def test_strided_grad_y():
+    x = torch.randn(7, 13, device=DEVICE)
+    w = torch.randn(13, device=DEVICE)
+    g = torch.randn(7, 3, device=DEVICE)[:, 1]  # stride 3
+    check(x, w, g=g)
+
+
+@pytest.mark.parametrize(
+    "xdt,wdt",
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float64)],
+    ids=str,
+)
+def test_mixed_dtypes(xdt, wdt):
+    # y follows type promotion; each gradient comes back in its own input's dtype.
+    x = torch.randn(9, 70, device=DEVICE).to(xdt)
+    w = torch.randn(70, device=DEVICE).to(wdt)
+    check(x, w)
+
+
+@pytest.mark.parametrize("needs", [(True, False), (False, True), (False, False)])
+def test_needs_input_grad(needs, monkeypatch):
+    seen = []
+    backward = ws_launch._OP.backward
+    monkeypatch.setattr(ws_launch._OP, "backward", lambda *a: seen.append(a[-1]) or backward(*a))
+    x = torch.randn(10, 33, device=DEVICE)
+    w = torch.randn(33, device=DEVICE)
+    check(x, w, needs=needs)
+    assert seen == ([needs] if any(needs) else [])
+
+
+def test_no_grad_saves_nothing():
+    x = torch.randn(4, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, device=DEVICE, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        with torch.no_grad():
+            y = tritongrad.weighted_sum(x, w)
+        assert y.grad_fn is None and not y.requires_grad and packed == []
+        y = tritongrad.weighted_sum(x, w)  # the hook does see saves when grad is on
+        assert y.grad_fn is not None and len(packed) == 2
+
+
+def test_gradcheck_float64():
+    for x in (torch.randn(3, 4, 7, dtype=torch.float64, device=DEVICE),
+              make_rows((6, 5), torch.float64, DEVICE, "transposed")):
+        w = torch.randn(x.shape[-1], dtype=torch.float64, device=DEVICE)
+        assert torch.autograd.gradcheck(tritongrad.weighted_sum, (x.requires_grad_(), w.requires_grad_()))
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(3, 4, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, device=DEVICE, requires_grad=True)
+    # A gradient penalty would otherwise silently lose d(grad_x)/dw.
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(tritongrad.weighted_sum(x, w).sum(), x, create_graph=True)
+
+
+def test_grad_w_is_bitwise_deterministic():
+    # 1000 rows of D=8 give several row chunks, so grad_w goes through the partial buffer.
+    x = torch.randn(1000, 8, device=DEVICE)
+    w = torch.randn(8, device=DEVICE, requires_grad=True)
+    g = torch.randn(1000, device=DEVICE)
+    grads = []
+    for _ in range(3):
+        w.grad = None
+        tritongrad.weighted_sum(x, w).backward(g)
+        grads.append(w.grad.clone())
+    assert all(torch.equal(grads[0], gr) for gr in grads[1:])
+
+
+def test_opcheck():
+    x = torch.randn(5, 3, 6, device=DEVICE, requires_grad=True)
+    w = torch.randn(6, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (x, w))
+    g = torch.randn(5, 3, device=DEVICE)
+    for needs in ([True, True], [False, True], [True, False]):
+        torch.library.opcheck(
+            torch.ops.tritongrad.weighted_sum_backward.default, (g, x, w, needs),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+
+
+def test_compile_fullgraph_and_export():
+    x = torch.randn(4, 3, 10, device=DEVICE, requires_grad=True)
+    w = torch.randn(10, device=DEVICE, requires_grad=True)
+    f = lambda x, w: tritongrad.weighted_sum(x, w).tanh().sum()  # noqa: E731
+    loss = torch.compile(f, fullgraph=True)(x, w)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    loss_e = f(x, w)
+    gx_e, gw_e = torch.autograd.grad(loss_e, (x, w))
+    torch.testing.assert_close((loss, gx, gw), (loss_e, gx_e, gw_e))
+    m = tritongrad.nn.WeightedSum(10, device=DEVICE)
+    ep = torch.export.export(m, (x.detach(),))
+    assert "tritongrad.weighted_sum" in ep.graph_module.code
+    torch.testing.assert_close(ep.module()(x.detach()), m(x.detach()))
+
+
+BAD_INPUTS = [
+    (lambda: (torch.randn(3, 4), torch.randn(5)), ValueError, r"\(3, 4\).*\(5,\)"),
+    (lambda: (torch.randn(3, 4), torch.randn(2, 2)), ValueError, r"w must be 1-D.*\(2, 2\)"),
+    (lambda: (torch.tensor(1.0), torch.randn(1)), ValueError, "0-d"),
+    (lambda: (torch.ones(3, 4, dtype=torch.int32), torch.randn(4)), TypeError, "torch.int32"),
+    (lambda: (torch.ones(3, 4, dtype=torch.bool), torch.ones(4, dtype=torch.bool)), TypeError, "torch.bool"),
+    (lambda: (torch.randn(3, 4, dtype=torch.complex64), torch.randn(4)), TypeError, "complex64"),
+    (lambda: (torch.randn(3, 4), torch.randn(4, device="meta")), ValueError, "cpu.*meta"),
+    (lambda: (torch.randn(3, 4), [1.0, 2.0, 3.0, 4.0]), TypeError, "w must be a Tensor"),
+]
+
+
+@pytest.mark.parametrize("make,exc,match", BAD_INPUTS)
+def test_bad_input(make, exc, match):
+    with pytest.raises(exc, match=match):
+        tritongrad.weighted_sum(*make())
+
+
+def test_module():
+    m = tritongrad.nn.WeightedSum(12, device=DEVICE, dtype=torch.float32)
+    assert repr(m) == "WeightedSum(in_features=12)" and list(m.state_dict()) == ["weight"]
+    assert m.weight.abs().max() <= 12 ** -0.5
+    before = m.weight.detach().clone()
+    m.reset_parameters()
+    assert not torch.equal(before, m.weight)
+    # A few SGD steps fit a target weight: the module trains like any PyTorch layer.
+    target = torch.randn(12, device=DEVICE)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(64, 12, device=DEVICE)
+    losses = []
+    for _ in range(20):
+        loss = (m(x) - x @ target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the PyTorch path serves CPU tensors only when no GPU kernels do")
+def test_cpu_without_interpreter():
+    # A fresh process without TRITON_INTERPRET: CPU tensors take the PyTorch path, eager and compiled.
+    code = """
+import torch, tritongrad
+from tritongrad import _runtime
+assert not _runtime.INTERPRET
+x = torch.randn(4, 3, 9, dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(9, requires_grad=True)
+y = tritongrad.weighted_sum(x, w)
+assert y.dtype == torch.float32
+y.backward(torch.ones_like(y))
+torch.testing.assert_close(w.grad, x.detach().float().sum((0, 1)))
+assert x.grad.dtype == torch.bfloat16
+f = torch.compile(lambda x, w: tritongrad.weighted_sum(x, w).sum(), fullgraph=True)
+gx, gw = torch.autograd.grad(f(x, w), (x, w))
+torch.testing.assert_close(gw, w.grad)
+torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (x.detach().float(), w))
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
