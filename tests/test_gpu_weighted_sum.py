@@ -1,0 +1,122 @@
+"""weighted_sum on a GPU: large sizes, torch.compile, CUDA graphs, export. Skipped without CUDA."""
+
+import pytest
+import torch
+from conftest import ATOL
+
+import tritongrad
+from tritongrad.ops.weighted_sum import weighted_sum_reference
+from tritongrad.testing import assert_close_earned, make_rows
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def grads(f, x, w, g):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    y = f(x, w)
+    y.backward(g)
+    return y.detach(), x.grad, w.grad
+
+
+def eager(x, w):
+    return (x * w).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "shape,layout",
+    [
+        ((32768, 4096), "contiguous"),    # bandwidth regime
+        ((131072, 1024), "contiguous"),   # many rows: many grad_w chunks
+        ((16, 1048576), "contiguous"),    # few huge rows: split-D forward
+        ((4194304, 32), "contiguous"),    # millions of tiny rows
+        ((4, 999, 3001), "row-sliced"),   # odd sizes, 3-D, row stride != D
+        ((2048, 2048), "transposed"),     # column-major x read in place
+    ],
+    ids=str,
+)
+def test_large_low_precision(shape, layout, dtype):
+    x = make_rows(shape, dtype, "cuda", layout)
+    w = torch.randn(shape[-1], device="cuda", dtype=dtype)
+    g = torch.randn(shape[:-1], device="cuda", dtype=dtype)
+    y, gx, gw = grads(tritongrad.weighted_sum, x, w, g)
+    y64, gx64, gw64 = grads(weighted_sum_reference, x.double(), w.double(), g.double())
+    ye, gxe, gwe = grads(eager, x, w, g)
+    n_rows = x.numel() // shape[-1]
+    assert_close_earned("y", y, y64, ye, atol=ATOL[dtype] * shape[-1] ** 0.5)
+    assert_close_earned("grad_x", gx, gx64, gxe, atol=ATOL[dtype])
+    assert_close_earned("grad_w", gw, gw64, gwe, atol=ATOL[dtype] * n_rows**0.5)
+
+
+def test_grad_w_deterministic_large():
+    x = torch.randn(131072, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(131072, device="cuda", dtype=torch.bfloat16)
+    runs = [grads(tritongrad.weighted_sum, x, w, g)[2] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph(dynamic):
+    f = torch.compile(lambda x, w: tritongrad.weighted_sum(x, w).float().sin(), fullgraph=True, dynamic=dynamic)
+    for n in (64, 1000):  # a second shape recompiles (or reuses the dynamic graph)
+        x = torch.randn(n, 3, 512, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(512, device="cuda", dtype=torch.float32)
+        g = torch.randn(n, 3, device="cuda")
+        got = grads(f, x, w, g)
+        want = grads(lambda x, w: tritongrad.weighted_sum(x, w).float().sin(), x, w, g)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+def test_cuda_graph_capture():
+    x = torch.randn(256, 1024, device="cuda", requires_grad=True)
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+    g = torch.randn(256, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compiles kernels) outside the capture
+        for _ in range(2):
+            x.grad = w.grad = None
+            tritongrad.weighted_sum(x, w).backward(g)
+    torch.cuda.current_stream().wait_stream(s)
+    x.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tritongrad.weighted_sum(x, w)
+        y.backward(g)
+    for _ in range(2):  # replay on fresh data
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            w.copy_(torch.randn_like(w))
+            g.copy_(torch.randn_like(g))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_ref, gx_ref, gw_ref = grads(tritongrad.weighted_sum, x, w, g)
+        torch.testing.assert_close(y, y_ref)
+        torch.testing.assert_close(x.grad, gx_ref)
+        torch.testing.assert_close(w.grad, gw_ref)
+
+
+def test_compile_reduce_overhead():
+    # torch.compile's CUDA-graph mode around the op, forward and backward.
+    f = torch.compile(lambda x, w: tritongrad.weighted_sum(x, w), mode="reduce-overhead", fullgraph=True)
+    w = torch.randn(256, device="cuda")
+    for _ in range(3):
+        x = torch.randn(128, 256, device="cuda")
+        g = torch.randn(128, device="cuda")
+        got = grads(f, x, w, g)
+        want = grads(tritongrad.weighted_sum, x, w, g)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+def test_export_and_opcheck_cuda():
+    m = tritongrad.nn.WeightedSum(300, device="cuda")
+    x = torch.randn(8, 5, 300, device="cuda")
+    ep = torch.export.export(m, (x,))
+    assert "tritongrad.weighted_sum" in ep.graph_module.code
+    torch.testing.assert_close(ep.module()(x), m(x))
+    xr = x.requires_grad_()
+    torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (xr, m.weight))
