@@ -280,3 +280,11 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_shape_comments_hold():
+    # The reasons given in SHAPES rely on these launch decisions (4 "SMs" off the GPU, float32).
+    assert ws_launch._fwd_config(3, 1500, 4, 4)[3] > 1        # (3, 1500): split-D forward
+    assert ws_launch._bwd_config(300, 24, 4, 4)[3] > 1        # (300, 24): several grad_w partial rows
+    assert ws_launch._bwd_config(1000, 8, 4, 4)[3] > 1        # determinism test goes through the partials
+    assert ws_launch._fwd_config(5, 37, 4, 4)[0] < 8 or 5 % ws_launch._fwd_config(5, 37, 4, 4)[0]

@@ -3,12 +3,15 @@
 - whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1`` set before triton was imported);
 - which devices the Triton kernels serve;
 - cached device properties (the SM count sizes persistent grids);
-- the accumulation dtype of an input dtype, and its Triton spelling.
+- the accumulation dtype of an input dtype, and its Triton spelling;
+- launch heuristics shared by ops: the row split of a column reduction's first stage, the row tile of
+  row-wise ops (norms).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -70,3 +73,41 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def row_split(N: int, BLOCK_N: int, device: torch.device, programs_per_chunk: int = 1) -> tuple[int, int]:
+    """Contiguous row chunks for the first stage of a column reduction: ``(chunks, rows_per_prog)``.
+
+    Each chunk of rows is summed by one program (``programs_per_chunk`` programs when columns are split
+    too) into one row of a partial buffer ``[chunks, D]``. About two programs per SM in all, so that buffer
+    is bounded by the SM count, not by N, and the second stage (``column_sum``) stays cheap. Chunk lengths
+    are multiples of BLOCK_N, so only the last chunk is ragged; no chunk is empty.
+    """
+    chunks = min(cdiv(N, BLOCK_N), max(1, 2 * sm_count(device) // programs_per_chunk))
+    rows_per_prog = cdiv(cdiv(N, chunks), BLOCK_N) * BLOCK_N
+    return cdiv(N, rows_per_prog), rows_per_prog
+
+
+class RowTile(NamedTuple):
+    BLOCK_N: int  # rows per program step
+    BLOCK_D: int  # columns per program step
+    ONE_TILE: bool  # BLOCK_D covers the whole row: it is loaded once and stays in registers
+    num_warps: int
+
+
+def row_tile(D: int, max_block_d: int = 8192, chunk_d: int = 4096, tile: int = 4096) -> RowTile:
+    """Tile of a row-wise op (each output row needs statistics of its whole input row).
+
+    Rows up to ``max_block_d`` columns are held whole in registers (one read of the row); longer rows are
+    walked in ``chunk_d``-column chunks (the op then reads the row twice). Short rows are stacked so that
+    a program handles about ``tile`` elements per step; warps scale with the tile so that each thread keeps
+    a handful of 16-byte vectors in flight.
+    """
+    BLOCK_D = next_pow2(max(D, 1))
+    one_tile = BLOCK_D <= max_block_d
+    if not one_tile:
+        BLOCK_D = chunk_d
+    BLOCK_N = max(1, tile // BLOCK_D)
+    elems = BLOCK_N * BLOCK_D
+    num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
+    return RowTile(BLOCK_N, BLOCK_D, one_tile, num_warps)

@@ -55,7 +55,11 @@ def _weighted_sum_fwd_kernel(
         o_d = d0 + tl.arange(0, BLOCK_D)
         m_d = o_d < d_end
         # Masked lanes load 0 so they add nothing to the sum.
-        b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        # x is read exactly once: evict it first so w stays in cache.
+        b_x = tl.load(
+            p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=m_n[:, None] & m_d[None, :], other=0.0,
+            eviction_policy="evict_first",
+        )
         b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0)
         acc += b_x.to(ACC) * b_w.to(ACC)[None, :]
     b_y = tl.sum(acc, axis=1)
@@ -108,7 +112,7 @@ def _weighted_sum_bwd_kernel(
             tl.store(p_gx, (b_g[:, None] * b_w[None, :]).to(gx_ptr.dtype.element_ty), mask=mask)
         if HAS_GW:
             p_x = x_ptr + o_n64[:, None] * stride_x_row + o_d64[None, :] * stride_x_col
-            b_x = tl.load(p_x, mask=mask, other=0.0).to(ACC)
+            b_x = tl.load(p_x, mask=mask, other=0.0, eviction_policy="evict_first").to(ACC)
             acc += b_x * b_g[:, None]
     if HAS_GW:
         tl.store(gw_ptr + pid_p * stride_gw_part + o_d, tl.sum(acc, axis=0).to(gw_ptr.dtype.element_ty), mask=m_d)

@@ -8,6 +8,8 @@ Bytes each pass must move (the bandwidth floor; ``tritongrad bench`` uses these)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import _pattern
@@ -16,13 +18,38 @@ from ..column_sum import column_sum
 from .kernels import _weighted_sum_bwd_kernel, _weighted_sum_fwd_kernel
 from .reference import weighted_sum_reference
 
-# Elements one program holds per loop step: large enough for wide loads, small enough for registers.
-_TILE = 4096
+# Launch knobs (see benchmarks/NOTES.md for how they were chosen on an H200).
+_TILE_BYTES = 16384   # bytes of x one program loads per loop step: enough 16-byte loads in flight per thread
+_FWD_WARPS = 4
+_BWD_WARPS = 4
+_BWD_BLOCK_D = 256    # backward column block: the grad_w partial of a program stays in registers
+_PROGS_PER_SM = 8     # backward programs per SM: enough warps to hide HBM latency, partial rows stay few
 
 
-def _blocks(D: int) -> tuple[int, int]:
-    BLOCK_D = min(rt.next_pow2(D), 1024)
-    return max(1, _TILE // BLOCK_D), BLOCK_D
+@functools.lru_cache(maxsize=1024)
+def _fwd_config(N: int, D: int, elem: int, sms: int):
+    tile = _TILE_BYTES // elem
+    BLOCK_D = min(rt.next_pow2(D), tile // 4)
+    BLOCK_N = min(tile // BLOCK_D, rt.next_pow2(N))
+    row_tiles = rt.cdiv(N, BLOCK_N)
+    # Too few rows to fill the GPU: split each row's D across programs, then add the splits in order.
+    split = min(rt.cdiv(D, BLOCK_D), max(1, _PROGS_PER_SM * sms // row_tiles))
+    d_per_split = rt.cdiv(rt.cdiv(D, split), BLOCK_D) * BLOCK_D
+    split = rt.cdiv(D, d_per_split)
+    return BLOCK_N, BLOCK_D, row_tiles, split, d_per_split
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_config(N: int, D: int, elem: int, sms: int):
+    BLOCK_D = min(rt.next_pow2(D), _BWD_BLOCK_D)
+    BLOCK_N = min((_TILE_BYTES // elem) // BLOCK_D, rt.next_pow2(N))
+    d_blocks = rt.cdiv(D, BLOCK_D)
+    # Each program reduces a contiguous chunk of rows; the number of chunks (rows of the grad_w partial
+    # buffer) is bounded by the SM count, not by N.
+    chunks = min(rt.cdiv(N, BLOCK_N), max(1, _PROGS_PER_SM * sms // d_blocks))
+    rows_per_prog = rt.cdiv(rt.cdiv(N, chunks), BLOCK_N) * BLOCK_N
+    chunks = rt.cdiv(N, rows_per_prog)
+    return BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor):
@@ -34,18 +61,11 @@ def _forward(x: torch.Tensor, w: torch.Tensor):
     N, D = x2.shape
     if N == 0 or D == 0:
         return (y.zero_(),)
-    BLOCK_N, BLOCK_D = _blocks(D)
-    BLOCK_N = min(BLOCK_N, rt.next_pow2(N))
-    row_tiles = rt.cdiv(N, BLOCK_N)
-    # Too few rows to fill the GPU: split each row's D across programs, then add the splits in order.
-    split = min(rt.cdiv(D, BLOCK_D), max(1, 2 * rt.sm_count(x.device) // row_tiles))
-    d_per_split = rt.cdiv(rt.cdiv(D, split), BLOCK_D) * BLOCK_D
-    split = rt.cdiv(D, d_per_split)
-    acc = rt.acc_dtype(out_dtype)
-    out = y if split == 1 else torch.empty((split, N), dtype=acc, device=x.device)
+    BLOCK_N, BLOCK_D, row_tiles, split, d_per_split = _fwd_config(N, D, x.element_size(), rt.sm_count(x.device))
+    out = y if split == 1 else torch.empty((split, N), dtype=rt.acc_dtype(out_dtype), device=x.device)
     _weighted_sum_fwd_kernel[(row_tiles, split)](
         x2, w, out, N, D, x2.stride(0), x2.stride(1), w.stride(0), out.stride(0) if split > 1 else 0,
-        d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, ACC=rt.tl_acc_dtype(out_dtype),
+        d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, ACC=rt.tl_acc_dtype(out_dtype), num_warps=_FWD_WARPS,
     )
     if split > 1:
         column_sum(out, y.view(-1))
@@ -64,24 +84,16 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
     if N == 0 or D == 0:
         return gx, (gw.zero_() if need_w else None)
     g = grad_y.reshape(N)  # a view for contiguous or expanded (stride 0) grad_y
-    BLOCK_N, BLOCK_D = _blocks(D)
-    BLOCK_N = min(BLOCK_N, rt.next_pow2(N))
-    d_blocks = rt.cdiv(D, BLOCK_D)
-    # Persistent-style row split: about two programs per SM in all, so the partial buffer for grad_w
-    # is bounded by the SM count (times D), not by N.
-    chunks = min(rt.cdiv(N, BLOCK_N), max(1, 2 * rt.sm_count(x.device) // d_blocks))
-    rows_per_prog = rt.cdiv(rt.cdiv(N, chunks), BLOCK_N) * BLOCK_N
-    chunks = rt.cdiv(N, rows_per_prog)
-    acc = rt.acc_dtype(x.dtype)
+    BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog = _bwd_config(N, D, x.element_size(), rt.sm_count(x.device))
     part = None
     if need_w:
-        part = gw if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
+        part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
     gx2 = gx.view(N, D) if need_x else None
     _weighted_sum_bwd_kernel[(chunks, d_blocks)](
         x2, w, g, gx2, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
         gx2.stride(0) if need_x else 0, part.stride(0) if (need_w and chunks > 1) else 0, rows_per_prog,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=need_x, HAS_GW=need_w,
-        ACC=rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype)),
+        ACC=rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype)), num_warps=_BWD_WARPS,
     )
     if need_w and chunks > 1:
         column_sum(part, gw)
