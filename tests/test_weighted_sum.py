@@ -98,7 +98,7 @@ def test_strided_x_is_not_copied(monkeypatch):
     x = make_rows((33, 16), torch.float32, DEVICE, "transposed")
     w = torch.randn(16, device=DEVICE)
     seen = []
-    kernel = ws_launch._weighted_sum_fwd_kernel
+    kernel = ws_launch._fwd_kernel
 
     class Spy:
         def __getitem__(self, grid):
@@ -107,7 +107,7 @@ def test_strided_x_is_not_copied(monkeypatch):
                 return kernel[grid](x_arg, *args, **kw)
             return run
 
-    monkeypatch.setattr(ws_launch, "_weighted_sum_fwd_kernel", Spy())
+    monkeypatch.setattr(ws_launch, "_fwd_kernel", Spy())
     tritongrad.weighted_sum(x, w)
     assert seen == [(x.data_ptr(), x.stride())]
 

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver as _driver
 from torch._subclasses.fake_tensor import FakeTensor
 
 
@@ -75,15 +77,17 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def row_split(N: int, BLOCK_N: int, device: torch.device, programs_per_chunk: int = 1) -> tuple[int, int]:
+def row_split(
+    N: int, BLOCK_N: int, sms: int, programs_per_chunk: int = 1, programs_per_sm: int = 2
+) -> tuple[int, int]:
     """Contiguous row chunks for the first stage of a column reduction: ``(chunks, rows_per_prog)``.
 
     Each chunk of rows is summed by one program (``programs_per_chunk`` programs when columns are split
-    too) into one row of a partial buffer ``[chunks, D]``. About two programs per SM in all, so that buffer
-    is bounded by the SM count, not by N, and the second stage (``column_sum``) stays cheap. Chunk lengths
-    are multiples of BLOCK_N, so only the last chunk is ragged; no chunk is empty.
+    too) into one row of a partial buffer ``[chunks, D]``. At most ``programs_per_sm * sms`` programs in
+    all, so that buffer is bounded by the SM count, not by N, and the second stage (``column_sum``) stays
+    cheap. Chunk lengths are multiples of BLOCK_N, so only the last chunk is ragged; no chunk is empty.
     """
-    chunks = min(cdiv(N, BLOCK_N), max(1, 2 * sm_count(device) // programs_per_chunk))
+    chunks = min(cdiv(N, BLOCK_N), max(1, programs_per_sm * sms // programs_per_chunk))
     rows_per_prog = cdiv(cdiv(N, chunks), BLOCK_N) * BLOCK_N
     return cdiv(N, rows_per_prog), rows_per_prog
 
@@ -95,19 +99,73 @@ class RowTile(NamedTuple):
     num_warps: int
 
 
-def row_tile(D: int, max_block_d: int = 8192, chunk_d: int = 4096, tile: int = 4096) -> RowTile:
-    """Tile of a row-wise op (each output row needs statistics of its whole input row).
+def row_tile(N: int, D: int, max_block_d: int = 8192, chunk_d: int = 4096, tile: int = 4096) -> RowTile:
+    """Tile of a row-wise op over [N, D] (each output row needs statistics of its whole input row).
 
     Rows up to ``max_block_d`` columns are held whole in registers (one read of the row); longer rows are
     walked in ``chunk_d``-column chunks (the op then reads the row twice). Short rows are stacked so that
     a program handles about ``tile`` elements per step; warps scale with the tile so that each thread keeps
-    a handful of 16-byte vectors in flight.
+    a few 16-byte vectors in flight without spilling.
     """
     BLOCK_D = next_pow2(max(D, 1))
     one_tile = BLOCK_D <= max_block_d
     if not one_tile:
         BLOCK_D = chunk_d
-    BLOCK_N = max(1, tile // BLOCK_D)
+    BLOCK_N = min(max(1, tile // BLOCK_D), next_pow2(max(N, 1)))
     elems = BLOCK_N * BLOCK_D
     num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
     return RowTile(BLOCK_N, BLOCK_D, one_tile, num_warps)
+
+
+def _spec(a):
+    """The properties of an argument that Triton specializes a compiled kernel on."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool) or a is None:
+        return a
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+    return type(a)
+
+
+def _hooks_active() -> bool:
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and (not isinstance(hook, knobs.HookChain) or hook.calls):
+            return True
+    return False
+
+
+class Kernel:
+    """``Kernel(jit_fn)[grid](*args, num_warps=..., **constexprs)``: launches like ``jit_fn[grid]``.
+
+    Triton's launch path re-binds every argument and recomputes its cache key on each call (tens of
+    microseconds of Python on a slow host, more than a small kernel runs). After the first launch of a
+    specialization this class keeps the compiled kernel under the same properties Triton specializes on
+    (dtypes, 16-byte alignment of pointers, integers equal to 1 / divisible by 16 / beyond int32,
+    constexpr values, device) and calls its launcher directly. The interpreter, and launches while a
+    Triton launch hook is installed (profilers), take Triton's own path.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._cache: dict = {}
+        self._constexpr_names = [p.name for p in fn.params if p.is_constexpr] if not INTERPRET else []
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, num_warps: int = 4, **constexprs):
+        if INTERPRET or _hooks_active():
+            return self.fn[grid](*args, num_warps=num_warps, **constexprs)
+        device = _driver.active.get_current_device()
+        key = (device, num_warps, *constexprs.values(), *map(_spec, args))
+        compiled = self._cache.get(key)
+        if compiled is None:  # first launch of this specialization: Triton compiles (or loads) and launches
+            self._cache[key] = self.fn[grid](*args, num_warps=num_warps, **constexprs)
+            return
+        stream = _driver.active.get_current_stream(device)
+        compiled.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+            compiled.function, compiled.packed_metadata, None, None, None,
+            *args, *[constexprs[n] for n in self._constexpr_names],
+        )

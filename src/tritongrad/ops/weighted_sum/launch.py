@@ -15,7 +15,10 @@ import torch
 from ... import _pattern
 from ... import _runtime as rt
 from ..column_sum import column_sum
-from .kernels import _weighted_sum_bwd_kernel, _weighted_sum_fwd_kernel
+from . import kernels
+
+_fwd_kernel = rt.Kernel(kernels._weighted_sum_fwd_kernel)
+_bwd_kernel = rt.Kernel(kernels._weighted_sum_bwd_kernel)
 from .reference import weighted_sum_reference
 
 # Launch knobs (see benchmarks/NOTES.md for how they were chosen on an H200).
@@ -63,7 +66,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor):
         return (y.zero_(),)
     BLOCK_N, BLOCK_D, row_tiles, split, d_per_split = _fwd_config(N, D, x.element_size(), rt.sm_count(x.device))
     out = y if split == 1 else torch.empty((split, N), dtype=rt.acc_dtype(out_dtype), device=x.device)
-    _weighted_sum_fwd_kernel[(row_tiles, split)](
+    _fwd_kernel[(row_tiles, split)](
         x2, w, out, N, D, x2.stride(0), x2.stride(1), w.stride(0), out.stride(0) if split > 1 else 0,
         d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, ACC=rt.tl_acc_dtype(out_dtype), num_warps=_FWD_WARPS,
     )
@@ -89,7 +92,7 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
     if need_w:
         part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
     gx2 = gx.view(N, D) if need_x else None
-    _weighted_sum_bwd_kernel[(chunks, d_blocks)](
+    _bwd_kernel[(chunks, d_blocks)](
         x2, w, g, gx2, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
         gx2.stride(0) if need_x else 0, part.stride(0) if (need_w and chunks > 1) else 0, rows_per_prog,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=need_x, HAS_GW=need_w,
