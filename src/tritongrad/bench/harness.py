@@ -1,0 +1,235 @@
+"""The measurements and the sweep.
+
+Modes, for an op ``y = f(*inputs)`` and a fixed random upstream gradient ``g``:
+
+- ``fwd``   : ``f(*inputs)`` under ``torch.no_grad()`` (nothing saved for backward);
+- ``bwd``   : ``y.backward(g, retain_graph=True)`` on one retained graph: the backward alone;
+- ``fwdbwd``: ``f(*inputs).backward(g)``.
+
+Gradients are set to None before every timed run, so no run pays for accumulating into the last one's.
+Each (op, dtype, shape, provider, mode) gives one row: median and 20/80 percentiles of the time, GB/s from
+the op's bytes formula, that as a share of the copy bandwidth, and tritongrad's speedup over the provider;
+``fwdbwd`` rows add the peak memory of one fwd+bwd above the inputs, and the host's wall time per call over
+many calls (in the latency regime, launch and Python overhead are what that measures).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from . import roofline
+from .ops import OPS, QUICK_SHAPES, SMOKE_SHAPES, OpSpec
+from .providers import PROVIDERS, Unavailable
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("fwd", "bwd", "fwdbwd")
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+@dataclass(frozen=True)
+class Config:
+    ops: Sequence[str]
+    dtypes: Sequence[str]
+    modes: Sequence[str]
+    providers: Sequence[str]  # in PROVIDERS order: tritongrad's times exist before the others' speedups
+    shapes: Sequence[tuple[int, int]] | None = None  # None: each op's sweep (GPU) or the smoke sweep (CPU)
+    quick: bool = False
+    warmup_ms: float = 10.0
+    rep_ms: float = 50.0
+    time_limit_s: float | None = None
+
+
+def _clear_grads(leaves: Sequence[torch.Tensor]) -> None:
+    for t in leaves:
+        t.grad = None
+
+
+def _fwd(fn, inputs, g):
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+
+    return run
+
+
+def _bwd(fn, inputs, g):
+    y = fn(*inputs)  # kept alive by the closure, with its graph: each run is the backward alone
+
+    def run():
+        y.backward(g, retain_graph=True)
+
+    return run
+
+
+def _fwdbwd(fn, inputs, g):
+    def run():
+        fn(*inputs).backward(g)
+
+    return run
+
+
+_RUNNERS = {"fwd": _fwd, "bwd": _bwd, "fwdbwd": _fwdbwd}
+
+
+class Timer:
+    """Times callables on ``device``: triton's ``do_bench`` on a GPU (CUDA events, L2 flushed before each
+    run), the host clock on CPU, where ``do_bench`` has no device to ask for events."""
+
+    def __init__(self, device: str, warmup_ms: float, rep_ms: float):
+        self.device, self.warmup_ms, self.rep_ms = device, warmup_ms, rep_ms
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, run: Callable, leaves: Sequence[torch.Tensor] = ()) -> tuple[float, float, float]:
+        """Median, 20th and 80th percentile of one run, in ms."""
+        if self.device == "cuda":
+            import triton.testing
+
+            return tuple(
+                triton.testing.do_bench(
+                    run, warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=list(leaves), quantiles=list(QUANTILES)
+                )
+            )
+        start = time.perf_counter()
+        run()
+        estimate_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
+        for _ in range(int(self.warmup_ms / estimate_ms)):
+            run()
+        times = []
+        for _ in range(max(3, int(self.rep_ms / estimate_ms))):
+            _clear_grads(leaves)
+            start = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - start) * 1e3)
+        q = torch.quantile(torch.tensor(times, dtype=torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
+        return tuple(q.tolist())
+
+    def host_us(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> float:
+        """Wall time per call over back-to-back calls, synchronized once at the end: where the device
+        finishes faster than the host can issue work, this is the host's cost per call."""
+        calls = max(3, min(500, int(self.rep_ms / max(median_ms, 1e-3))))
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            _clear_grads(leaves)
+            run()
+        self.sync()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    def peak_memory(self, run: Callable, leaves: Sequence[torch.Tensor]) -> int | None:
+        """Bytes allocated at the peak of one run above what was allocated before it (inputs, g)."""
+        if self.device != "cuda":
+            return None
+        _clear_grads(leaves)
+        self.sync()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        self.sync()
+        return torch.cuda.max_memory_allocated() - before
+
+
+def shapes_for(op: OpSpec, cfg: Config, device: str) -> Sequence[tuple[int, int]]:
+    if cfg.shapes:
+        return cfg.shapes
+    if device != "cuda":
+        return SMOKE_SHAPES
+    return QUICK_SHAPES if cfg.quick else op.shapes
+
+
+def _no_room(N: int, D: int, itemsize: int, device: str) -> str | None:
+    # Generous: inputs, g, output and gradients, plus eager PyTorch's float32 temporaries for 16-bit inputs.
+    need = 8 * N * D * max(itemsize, 4)
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > free:
+        return f"does not fit: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return None
+
+
+def _error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _measure(provider_name: str, fn: Callable, mode: str, inputs, g, timer: Timer) -> dict:
+    leaves = [t for t in inputs if t.requires_grad]
+    run = _RUNNERS[mode](fn, inputs, g)
+    run()  # warm-up outside the guard: Triton's JIT, torch.compile's compilation
+    _clear_grads(leaves)
+    with PROVIDERS[provider_name].guard():
+        ms, p20, p80 = timer(run, leaves)
+        found = {"status": "ok", "ms": ms, "ms_p20": p20, "ms_p80": p80}
+        if mode == "fwdbwd":
+            found["peak_mem_bytes"] = timer.peak_memory(run, leaves)
+            found["host_us"] = timer.host_us(run, leaves, ms)
+    _clear_grads(leaves)
+    return found
+
+
+def _provider_rows(name, op, inputs, g, base, why_not, cfg, timer, copy_gbps, reference) -> Iterator[dict]:
+    """One row per mode for provider ``name``; ``reference`` collects tritongrad's medians per mode."""
+    fn = None
+    if why_not is None:
+        try:
+            fn = PROVIDERS[name].build(op)
+        except Unavailable as e:
+            why_not = str(e)
+        except Exception as e:
+            why_not = "error: " + _error(e)
+    for mode in cfg.modes:
+        row = dict(base, mode=mode, provider=name, bytes=op.bytes(mode, base["N"], base["D"], base["itemsize"]))
+        if fn is None:
+            status = "error" if why_not.startswith("error: ") else "skipped"
+            yield dict(row, status=status, reason=why_not.removeprefix("error: "))
+            continue
+        try:
+            row.update(_measure(name, fn, mode, inputs, g, timer))
+        except Exception as e:
+            row.update(status="error", reason=_error(e))
+            _clear_grads(inputs)
+        if row["status"] == "ok":
+            row["GBps"] = roofline.gbps(row["bytes"], row["ms"])
+            row["pct_copy"] = 100.0 * row["GBps"] / copy_gbps
+            if name == "tritongrad":
+                reference[mode] = row["ms"]
+            elif mode in reference:
+                row["speedup"] = row["ms"] / reference[mode]
+        yield row
+
+
+def sweep(cfg: Config, device: str, timer: Timer, copy_gbps: float, probes: dict) -> Iterator[dict]:
+    """Rows in the order dtype, op, shape, provider, mode (bf16 first: a run cut short loses fp32 first).
+    ``probes`` is ``providers.probe_all``'s answer. Past ``cfg.time_limit_s`` no new shape is started and
+    the remaining rows are yielded as skipped, so what was measured is kept."""
+    start = time.monotonic()
+    for dtype_name in cfg.dtypes:
+        dtype = DTYPES[dtype_name]
+        for op in (OPS[name] for name in cfg.ops):
+            for N, D in shapes_for(op, cfg, device):
+                base = dict(op=op.name, dtype=dtype_name, shape=f"{N}x{D}", N=N, D=D, itemsize=dtype.itemsize)
+                past = cfg.time_limit_s is not None and time.monotonic() - start > cfg.time_limit_s
+                why_not = f"time limit of {cfg.time_limit_s:g} s reached" if past else None
+                why_not = why_not or _no_room(N, D, dtype.itemsize, device)
+                inputs = g = None
+                if why_not is None:
+                    inputs = op.inputs(N, D, dtype, device)
+                    with torch.no_grad():
+                        g = torch.randn_like(op.bind(op.torch_fn)(*inputs))
+                reference: dict[str, float] = {}
+                for name in cfg.providers:
+                    yield from _provider_rows(
+                        name, op, inputs, g, base, why_not or probes[name][1], cfg, timer, copy_gbps, reference
+                    )
+                del inputs, g
+                if device == "cuda":
+                    torch.cuda.empty_cache()

@@ -1,0 +1,146 @@
+"""Who can run an op: one table, one entry per provider.
+
+An entry has a ``probe`` (the provider's version; raises :class:`Unavailable` with the reason when it cannot
+run here), a ``build`` (a fresh callable over the op's input tensors, or :class:`Unavailable` when the
+provider lacks the op) and a ``guard`` entered around the timed runs, after warm-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import shutil
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from .ops import EPS, OpSpec
+
+
+class Unavailable(Exception):
+    """The provider cannot run here, or does not have the op; the message says why."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    probe: Callable[[], str]
+    build: Callable[[OpSpec], Callable]
+    guard: Callable[[], ContextManager] = contextlib.nullcontext
+
+
+def _import(module: str, dist: str):
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # a library can fail to import for reasons other than being absent
+        raise Unavailable(f"{dist} is not importable ({type(e).__name__}: {e})") from None
+    try:
+        return mod, importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:  # importable from a source tree, no metadata
+        return mod, getattr(mod, "__version__", "unknown")
+
+
+def _needs_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise Unavailable(f"{what} needs a CUDA GPU (its kernels do not run in Triton's interpreter)")
+
+
+def _tritongrad_probe() -> str:
+    import tritongrad
+    from tritongrad import _runtime
+
+    return tritongrad.__version__ + (" (Triton interpreter)" if _runtime.INTERPRET else "")
+
+
+def _tritongrad_build(op: OpSpec) -> Callable:
+    import tritongrad
+
+    fn = getattr(tritongrad, op.name, None)
+    if fn is None:
+        raise Unavailable(f"tritongrad.{op.name} does not exist in this version")
+    return op.bind(fn)
+
+
+def _compile_probe() -> str:
+    if not torch.cuda.is_available() and not (shutil.which("c++") or shutil.which("g++")):
+        raise Unavailable("torch.compile on CPU needs a C++ compiler")
+    return torch.__version__
+
+
+def _compile_build(op: OpSpec) -> Callable:
+    # Compiled afresh for every shape: dynamo keys its cache on the function's code object, so shapes
+    # compiled one after another under one cache would pass the recompile limit and then run eager.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(op.bind(op.torch_fn), dynamic=False, fullgraph=True)
+
+
+@contextlib.contextmanager
+def _compiled_only():
+    """After warm-up a graph must exist, and from then on a recompile raises instead of falling back to
+    eager: what is timed is the compiled code."""
+    if not torch._dynamo.utils.counters["stats"]["unique_graphs"]:
+        raise RuntimeError("torch.compile compiled no graph: the timed runs would be eager")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
+def _liger_probe() -> str:
+    _, version = _import("liger_kernel.ops.rms_norm", "liger-kernel")
+    _needs_cuda("liger-kernel")
+    return version
+
+
+def _liger_build(op: OpSpec) -> Callable:
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    fns = {
+        # offset 0, casting_mode "llama" (its default); in_place=False because the harness replays one
+        # backward with one grad tensor, which in_place=True would overwrite with grad_x.
+        "rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False),
+        "layer_norm": lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS),
+    }
+    if op.name not in fns:
+        raise Unavailable(f"liger-kernel has no {op.name}")
+    return fns[op.name]
+
+
+def _quack_probe() -> str:
+    _, version = _import("quack", "quack-kernels")
+    _needs_cuda("quack")
+    return version
+
+
+def _quack_build(op: OpSpec) -> Callable:
+    import quack
+
+    if op.name != "rms_norm":
+        raise Unavailable(f"quack has no differentiable {op.name}")
+    return lambda x, w: quack.rmsnorm(x, w, eps=EPS)
+
+
+# tritongrad first: every other provider's speedup is measured against it.
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in (
+        Provider("tritongrad", _tritongrad_probe, _tritongrad_build),
+        Provider("eager", lambda: torch.__version__, lambda op: op.bind(op.torch_fn)),
+        Provider("torch.compile", _compile_probe, _compile_build, guard=_compiled_only),
+        Provider("liger", _liger_probe, _liger_build),
+        Provider("quack", _quack_probe, _quack_build),
+    )
+}
+
+
+def probe_all(names) -> dict[str, tuple[str | None, str | None]]:
+    """``{name: (version, None)}`` for providers that can run here, ``{name: (None, reason)}`` otherwise."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = (PROVIDERS[name].probe(), None)
+        except Unavailable as e:
+            found[name] = (None, str(e))
+    return found

@@ -1,0 +1,128 @@
+"""``tritongrad bench`` end to end on a tiny sweep (through Triton's interpreter without a GPU), then checks
+that what it wrote holds together. Nothing here asserts a speed: only that every number is what its
+definition says it is."""
+
+import contextlib
+import csv
+import io
+import json
+import math
+
+import pytest
+
+import tritongrad
+from tritongrad.bench.ops import OPS
+from tritongrad.bench.providers import PROVIDERS
+from tritongrad.cli import main
+
+# Explicit shapes and dtype, so the same few seconds of work on a GPU machine as on CPU.
+ARGS = ["--shapes", "4x64,16x256", "--dtype", "fp32", "--rep", "5", "--warmup", "0"]
+
+# Bytes at x: [4, 64] float32 (s = 4), worked by hand from each op's formula in bench/ops.py:
+# N*D*s = 1024, D*s = 256, N*s = 16.
+BYTES_4x64_FP32 = {
+    # fwd: x + w + y; bwd: x + w + g + gx + gw
+    "weighted_sum": {"fwd": 1024 + 256 + 16, "bwd": 1024 + 256 + 16 + 1024 + 256},
+    # fwd: x + w + y; bwd: x + w + g + gx + gw
+    "rms_norm": {"fwd": 1024 + 256 + 1024, "bwd": 1024 + 256 + 1024 + 1024 + 256},
+    # fwd: x + w + b + y; bwd: x + w + g + gx + gw + gb
+    "layer_norm": {"fwd": 1024 + 512 + 1024, "bwd": 1024 + 256 + 1024 + 1024 + 512},
+}
+
+
+def _one(paths):
+    paths = list(paths)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["bench", "--out", str(out), *ARGS]) == 0
+    doc = json.loads(_one(out.glob("*.json")).read_text())
+    with _one(out.glob("*.csv")).open(newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    return out, doc, csv_rows, printed.getvalue()
+
+
+def test_every_provider_is_measured_or_says_why(bench):
+    _, doc, _, printed = bench
+    rows = doc["results"]
+    assert list(doc["providers"]) == list(PROVIDERS)
+    for op in OPS:
+        for provider in PROVIDERS:
+            mine = [r for r in rows if (r["op"], r["provider"]) == (op, provider)]
+            assert len(mine) == 2 * 3, (op, provider)  # 2 shapes x 3 modes
+            for r in mine:
+                assert r["status"] in ("ok", "skipped", "error")
+                assert r["status"] == "ok" or r["reason"], r
+    # What is always there must run: eager, torch.compile, and tritongrad for every op it has.
+    for r in rows:
+        must_run = r["provider"] in ("eager", "torch.compile") or (
+            r["provider"] == "tritongrad" and hasattr(tritongrad, r["op"])
+        )
+        if must_run:
+            assert r["status"] == "ok", r
+        elif r["provider"] == "tritongrad":
+            assert r["status"] == "skipped" and "does not exist" in r["reason"], r
+    assert "copy bandwidth" in printed and "== summary" in printed
+
+
+def test_bytes_follow_each_ops_formula(bench):
+    _, doc, _, _ = bench
+    for r in doc["results"]:
+        if r["shape"] == "4x64":
+            want = BYTES_4x64_FP32[r["op"]]
+            assert r["bytes"] == {**want, "fwdbwd": want["fwd"] + want["bwd"]}[r["mode"]], r
+
+
+def test_derived_numbers_follow_their_definitions(bench):
+    _, doc, _, _ = bench
+    copy = doc["copy"]
+    assert copy["GBps"] == pytest.approx(copy["bytes"] / (copy["ms"] * 1e-3) / 1e9)
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    tritongrad_ms = {(r["op"], r["shape"], r["mode"]): r["ms"] for r in ok if r["provider"] == "tritongrad"}
+    assert tritongrad_ms  # weighted_sum at least
+    for r in ok:
+        assert 0 < r["ms_p20"] <= r["ms"] <= r["ms_p80"], r
+        assert r["GBps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e9), r
+        assert r["pct_copy"] == pytest.approx(100 * r["GBps"] / copy["GBps"]), r
+        ref = tritongrad_ms.get((r["op"], r["shape"], r["mode"]))
+        if r["provider"] != "tritongrad" and ref is not None:
+            assert r["speedup"] == pytest.approx(r["ms"] / ref), r
+        if r["mode"] == "fwdbwd":
+            assert r["host_us"] > 0, r
+
+
+def test_csv_is_the_json_tagged(bench):
+    _, doc, csv_rows, _ = bench
+    meta = doc["meta"]
+    for key in ("gpu", "torch", "triton", "git_sha", "date"):
+        assert meta[key]
+    assert len(csv_rows) == len(doc["results"])
+    for c, r in zip(csv_rows, doc["results"]):
+        assert (c["gpu"], c["torch"], c["git_sha"]) == (meta["gpu"], meta["torch"], meta["git_sha"])
+        assert (c["op"], c["provider"], c["mode"], c["status"]) == (r["op"], r["provider"], r["mode"], r["status"])
+        assert int(c["bytes"]) == r["bytes"]
+        if r["status"] == "ok":
+            assert math.isclose(float(c["GBps"]), r["GBps"])
+
+
+def test_one_plot_per_op(bench):
+    pytest.importorskip("matplotlib")
+    out, doc, _, _ = bench
+    for op in {r["op"] for r in doc["results"] if r["status"] == "ok"}:
+        png = _one(out.glob(f"*-{op}.png"))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_list_and_bad_arguments(capsys):
+    assert main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in [*OPS, *PROVIDERS])
+    assert main(["bench", "no_such_op", *ARGS]) == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--shapes", "4096"])
