@@ -40,6 +40,7 @@ def _weighted_sum_fwd_kernel(
     D_PER_SPLIT,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -50,8 +51,10 @@ def _weighted_sum_fwd_kernel(
     p_x = x_ptr + o_n.to(tl.int64)[:, None] * stride_x_row
     d_start = pid_s * D_PER_SPLIT
     d_end = tl.minimum(D, d_start + D_PER_SPLIT)
-    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for d0 in range(d_start, d_end, BLOCK_D):
+    # One partial sum per row: reducing each step keeps the accumulator out of the register budget that
+    # the loads need (a [BLOCK_N, BLOCK_D] float32 accumulator halved occupancy for 16-bit inputs).
+    acc = tl.zeros([BLOCK_N], dtype=ACC)
+    for d0 in tl.range(d_start, d_end, BLOCK_D, num_stages=STAGES):
         o_d = d0 + tl.arange(0, BLOCK_D)
         m_d = o_d < d_end
         # Masked lanes load 0 so they add nothing to the sum.
@@ -61,9 +64,8 @@ def _weighted_sum_fwd_kernel(
             eviction_policy="evict_first",
         )
         b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0)
-        acc += b_x.to(ACC) * b_w.to(ACC)[None, :]
-    b_y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + pid_s * stride_out_split + o_n, b_y.to(out_ptr.dtype.element_ty), mask=m_n)
+        acc += tl.sum(b_x.to(ACC) * b_w.to(ACC)[None, :], axis=1)
+    tl.store(out_ptr + pid_s * stride_out_split + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
 
 
 @triton.jit
@@ -86,6 +88,7 @@ def _weighted_sum_bwd_kernel(
     BLOCK_D: tl.constexpr,
     HAS_GX: tl.constexpr,
     HAS_GW: tl.constexpr,
+    STAGES: tl.constexpr,
     ACC: tl.constexpr,
 ):
     # Grid: (row chunks, column blocks). A program owns ROWS_PER_PROG consecutive rows and BLOCK_D columns,
@@ -101,7 +104,7 @@ def _weighted_sum_bwd_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     row_start = pid_p * ROWS_PER_PROG
     row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
-    for r0 in range(row_start, row_end, BLOCK_N):
+    for r0 in tl.range(row_start, row_end, BLOCK_N, num_stages=STAGES):
         o_n = r0 + tl.arange(0, BLOCK_N)
         m_n = o_n < row_end
         o_n64 = o_n.to(tl.int64)

@@ -16,17 +16,20 @@ from ... import _pattern
 from ... import _runtime as rt
 from ..column_sum import column_sum
 from . import kernels
+from .reference import weighted_sum_reference
 
 _fwd_kernel = rt.Kernel(kernels._weighted_sum_fwd_kernel)
 _bwd_kernel = rt.Kernel(kernels._weighted_sum_bwd_kernel)
-from .reference import weighted_sum_reference
 
-# Launch knobs (see benchmarks/NOTES.md for how they were chosen on an H200).
-_TILE_BYTES = 16384   # bytes of x one program loads per loop step: enough 16-byte loads in flight per thread
-_FWD_WARPS = 4
-_BWD_WARPS = 4
-_BWD_BLOCK_D = 256    # backward column block: the grad_w partial of a program stays in registers
-_PROGS_PER_SM = 8     # backward programs per SM: enough warps to hide HBM latency, partial rows stay few
+# Launch knobs, chosen by sweeps on an H200 (benchmarks/NOTES.md). Keyed by element size: 16-bit inputs
+# move half the bytes per element, so they want different pipelining than float32.
+_TILE_BYTES = 16384   # bytes of x one program loads per loop step: several 16-byte loads in flight per thread
+_NUM_WARPS = 4
+_FWD_STAGES = {2: 1, 4: 3, 8: 1}       # software-pipelining depth of the forward's D loop
+_BWD_STAGES = {2: 2, 4: 3, 8: 1}       # ... and of the backward's row loop
+_BWD_PROGS_PER_SM = {2: 8, 4: 4, 8: 4}  # backward programs per SM (also bounds the grad_w partial rows)
+_FWD_PROGS_PER_SM = 8                  # forward programs per SM when rows are too few and D is split
+_BWD_BLOCK_D = 128                     # backward column block, widened when there are few rows
 
 
 @functools.lru_cache(maxsize=1024)
@@ -36,7 +39,7 @@ def _fwd_config(N: int, D: int, elem: int, sms: int):
     BLOCK_N = min(tile // BLOCK_D, rt.next_pow2(N))
     row_tiles = rt.cdiv(N, BLOCK_N)
     # Too few rows to fill the GPU: split each row's D across programs, then add the splits in order.
-    split = min(rt.cdiv(D, BLOCK_D), max(1, _PROGS_PER_SM * sms // row_tiles))
+    split = min(rt.cdiv(D, BLOCK_D), max(1, _FWD_PROGS_PER_SM * sms // row_tiles))
     d_per_split = rt.cdiv(rt.cdiv(D, split), BLOCK_D) * BLOCK_D
     split = rt.cdiv(D, d_per_split)
     return BLOCK_N, BLOCK_D, row_tiles, split, d_per_split
@@ -44,14 +47,12 @@ def _fwd_config(N: int, D: int, elem: int, sms: int):
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_config(N: int, D: int, elem: int, sms: int):
-    BLOCK_D = min(rt.next_pow2(D), _BWD_BLOCK_D)
-    BLOCK_N = min((_TILE_BYTES // elem) // BLOCK_D, rt.next_pow2(N))
+    tile = _TILE_BYTES // elem
+    # Few rows (e.g. 16 x 1M): widen the column block so each program still moves a full tile.
+    BLOCK_D = min(rt.next_pow2(D), max(_BWD_BLOCK_D, tile // rt.next_pow2(N)), 1024)
+    BLOCK_N = min(tile // BLOCK_D, rt.next_pow2(N))
     d_blocks = rt.cdiv(D, BLOCK_D)
-    # Each program reduces a contiguous chunk of rows; the number of chunks (rows of the grad_w partial
-    # buffer) is bounded by the SM count, not by N.
-    chunks = min(rt.cdiv(N, BLOCK_N), max(1, _PROGS_PER_SM * sms // d_blocks))
-    rows_per_prog = rt.cdiv(rt.cdiv(N, chunks), BLOCK_N) * BLOCK_N
-    chunks = rt.cdiv(N, rows_per_prog)
+    chunks, rows_per_prog = rt.row_split(N, BLOCK_N, sms, d_blocks, _BWD_PROGS_PER_SM[elem])
     return BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog
 
 
@@ -68,7 +69,8 @@ def _forward(x: torch.Tensor, w: torch.Tensor):
     out = y if split == 1 else torch.empty((split, N), dtype=rt.acc_dtype(out_dtype), device=x.device)
     _fwd_kernel[(row_tiles, split)](
         x2, w, out, N, D, x2.stride(0), x2.stride(1), w.stride(0), out.stride(0) if split > 1 else 0,
-        d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, ACC=rt.tl_acc_dtype(out_dtype), num_warps=_FWD_WARPS,
+        d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, STAGES=_FWD_STAGES[x.element_size()],
+        ACC=rt.tl_acc_dtype(out_dtype), num_warps=_NUM_WARPS,
     )
     if split > 1:
         column_sum(out, y.view(-1))
@@ -96,7 +98,8 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
         x2, w, g, gx2, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
         gx2.stride(0) if need_x else 0, part.stride(0) if (need_w and chunks > 1) else 0, rows_per_prog,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=need_x, HAS_GW=need_w,
-        ACC=rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype)), num_warps=_BWD_WARPS,
+        STAGES=_BWD_STAGES[x.element_size()],
+        ACC=rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype)), num_warps=_NUM_WARPS,
     )
     if need_w and chunks > 1:
         column_sum(part, gw)
