@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .ops.layer_norm import layer_norm
+from .ops.rms_norm import rms_norm
 from .ops.weighted_sum import weighted_sum
 
 
@@ -31,3 +33,28 @@ class WeightedSum(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}"
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` whose forward and backward run tritongrad's Triton kernels.
+
+    A subclass: same constructor (``normalized_shape, eps=None, elementwise_affine=True, device, dtype``),
+    parameter ``weight``, state_dict keys, ``reset_parameters`` and repr, and ``isinstance(m,
+    torch.nn.RMSNorm)`` still holds. Output in the input's dtype (see :func:`tritongrad.rms_norm`).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` whose forward and backward run tritongrad's Triton kernels.
+
+    A subclass: same constructor (``normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+    device, dtype``), parameters ``weight`` and ``bias``, state_dict keys, ``reset_parameters`` and repr,
+    and ``isinstance(m, torch.nn.LayerNorm)`` still holds. Output in the input's dtype (see
+    :func:`tritongrad.layer_norm`).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

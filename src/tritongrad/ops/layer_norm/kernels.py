@@ -1,0 +1,287 @@
+r"""Layer normalisation over the last D elements of each row.
+
+Forward, for x: [N, D] (leading dims flattened, normalised dims flattened into D), w, b: [D] (optional):
+
+    mu[n]      = (1/D) \sum_d x[n, d]                                         (saved: mean)
+    var[n]     = (1/D) \sum_d (x[n, d] - mu[n])^2                              (biased, as PyTorch)
+    r[n]       = 1 / sqrt(var[n] + eps)                                        (saved: rstd)
+    xhat[n, d] = (x[n, d] - mu[n]) * r[n]
+    y[n, d]    = xhat[n, d] * w[d] + b[d]                (w = 1 and b = 0 when absent)
+
+Backward, given dy = dL/dy: [N, D]. Write g[n, d] = dy[n, d] * w[d] (the gradient reaching xhat). Then
+
+    dL/db[d]    = \sum_n dy[n, d]                                              (column reductions
+    dL/dw[d]    = \sum_n dy[n, d] * xhat[n, d]                                  across all rows)
+    dL/dx[n, d] = r[n] * ( g[n, d] - c2[n] - xhat[n, d] * c1[n] ),
+                  c1[n] = (1/D) \sum_j g[n, j] * xhat[n, j],   c2[n] = (1/D) \sum_j g[n, j]
+
+Derivation of dL/dx (one row, indices over d): d mu/dx_j = 1/D. d var/dx_j = (2/D)(x_j - mu), the term
+through mu vanishing because \sum_i (x_i - mu) = 0. So dr/dx_j = -1/2 r^3 (2/D)(x_j - mu) = -r^2 xhat_j / D
+and
+
+    d xhat_i/dx_j = r ([i = j] - 1/D) + (x_i - mu) dr/dx_j = r ([i = j] - 1/D - xhat_i xhat_j / D)
+
+hence dL/dx_j = \sum_i g_i d xhat_i/dx_j = r (g_j - (1/D) \sum_i g_i - xhat_j (1/D) \sum_i g_i xhat_i).
+
+The backward recomputes xhat from x and the saved mu and r (two floats per row).
+
+Precision: every load is cast to ACC (float32, float64 for float64) before any arithmetic, and results are
+rounded once, on store. The variance is never formed as E[x^2] - mu^2 (which cancels catastrophically and
+can go negative). Statistics are taken of x - K, K the row's first element (shifted data), so a constant
+row has deviations of exactly 0 and mean exactly K. A row held in registers subtracts its mean before
+squaring; a row walked in chunks combines each chunk's (mean, sum of squared deviations) with Chan et
+al.'s pairwise update,
+
+    mean = mean_a + delta * n_b / n,   M2 = M2_a + M2_b + delta^2 * n_a * n_b / n,   delta = mean_b - mean_a
+
+where every term is non-negative. A constant row thus gets var = 0, r = 1/sqrt(eps) (finite for eps > 0)
+and y = b.
+
+Shapes of the launch are those of rms_norm (see ops/rms_norm/kernels.py): forward one read of a row held
+in registers (two when the row is walked in chunks); backward over (row chunk, column block) with the dw
+and db partials summed in registers into rows of float partial buffers that ``column_sum`` reduces in a
+fixed order; for long rows c1 and c2 come from a separate row pass.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_pair(a1, a2, b1, b2):
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
+def _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+            ACC: tl.constexpr):
+    """xhat * w + b in ACC; the missing parts are skipped."""
+    if HAS_W:
+        b_xhat = b_xhat * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+    if HAS_B:
+        b_xhat = b_xhat + tl.load(b_ptr + o_d * stride_b, mask=m_d, other=0.0).to(ACC)[None, :]
+    return b_xhat
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,  # [N, D], unit column stride
+    mean_ptr,  # [N], ACC
+    rstd_ptr,  # [N], ACC
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_b,
+    stride_y_row,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
+    pid = tl.program_id(0).to(tl.int64)
+    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_x = x_ptr + o_n[:, None] * stride_x_row
+    p_y = y_ptr + o_n[:, None] * stride_y_row
+    # Statistics of x - K with K = the row's first element (shifted data): a constant row then has
+    # deviations of exactly 0 and a mean of exactly K, as in eager PyTorch, instead of the rounding noise
+    # of sum(x)/D amplified by r ~ 1/sqrt(eps); it also shrinks the sums' rounding for offset rows.
+    b_k = tl.load(x_ptr + o_n * stride_x_row, mask=m_n, other=0.0).to(ACC)
+    if ONE_TILE:
+        # The whole row in registers: read once; mean, then the deviations, then the variance from them.
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        mask = m_n[:, None] & m_d[None, :]
+        b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+        # Masked lanes would contribute (0 - K) and (0 - mean)^2: zero them.
+        b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
+        b_mean = tl.sum(b_x, axis=1) / D
+        b_xc = tl.where(mask, b_x - b_mean[:, None], 0.0)
+        b_rstd = tl.rsqrt(tl.sum(b_xc * b_xc, axis=1) / D + eps)
+        b_mean += b_k
+        b_y = _affine(b_xc * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
+        tl.store(p_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Rows too long for registers: per-chunk mean and M2 of x - K, merged with Chan's update (stable),
+        # then a second read to normalise.
+        b_mean = tl.zeros([BLOCK_N], dtype=ACC)
+        b_m2 = tl.zeros([BLOCK_N], dtype=ACC)
+        for d0 in range(0, D, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            mask = m_n[:, None] & (o_d < D)[None, :]
+            b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+            b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
+            # Column counts in ACC (float32 would cap a float64 merge at float32 accuracy): n_a before
+            # this chunk, n_b valid in it.
+            n_a = tl.zeros([BLOCK_N], dtype=ACC) + d0
+            n_b = tl.minimum(n_a * 0 + (D - d0), BLOCK_D)
+            c_mean = tl.sum(b_x, axis=1) / n_b
+            b_xc = tl.where(mask, b_x - c_mean[:, None], 0.0)
+            delta = c_mean - b_mean
+            f_b = n_b / (n_a + n_b)
+            b_mean += delta * f_b
+            b_m2 += tl.sum(b_xc * b_xc, axis=1) + delta * delta * (n_a * f_b)
+        b_rstd = tl.rsqrt(b_m2 / D + eps)
+        for d0 in range(0, D, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            m_d = o_d < D
+            mask = m_n[:, None] & m_d[None, :]
+            b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+            b_xhat = ((b_x - b_k[:, None]) - b_mean[:, None]) * b_rstd[:, None]
+            b_y = _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
+            tl.store(p_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
+        b_mean += b_k
+    tl.store(mean_ptr + o_n, b_mean, mask=m_n)
+    tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
+
+
+@triton.jit
+def _layer_norm_bwd_rowsum_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    c_ptr,  # [2, N], ACC: c1 = (1/D) sum g * xhat, c2 = (1/D) sum g
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_dy_row,
+    stride_dy_col,
+    stride_c,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
+    # split columns across programs.
+    pid = tl.program_id(0).to(tl.int64)
+    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+    b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        o_d64 = o_d.to(tl.int64)
+        mask = m_n[:, None] & m_d[None, :]
+        b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
+        b_dy = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
+        b_g = b_dy.to(ACC)
+        if HAS_W:
+            b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+        # g is 0 on masked lanes, so (0 - mean) there adds nothing.
+        acc1 += b_g * (b_x.to(ACC) - b_mean[:, None])
+        acc2 += b_g
+    tl.store(c_ptr + o_n, tl.sum(acc1, axis=1) * b_rstd / D, mask=m_n)
+    tl.store(c_ptr + stride_c + o_n, tl.sum(acc2, axis=1) / D, mask=m_n)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    c_ptr,  # [2, N] row sums from _layer_norm_bwd_rowsum_kernel; read only when not ONE_TILE
+    dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
+    dw_ptr,  # dL/dw: [D] when one program covers all rows, else a [P, D] float partial buffer
+    db_ptr,  # dL/db: likewise
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_dy_row,  # 0 for the expanded dy that y.sum().backward() produces
+    stride_dy_col,
+    stride_c,
+    stride_dx_row,
+    stride_dw_part,
+    stride_db_part,
+    ROWS_PER_PROG,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw/db
+    # partials of the program's rows stay in registers until the single store at the end.
+    pid_p = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_d64 = o_d.to(tl.int64)
+    if HAS_W:
+        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+    if HAS_DW:
+        acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    if HAS_DB:
+        acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    row_start = pid_p * ROWS_PER_PROG
+    row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
+    # Software pipelining by hand: the next row tile's loads are issued before the current tile is
+    # processed, so HBM latency overlaps the row reductions (a program of this size holds most of an SM's
+    # registers, so other programs cannot hide the latency). Registers, not shared memory, hold the next
+    # tile: no shared-memory limit to hit for float64 or long rows.
+    # Masked lanes load 0: their xhat and dy are 0, so they add nothing to the row sums or the partials.
+    o_n = row_start + tl.arange(0, BLOCK_N)
+    mask = (o_n < row_end)[:, None] & m_d[None, :]
+    b_x_next = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
+    b_dy_next = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
+    for r0 in range(row_start, row_end, BLOCK_N):
+        o_n = r0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < row_end
+        mask = m_n[:, None] & m_d[None, :]
+        b_x = b_x_next
+        b_dy = b_dy_next.to(ACC)
+        o_nn = o_n + BLOCK_N
+        mask_next = (o_nn < row_end)[:, None] & m_d[None, :]
+        b_x_next = tl.load(x_ptr + o_nn[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask_next, other=0.0)
+        b_dy_next = tl.load(
+            dy_ptr + o_nn[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask_next, other=0.0
+        )
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+        b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+        # Masked lanes: xhat forced to 0 (x - mean is not), dy loads 0; they add nothing to c1, c2, dw, db.
+        b_xhat = tl.where(mask, (b_x.to(ACC) - b_mean[:, None]) * b_rstd[:, None], 0.0)
+        if HAS_DX:
+            b_g = b_dy
+            if HAS_W:
+                b_g = b_dy * b_w[None, :]
+            if ONE_TILE:
+                # Both row sums in one reduction: one round of cross-warp exchange instead of two.
+                b_c1, b_c2 = tl.reduce((b_g * b_xhat, b_g), 1, _add_pair)
+                b_c1 = b_c1 / D
+                b_c2 = b_c2 / D
+            else:
+                b_c1 = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+                b_c2 = tl.load(c_ptr + stride_c + o_n, mask=m_n, other=0.0).to(ACC)
+            b_dx = (b_g - b_c2[:, None] - b_xhat * b_c1[:, None]) * b_rstd[:, None]
+            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], b_dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            acc_dw += b_dy * b_xhat
+        if HAS_DB:
+            acc_db += b_dy
+    if HAS_DW:
+        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, tl.sum(acc_dw, axis=0).to(dw_ptr.dtype.element_ty), mask=m_d)
+    if HAS_DB:
+        tl.store(db_ptr + pid_p * stride_db_part + o_d, tl.sum(acc_db, axis=0).to(db_ptr.dtype.element_ty), mask=m_d)

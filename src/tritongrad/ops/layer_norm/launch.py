@@ -1,0 +1,151 @@
+"""Host side of layer_norm: launchers, registration.
+
+Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx, sy, sdy, sdx, sw, sb:
+  forward : read x + read w + read b + write y + write mean + write rstd
+                                                            = N*D*(sx + sy) + D*(sw + sb) + 8*N
+  backward: read x + read dy + read w + read mean, rstd + write dx + write dw + write db
+                                                            = N*D*(sx + sdy + sdx) + D*(2*sw + sb) + 8*N
+            plus the float32 dw and db partial rows, written and read once: 2 * 2*P*D*4,
+            P <= BWD_PROGS_PER_SM * SMs. (only the gradients asked for are written; dw or db alone still
+            read x and dy)
+  Rows longer than one register tile (D > FWD_MAX_BLOCK_D = 16384 in the forward, D > BWD_MAX_BLOCK_D = 8192
+  in the backward; ops/_norm_common.py) read x twice in the forward (the second read partly from L2) and
+  x and dy twice in the backward (a row pass for the row sums first).
+Measured on an H200 (torch 2.11, triton 3.6) at 32768x4096 bf16, kernels alone: forward 138 us, 94% of the
+device-to-device copy bandwidth; backward 243 us, 80%.
+Launch plans (tiles, warps, programs per SM) are shared with rms_norm: see ops/_norm_common.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _pattern
+from ... import _runtime as rt
+from .. import _norm_common as nc
+from ..column_sum import column_sum
+from . import kernels
+from .reference import layer_norm_reference
+
+_fwd_kernel = rt.Kernel(kernels._layer_norm_fwd_kernel)
+_bwd_rowsum_kernel = rt.Kernel(kernels._layer_norm_bwd_rowsum_kernel)
+_bwd_kernel = rt.Kernel(kernels._layer_norm_bwd_kernel)
+
+
+def _stride(t) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def _forward(x, normalized_shape, weight, bias, eps):
+    k = len(normalized_shape)
+    acc = nc.acc_dtype(x, weight, bias)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(x.shape[: x.dim() - k], dtype=acc, device=x.device)
+    rstd = torch.empty_like(mean)
+    if rt.is_fake(x):
+        return y, mean, rstd
+    x2 = _pattern.as_rows(x, k)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return y, mean.fill_(0.0), rstd.fill_(0.0)
+    w, b = nc.flat(weight), nc.flat(bias)
+    t = nc.fwd_plan(N, D)
+    _fwd_kernel[(rt.cdiv(N, t.BLOCK_N),)](
+        x2, w, b, y, mean, rstd, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps,
+        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_B=b is not None,
+        ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
+    )
+    return y, mean, rstd
+
+
+def _backward(dy, args, residuals, needs):
+    x, normalized_shape, weight, bias, _eps = args
+    mean, rstd = residuals
+    need_x, need_w, need_b = needs
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+    db = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if need_b else None
+    if rt.is_fake(x) or not (need_x or need_w or need_b):
+        return dx, dw, db
+    x2 = _pattern.as_rows(x, len(normalized_shape))
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return dx, (dw.zero_() if need_w else None), (db.zero_() if need_b else None)
+    dy2 = _pattern.as_rows(dy, len(normalized_shape))  # a view for contiguous or expanded (stride 0) dy
+    w = nc.flat(weight)
+    acc = rstd.dtype
+    ACC = rt.tl_acc_dtype(acc)
+    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, rt.sm_count(x.device))
+    c = None
+    if need_x and not t.ONE_TILE:
+        c = torch.empty((2, N), dtype=acc, device=x.device)
+        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N),)](
+            x2, w, dy2, mean, rstd, c, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0), dy2.stride(1),
+            c.stride(0), BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
+        )
+
+    def partial(grad):  # the grad itself when one program covers all rows, else a float partial buffer
+        if grad is None:
+            return None
+        return grad.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
+
+    part_w, part_b = partial(dw), partial(db)
+    _bwd_kernel[(chunks, d_blocks)](
+        x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
+        dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D,
+        part_w.stride(0) if (need_w and chunks > 1) else 0, part_b.stride(0) if (need_b and chunks > 1) else 0,
+        rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
+        HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ACC=ACC,
+        num_warps=t.num_warps,
+    )
+    if chunks > 1:
+        if need_w:
+            column_sum(part_w, dw.view(-1))
+        if need_b:
+            column_sum(part_b, db.view(-1))
+    return dx, dw, db
+
+
+def _validate(x, normalized_shape, weight, bias, eps) -> None:
+    if eps is None:
+        raise TypeError("tritongrad.layer_norm: eps must be a float, got None")
+    nc.validate("layer_norm", x, normalized_shape, eps, weight=weight, bias=bias)
+
+
+_OP = _pattern.Op(
+    "layer_norm",
+    "Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps",
+    forward=_forward,
+    backward=_backward,
+    reference=layer_norm_reference,
+    validate=_validate,
+    n_residuals=2,
+)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` with Triton kernels for forward and backward.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the trailing
+    ``normalized_shape`` dims.
+
+    Args:
+        x: ``[..., *normalized_shape]``, float16/bfloat16/float32/float64, any strides.
+        normalized_shape: the trailing dims to normalise over (an int or a sequence of ints).
+        weight, bias: ``normalized_shape`` or None; any floating dtype (e.g. float32 with bfloat16 x).
+        eps: added to the variance.
+
+    Returns:
+        y: x's shape and x's dtype, whatever the dtypes of weight and bias (as
+        ``torch.nn.functional.layer_norm``); contiguous. Statistics and products are computed in float32
+        (float64 when any input is float64) and rounded once. Differentiable in x, weight and bias; each
+        gradient comes back in its input's dtype, and the weight and bias gradients are bitwise
+        reproducible.
+    """
+    return _OP(x, list(nc.shape_tuple(normalized_shape)), weight, bias, eps)

@@ -1,0 +1,179 @@
+"""Host side of rms_norm: launch heuristics, launchers, registration.
+
+Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx, sy, sdy, sdx, sw:
+  forward : read x + read w + write y + write rstd          = N*D*(sx + sy) + D*sw + 4*N
+  backward: read x + read dy + read w + read rstd + write dx + write dw
+                                                            = N*D*(sx + sdy + sdx) + 2*D*sw + 4*N
+            plus the float32 dw partial rows, written and read once: 2*P*D*4, P <= BWD_PROGS_PER_SM * SMs.
+            (only the gradients asked for are written; dw alone still reads x and dy)
+  Rows longer than one register tile (D > FWD_MAX_BLOCK_D = 16384 in the forward, D > BWD_MAX_BLOCK_D = 8192
+  in the backward; ops/_norm_common.py) read x twice in the forward (the second read partly from L2) and
+  x and dy twice in the backward (a row pass for the row sums first).
+Measured on an H200 (torch 2.11, triton 3.6) at 32768x4096 bf16, kernels alone: forward 135 us, 96% of the
+device-to-device copy bandwidth; backward 224 us, 88%.
+Launch plans (tiles, warps, programs per SM) are shared with layer_norm: see ops/_norm_common.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _pattern
+from ... import _runtime as rt
+from .. import _norm_common as nc
+from ..column_sum import column_sum
+from . import kernels
+from .reference import default_eps, llama_rms_norm_reference, rms_norm_reference
+
+_fwd_kernel = rt.Kernel(kernels._rms_norm_fwd_kernel)
+_bwd_rowsum_kernel = rt.Kernel(kernels._rms_norm_bwd_rowsum_kernel)
+_bwd_kernel = rt.Kernel(kernels._rms_norm_bwd_kernel)
+
+
+def _launch_forward(x, k: int, weight, eps: float, llama: bool):
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if llama else x.dtype
+    acc = nc.acc_dtype(x, weight)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty(x.shape[: x.dim() - k], dtype=acc, device=x.device)
+    if rt.is_fake(x):
+        return y, rstd
+    x2 = _pattern.as_rows(x, k)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return y, rstd.fill_(0.0)
+    w = nc.flat(weight)
+    t = nc.fwd_plan(N, D)
+    _fwd_kernel[(rt.cdiv(N, t.BLOCK_N),)](
+        x2, w, y, rstd, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, D, eps,
+        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, ROUND_XHAT=llama,
+        ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
+    )
+    return y, rstd
+
+
+def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, llama: bool):
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+    if rt.is_fake(x) or not (need_x or need_w):
+        return dx, dw
+    x2 = _pattern.as_rows(x, k)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return dx, (dw.zero_() if need_w else None)
+    dy2 = _pattern.as_rows(dy, k)  # a view for contiguous or expanded (stride 0) dy
+    w = nc.flat(weight)
+    acc = rstd.dtype
+    ACC = rt.tl_acc_dtype(acc)
+    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, rt.sm_count(x.device))
+    c = None
+    if need_x and not t.ONE_TILE:
+        c = torch.empty(N, dtype=acc, device=x.device)
+        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N),)](
+            x2, w, dy2, rstd, c, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
+            dy2.stride(0), dy2.stride(1),
+            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
+        )
+    part = None
+    if need_w:
+        part = dw.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
+    _bwd_kernel[(chunks, d_blocks)](
+        x2, w, dy2, rstd, c, dx, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
+        dy2.stride(0), dy2.stride(1), D, part.stride(0) if (need_w and chunks > 1) else 0, rows_per_prog,
+        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_DX=need_x,
+        HAS_DW=need_w, ROUND_XHAT=llama, ACC=ACC,
+        num_warps=t.num_warps,
+    )
+    if need_w and chunks > 1:
+        column_sum(part, dw.view(-1))
+    return dx, dw
+
+
+# ---------------------------------------------------------------- rms_norm (torch.nn.functional semantics)
+def _forward(x, normalized_shape, weight, eps):
+    return _launch_forward(x, len(normalized_shape), weight, default_eps(x.dtype) if eps is None else eps, False)
+
+
+def _backward(dy, args, residuals, needs):
+    x, normalized_shape, weight, _eps = args
+    return _launch_backward(dy, x, len(normalized_shape), weight, residuals[0], needs[0], needs[1], False)
+
+
+def _validate(x, normalized_shape, weight, eps) -> None:
+    nc.validate("rms_norm", x, normalized_shape, eps, weight=weight)
+
+
+_OP = _pattern.Op(
+    "rms_norm",
+    "Tensor x, SymInt[] normalized_shape, Tensor? weight, float? eps",
+    forward=_forward,
+    backward=_backward,
+    reference=rms_norm_reference,
+    validate=_validate,
+    n_residuals=1,
+)
+
+
+def rms_norm(
+    x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, eps: float | None = None
+) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` with Triton kernels for forward and backward.
+
+    ``y = x / sqrt(mean(x**2) + eps) * weight``, the mean over the trailing ``normalized_shape`` dims.
+
+    Args:
+        x: ``[..., *normalized_shape]``, float16/bfloat16/float32/float64, any strides.
+        normalized_shape: the trailing dims to normalise over (an int or a sequence of ints).
+        weight: ``normalized_shape`` or None; any floating dtype (e.g. float32 with bfloat16 x).
+        eps: None means PyTorch's default, ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 x
+            and ``torch.finfo(torch.float64).eps`` for float64 x.
+
+    Returns:
+        y: x's shape and x's dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
+        contiguous. Statistics and products are computed in float32 (float64 when x or the weight is
+        float64) and rounded once. Differentiable in x and weight; each gradient comes back in its input's
+        dtype, and the weight gradient is bitwise reproducible.
+    """
+    return _OP(x, list(nc.shape_tuple(normalized_shape)), weight, eps)
+
+
+# ---------------------------------------------------------------- Hugging Face's LlamaRMSNorm
+def _llama_forward(x, weight, eps):
+    return _launch_forward(x, 1, weight, eps, True)
+
+
+def _llama_backward(dy, args, residuals, needs):
+    x, weight, _eps = args
+    return _launch_backward(dy, x, 1, weight, residuals[0], needs[0], needs[1], True)
+
+
+def _llama_validate(x, weight, eps) -> None:
+    nc.validate("llama_rms_norm", x, [x.shape[-1]] if x.dim() else [1], eps, weight=weight)
+
+
+_LLAMA_OP = _pattern.Op(
+    "llama_rms_norm",
+    "Tensor x, Tensor weight, float eps",
+    forward=_llama_forward,
+    backward=_llama_backward,
+    reference=llama_rms_norm_reference,
+    validate=_llama_validate,
+    n_residuals=1,
+)
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face's ``LlamaRMSNorm.forward`` (and the many model classes that copy it) in Triton.
+
+    ``y = weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``: the normalised value is computed in
+    float32 (float64 for float64 x), rounded to x's dtype, then multiplied by the weight.
+
+    Args:
+        x: ``[..., D]``, float16/bfloat16/float32/float64, any strides.
+        weight: ``[D]``, any floating dtype.
+
+    Returns:
+        y: x's shape in ``torch.promote_types(x.dtype, weight.dtype)`` (so a float32 weight with bfloat16 x
+        gives float32, as in Hugging Face's code). Gradients come back in each input's dtype; they are
+        computed in float32 without the intermediate roundings eager autograd would apply.
+    """
+    return _LLAMA_OP(x, weight, eps)

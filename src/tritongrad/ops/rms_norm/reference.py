@@ -1,0 +1,38 @@
+"""Plain PyTorch RMSNorm: the float64 reference of the tests and the CPU path without Triton."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _runtime as rt
+from .._norm_common import acc_dtype
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """PyTorch's eps for ``rms_norm(..., eps=None)``: the machine epsilon of the computation dtype, so
+    float16/bfloat16/float32 inputs get float32's (not their own) and float64 inputs get float64's. It
+    depends on x alone, not on the weight's dtype."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def rms_norm_reference(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, eps: float | None = None):
+    """``torch.nn.functional.rms_norm``, accumulated in float32 (float64 when x or the weight is float64),
+    rounded once to x's dtype. Differentiable; gradients come back in each input's dtype."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    eps = default_eps(x.dtype) if eps is None else eps
+    xf = x.to(acc_dtype(x, weight))
+    y = xf * torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def llama_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm.forward: normalise in float32 (float64 for float64 x; Llama's own code
+    drops float64 to float32), round the normalised value to x's dtype, then ``weight * that``, returned
+    in the promoted dtype of x and the weight."""
+    xf = x.to(rt.acc_dtype(x.dtype))
+    xhat = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    acc = rt.acc_dtype(out_dtype)
+    return (weight.to(acc) * xhat.to(acc)).to(out_dtype)
