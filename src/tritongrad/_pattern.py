@@ -43,25 +43,18 @@ def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
     Kernels take both strides of the result, so sliced or transposed 2-D inputs are read in place; a copy
     happens only when the leading dims (or the feature dims) cannot be merged into a single stride.
     """
-    lead = t.shape[: t.dim() - feature_dims]
+    if t.dim() == 2 and feature_dims == 1:
+        return t
     n = 1
-    for s in lead:
+    for s in t.shape[: t.dim() - feature_dims]:
         n *= s
     d = 1
     for s in t.shape[t.dim() - feature_dims:]:
         d *= s
-    if feature_dims == 1 and t.dim() == 2:
-        return t
     try:
         return t.view(n, d)
     except RuntimeError:  # leading dims are not mergeable: e.g. a permuted 3-D tensor
         return t.reshape(n, d)
-
-
-def _describe(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device})"
-    return repr(t)
 
 
 class _Function(torch.autograd.Function):
@@ -126,6 +119,9 @@ class Op:
         self._n_args = len(types)
         # A subclass per op, so that y.grad_fn reads e.g. <WeightedSumBackward>.
         self._function = type("".join(p.title() for p in name.split("_")), (_Function,), {})
+        # Function.apply minus its Python preamble (default-argument binding, functorch unwrapping), which
+        # costs several microseconds per call and does nothing when no functorch transform is active.
+        self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, self._function)
         self._register(schema)
 
     # ---------------------------------------------------------------- validation
@@ -162,7 +158,9 @@ class Op:
         if not rt.uses_triton(tensors[0].device):
             return self.reference(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return self._function.apply(self, *args)
+            if torch._C._are_functorch_transforms_active():
+                return self._function.apply(self, *args)  # raises torch's own clear error for vmap/grad
+            return self._apply(self, *args)
         return self.forward(*args)[0]
 
     def _pad(self, grads: Sequence) -> tuple:

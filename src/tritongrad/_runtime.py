@@ -37,7 +37,7 @@ def uses_triton(device: torch.device) -> bool:
 
 def is_fake(t: torch.Tensor) -> bool:
     """Fake and meta tensors carry shapes only: launchers allocate outputs for them and launch nothing."""
-    return isinstance(t, FakeTensor) or t.device.type == "meta"
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,13 +119,16 @@ def row_tile(N: int, D: int, max_block_d: int = 8192, chunk_d: int = 4096, tile:
 
 def _spec(a):
     """The properties of an argument that Triton specializes a compiled kernel on."""
+    t = type(a)
+    if t is int:
+        if not -(2**31) <= a < 2**31:
+            return 64
+        return 1 if a == 1 else (16 if a % 16 == 0 else 0)
+    if t is bool or a is None:
+        return a
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, int):
-        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
-    return type(a)
+    return t
 
 
 def _hooks_active() -> bool:
