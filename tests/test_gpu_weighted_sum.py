@@ -120,3 +120,34 @@ def test_export_and_opcheck_cuda():
     torch.testing.assert_close(ep.module()(x), m(x))
     xr = x.requires_grad_()
     torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (xr, m.weight))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device_while_first_is_current():
+    # Tensors on cuda:1 while cuda:0 is current: kernels must run on the tensors' device.
+    torch.cuda.set_device(0)
+    x = torch.randn(300, 257, device="cuda:1", requires_grad=True)
+    w = torch.randn(257, device="cuda:1", requires_grad=True)
+    g = torch.randn(300, device="cuda:1")
+    y, gx, gw = grads(tritongrad.weighted_sum, x, w, g)
+    ye, gxe, gwe = grads(eager, x, w, g)
+    torch.testing.assert_close((y, gx, gw), (ye, gxe, gwe), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(32768, 4096), (131072, 1024)], ids=str)
+def test_bf16_error_no_worse_than_eager(shape):
+    # Products and sums stay in float32 until the final rounding, so y and grad_w are at least as accurate
+    # as eager PyTorch's, which rounds every product to bfloat16. Compared as relative L2 error over
+    # thousands of outputs: a max over few values would be decided by single roundings.
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(shape[0], device="cuda", dtype=torch.bfloat16)
+    y, _, gw = grads(tritongrad.weighted_sum, x, w, g)
+    y64, _, gw64 = grads(weighted_sum_reference, x.double(), w.double(), g.double())
+    ye, _, gwe = grads(eager, x, w, g)
+
+    def rel(a, ref):
+        return ((a.double() - ref).norm() / ref.norm()).item()
+
+    assert rel(y, y64) <= rel(ye, y64), (rel(y, y64), rel(ye, y64))
+    assert rel(gw, gw64) <= rel(gwe, gw64), (rel(gw, gw64), rel(gwe, gw64))

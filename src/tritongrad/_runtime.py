@@ -158,9 +158,17 @@ class Kernel:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, num_warps: int = 4, **constexprs):
-        if INTERPRET or _hooks_active():
+        if INTERPRET:
             return self.fn[grid](*args, num_warps=num_warps, **constexprs)
         device = _driver.active.get_current_device()
+        # Triton launches on the current device; the first argument of every tritongrad kernel is a tensor,
+        # and a model spread over several GPUs must not launch its kernels on the wrong one.
+        owner = args[0].get_device()
+        if owner != device:
+            with torch.cuda.device(owner):
+                return self._launch(grid, *args, num_warps=num_warps, **constexprs)
+        if _hooks_active():
+            return self.fn[grid](*args, num_warps=num_warps, **constexprs)
         key = (device, num_warps, *constexprs.values(), *map(_spec, args))
         compiled = self._cache.get(key)
         if compiled is None:  # first launch of this specialization: Triton compiles (or loads) and launches
