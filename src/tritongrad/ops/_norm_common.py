@@ -41,17 +41,20 @@ def bwd_plan(N: int, D: int, sms: int) -> tuple[rt.RowTile, int, int, int]:
 
 def shape_tuple(normalized_shape) -> tuple:
     """``normalized_shape`` as torch.nn.functional accepts it (an int, a list/tuple, a torch.Size)."""
-    if isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):
+    if type(normalized_shape) is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):
         return (normalized_shape,)
     return tuple(normalized_shape)
+
+
+def _is_dim(s) -> bool:
+    # type(s) is int first: the ABC check behind isinstance(s, numbers.Integral) is slow on the hot path.
+    return type(s) is int or (isinstance(s, (numbers.Integral, torch.SymInt)) and not isinstance(s, bool))
 
 
 def validate(op: str, x: torch.Tensor, normalized_shape, eps, **params) -> None:
     """Shape checks of a norm over the trailing ``normalized_shape`` dims of x; ``params`` are the optional
     per-element tensors (weight, bias), each None or of shape ``normalized_shape``."""
-    if not isinstance(normalized_shape, (list, tuple, torch.Size)) or not all(
-        isinstance(s, (numbers.Integral, torch.SymInt)) and not isinstance(s, bool) for s in normalized_shape
-    ):
+    if not isinstance(normalized_shape, (list, tuple, torch.Size)) or not all(map(_is_dim, normalized_shape)):
         raise TypeError(f"tritongrad.{op}: normalized_shape must be a list of ints, got {normalized_shape!r}")
     ns = tuple(normalized_shape)
     if len(ns) == 0:
@@ -66,13 +69,13 @@ def validate(op: str, x: torch.Tensor, normalized_shape, eps, **params) -> None:
             raise ValueError(
                 f"tritongrad.{op}: {name} has shape {tuple(t.shape)}, expected normalized_shape {ns}"
             )
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
+    if eps is not None and type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
         raise TypeError(f"tritongrad.{op}: eps must be a float, got {eps!r}")
 
 
 def flat(t: torch.Tensor | None) -> torch.Tensor | None:
     """A weight/bias of shape normalized_shape as [D]: a view (any stride) when possible, else a copy."""
-    return None if t is None else t.reshape(-1)
+    return t if t is None or t.dim() == 1 else t.reshape(-1)
 
 
 def acc_dtype(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
