@@ -153,7 +153,8 @@ def test_chunked_path(norm, lead, ns, dtype, small_tiles):
 @pytest.mark.parametrize(
     "xdt,pdt",
     [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
-     (torch.float32, torch.float64)],
+     (torch.float32, torch.float64),
+     (torch.bfloat16, torch.float64)],  # float64 accumulation stored to bfloat16 (goes through float32)
     ids=str,
 )
 @pytest.mark.parametrize("norm", NORMS)

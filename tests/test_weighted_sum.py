@@ -130,7 +130,8 @@ def test_strided_grad_y():
 
 @pytest.mark.parametrize(
     "xdt,wdt",
-    [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float64)],
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.float64),
+     (torch.bfloat16, torch.float64)],  # float64 accumulation, grad_x stored to bfloat16
     ids=str,
 )
 def test_mixed_dtypes(xdt, wdt):

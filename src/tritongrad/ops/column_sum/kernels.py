@@ -11,6 +11,8 @@ same order on every run, so the result is bitwise reproducible (no atomics anywh
 import triton
 import triton.language as tl
 
+from .._tl import round_to
+
 
 @triton.jit
 def _column_sum_kernel(
@@ -33,4 +35,4 @@ def _column_sum_kernel(
         p_part = part_ptr + o_p.to(tl.int64)[:, None] * stride_part_row + o_m[None, :]
         acc += tl.load(p_part, mask=(o_p < P)[:, None] & m_m[None, :], other=0.0).to(ACC)
     # The cast to the output dtype happens once, after the whole sum.
-    tl.store(out_ptr + o_m * stride_out, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=m_m)
+    tl.store(out_ptr + o_m * stride_out, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=m_m)

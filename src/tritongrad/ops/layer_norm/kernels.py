@@ -46,6 +46,8 @@ fixed order; for long rows c1 and c2 come from a separate row pass.
 import triton
 import triton.language as tl
 
+from .._tl import round_to
+
 
 @triton.jit
 def _add_pair(a1, a2, b1, b2):
@@ -109,7 +111,7 @@ def _layer_norm_fwd_kernel(
         b_rstd = tl.rsqrt(tl.sum(b_xc * b_xc, axis=1) / D + eps)
         b_mean += b_k
         b_y = _affine(b_xc * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
-        tl.store(p_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
         # Rows too long for registers: per-chunk mean and M2 of x - K, merged with Chan's update (stable),
         # then a second read to normalise.
@@ -138,7 +140,7 @@ def _layer_norm_fwd_kernel(
             b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
             b_xhat = ((b_x - b_k[:, None]) - b_mean[:, None]) * b_rstd[:, None]
             b_y = _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
-            tl.store(p_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
         b_mean += b_k
     tl.store(mean_ptr + o_n, b_mean, mask=m_n)
     tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
@@ -276,12 +278,12 @@ def _layer_norm_bwd_kernel(
                 b_c1 = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
                 b_c2 = tl.load(c_ptr + stride_c + o_n, mask=m_n, other=0.0).to(ACC)
             b_dx = (b_g - b_c2[:, None] - b_xhat * b_c1[:, None]) * b_rstd[:, None]
-            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], b_dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], round_to(b_dx, dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DW:
             acc_dw += b_dy * b_xhat
         if HAS_DB:
             acc_db += b_dy
     if HAS_DW:
-        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, tl.sum(acc_dw, axis=0).to(dw_ptr.dtype.element_ty), mask=m_d)
+        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
     if HAS_DB:
-        tl.store(db_ptr + pid_p * stride_db_part + o_d, tl.sum(acc_db, axis=0).to(db_ptr.dtype.element_ty), mask=m_d)
+        tl.store(db_ptr + pid_p * stride_db_part + o_d, round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)

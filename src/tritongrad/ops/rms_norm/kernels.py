@@ -43,6 +43,8 @@ pass (``_rms_norm_bwd_rowsum_kernel``) so that columns can be split across progr
 import triton
 import triton.language as tl
 
+from .._tl import round_to
+
 
 @triton.jit
 def _scale(
@@ -52,7 +54,7 @@ def _scale(
     """xhat * w (or xhat), in ACC."""
     if ROUND_XHAT:
         # Llama: the normalised value is rounded to the input dtype before the weight multiplies it.
-        b_xhat = b_xhat.to(X_DTYPE).to(ACC)
+        b_xhat = round_to(b_xhat, X_DTYPE).to(ACC)
     if HAS_W:
         b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
         b_xhat = b_xhat * b_w[None, :]
@@ -95,7 +97,7 @@ def _rms_norm_fwd_kernel(
         b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
         b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
         b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
-        tl.store(p_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
         # Rows too long for registers: sum of squares over chunks, then a second read to normalise
         # (for a few rows per SM the second read mostly hits L2).
@@ -112,7 +114,7 @@ def _rms_norm_fwd_kernel(
             mask = m_n[:, None] & m_d[None, :]
             b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
             b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
-            tl.store(p_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
 
 
@@ -230,11 +232,11 @@ def _rms_norm_bwd_kernel(
             else:
                 b_c = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
             b_dx = (b_g - b_xhat * b_c[:, None]) * b_rstd[:, None]
-            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], b_dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], round_to(b_dx, dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DW:
             if ROUND_XHAT:
                 # The forward multiplied w by xhat rounded to x's dtype; its gradient is that value.
-                b_xhat = b_xhat.to(x_ptr.dtype.element_ty).to(ACC)
+                b_xhat = round_to(b_xhat, x_ptr.dtype.element_ty).to(ACC)
             acc_dw += b_dy * b_xhat
     if HAS_DW:
-        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, tl.sum(acc_dw, axis=0).to(dw_ptr.dtype.element_ty), mask=m_d)
+        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)

@@ -25,6 +25,8 @@ along D.
 import triton
 import triton.language as tl
 
+from .._tl import round_to
+
 
 @triton.jit
 def _weighted_sum_fwd_kernel(
@@ -65,7 +67,7 @@ def _weighted_sum_fwd_kernel(
         )
         b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0)
         acc += tl.sum(b_x.to(ACC) * b_w.to(ACC)[None, :], axis=1)
-    tl.store(out_ptr + pid_s * stride_out_split + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
+    tl.store(out_ptr + pid_s * stride_out_split + o_n, round_to(acc, out_ptr.dtype.element_ty), mask=m_n)
 
 
 @triton.jit
@@ -112,10 +114,10 @@ def _weighted_sum_bwd_kernel(
         mask = m_n[:, None] & m_d[None, :]
         if HAS_GX:
             p_gx = gx_ptr + o_n64[:, None] * stride_gx_row + o_d64[None, :]
-            tl.store(p_gx, (b_g[:, None] * b_w[None, :]).to(gx_ptr.dtype.element_ty), mask=mask)
+            tl.store(p_gx, round_to(b_g[:, None] * b_w[None, :], gx_ptr.dtype.element_ty), mask=mask)
         if HAS_GW:
             p_x = x_ptr + o_n64[:, None] * stride_x_row + o_d64[None, :] * stride_x_col
             b_x = tl.load(p_x, mask=mask, other=0.0, eviction_policy="evict_first").to(ACC)
             acc += b_x * b_g[:, None]
     if HAS_GW:
-        tl.store(gw_ptr + pid_p * stride_gw_part + o_d, tl.sum(acc, axis=0).to(gw_ptr.dtype.element_ty), mask=m_d)
+        tl.store(gw_ptr + pid_p * stride_gw_part + o_d, round_to(tl.sum(acc, axis=0), gw_ptr.dtype.element_ty), mask=m_d)
