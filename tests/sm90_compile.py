@@ -1,0 +1,79 @@
+"""Compile, for an H100/H200 (sm_90), every kernel specialization that the launchers request for a set of
+calls, without a GPU: the launchers run on CPU tensors with kernel launches replaced by a compile.
+Run as a script (TRITON_INTERPRET must be off so that triton.jit builds GPU kernels); prints one line per
+failure and a final count. Used by tests/test_sm90_compile.py."""
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import tritongrad  # noqa: E402
+from tritongrad import _pattern, _runtime  # noqa: E402
+from tritongrad.ops.rms_norm import llama_rms_norm  # noqa: E402
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_seen: set = set()
+_failures: list = []
+
+
+def _compile(self, grid, *args, num_warps=4, **constexprs):
+    names = [p.name for p in self.fn.params]
+    signature, constants = {}, {}
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            signature[name] = "*" + _TYPES[a.dtype]
+        elif isinstance(a, bool) or a is None:
+            signature[name], constants[name] = "constexpr", a
+        elif isinstance(a, int):
+            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    for name in names[len(args):]:
+        signature[name], constants[name] = "constexpr", constexprs[name]
+    key = (self.fn.__name__, tuple(signature.items()), repr(sorted(constants.items())), num_warps)
+    if key in _seen:
+        return
+    _seen.add(key)
+    try:
+        triton.compile(
+            ASTSource(self.fn, signature=signature, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps},
+        )
+    except Exception as e:  # report every failing specialization, not just the first
+        _failures.append(f"{self.fn.__name__} {constants}: {type(e).__name__}: {str(e)[:500]}")
+
+
+def main(cases) -> int:
+    _runtime.Kernel._launch = _compile
+    _runtime.uses_triton = _pattern.rt.uses_triton = lambda device: True
+    _runtime.sm_count = lambda device: 132
+    for xdt, pdt, N, D in cases:
+        x = torch.randn(N, D, dtype=xdt, requires_grad=True)
+        w = torch.randn(D, dtype=pdt, requires_grad=True)
+        b = torch.randn(D, dtype=pdt, requires_grad=True)
+        for y in (
+            tritongrad.weighted_sum(x, w),
+            tritongrad.rms_norm(x, (D,), w, 1e-6),
+            tritongrad.layer_norm(x, (D,), w, b),
+            tritongrad.layer_norm(x, (D,), None, None),
+            llama_rms_norm(x, w, 1e-6),
+        ):
+            y.backward(torch.randn(y.shape, dtype=y.dtype))
+    for f in _failures:
+        print("FAIL", f)
+    print(f"compiled {len(_seen)} specializations, {len(_failures)} failures")
+    return 1 if _failures else 0
+
+
+if __name__ == "__main__":
+    bf, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    # Why each: short rows held whole / many rows per program; rows longer than one tile (chunked norms,
+    # split-D weighted_sum); few rows, many column blocks; float64 accumulation stored to bfloat16.
+    sys.exit(main([(bf, bf, 4096, 1024), (f32, f32, 300, 20000), (bf, f32, 16, 70000), (bf, f64, 64, 512)]))
