@@ -1,10 +1,17 @@
 """Compile, for an H100/H200 (sm_90), every kernel specialization that the launchers request for a set of
 calls, without a GPU: the launchers run on CPU tensors with kernel launches replaced by a compile.
 Run as a script (TRITON_INTERPRET must be off so that triton.jit builds GPU kernels); prints one line per
-failure and a final count. Used by tests/test_sm90_compile.py."""
+failure and a final count. Used by tests/test_sm90_compile.py.
+
+    python tests/sm90_compile.py --resources
+
+also prints each specialization's registers, stack and shared memory per thread block (from the cubin, by
+the cuobjdump that Triton ships): spills and occupancy, read without a GPU."""
 
 import os
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -20,32 +27,53 @@ from tritongrad.ops.rms_norm import llama_rms_norm  # noqa: E402
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 _seen: set = set()
 _failures: list = []
+_RESOURCES = "--resources" in sys.argv
+
+
+def _resources(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:3])
 
 
 def _compile(self, grid, *args, num_warps=4, **constexprs):
+    # The specialization Triton makes at run time: integers equal to 1 become constants, pointers aligned
+    # to 16 bytes and integers divisible by 16 are marked so (this is what enables 16-byte vector loads).
     names = [p.name for p in self.fn.params]
-    signature, constants = {}, {}
-    for name, a in zip(names, args):
+    signature, constants, attrs = {}, {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
         if isinstance(a, torch.Tensor):
             signature[name] = "*" + _TYPES[a.dtype]
-        elif isinstance(a, bool) or a is None:
+            aligned = a.data_ptr() % 16 == 0
+        elif isinstance(a, bool) or a is None or a == 1:
             signature[name], constants[name] = "constexpr", a
+            continue
         elif isinstance(a, int):
             signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+            aligned = a % 16 == 0
         else:
             signature[name] = "fp32"
+            continue
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     for name in names[len(args):]:
         signature[name], constants[name] = "constexpr", constexprs[name]
-    key = (self.fn.__name__, tuple(signature.items()), repr(sorted(constants.items())), num_warps)
+    key = (self.fn.__name__, tuple(signature.items()), repr(sorted(constants.items())), repr(attrs), num_warps)
     if key in _seen:
         return
     _seen.add(key)
     try:
-        triton.compile(
-            ASTSource(self.fn, signature=signature, constexprs=constants),
+        compiled = triton.compile(
+            ASTSource(self.fn, signature=signature, constexprs=constants, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": num_warps},
         )
+        if _RESOURCES:
+            shown = {k: v for k, v in constants.items() if k.isupper()}
+            print(f"{self.fn.__name__:32s} warps={num_warps} {_resources(compiled.asm['cubin'])} {shown}")
     except Exception as e:  # report every failing specialization, not just the first
         _failures.append(f"{self.fn.__name__} {constants}: {type(e).__name__}: {str(e)[:500]}")
 
