@@ -2,6 +2,7 @@
 triton is imported, so it is set here, before anything imports tritongrad."""
 
 import os
+import subprocess
 import sys
 import zlib
 
@@ -22,3 +23,10 @@ ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bf
 def _fresh_seed(request):
     # Different data per test, reproducible per test id.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def run_without_interpreter(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python *args`` in a fresh process without TRITON_INTERPRET: there CPU tensors take the
+    PyTorch path and triton.jit builds GPU kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,14 +1,10 @@
 """rms_norm and layer_norm on small shapes: through Triton's interpreter on CPU, compiled on a GPU."""
 
 import math
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE
+from conftest import ATOL, DEVICE, run_without_interpreter
 
 import tritongrad
 from tritongrad.ops import _norm_common as nc
@@ -616,6 +612,5 @@ assert tritongrad.patch(m) == 2
 m(x.float()).sum().backward()
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_without_interpreter(["-c", code])
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -2,16 +2,13 @@
 without a GPU, where the rest of the CPU suite only runs the kernels in Triton's interpreter."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_without_interpreter
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
-    out = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "sm90_compile.py")], timeout=600)
     assert out.returncode == 0 and "0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]

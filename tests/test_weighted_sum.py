@@ -1,12 +1,8 @@
 """weighted_sum on small shapes: through Triton's interpreter on CPU, compiled on a GPU."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ATOL, DEVICE
+from conftest import ATOL, DEVICE, run_without_interpreter
 
 import tritongrad
 from tritongrad.ops.weighted_sum import launch as ws_launch
@@ -278,8 +274,7 @@ torch.testing.assert_close(gw, w.grad)
 torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (x.detach().float(), w))
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_without_interpreter(["-c", code])
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 

@@ -108,7 +108,7 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
 
 def _validate(x, w) -> None:
     if x.dim() == 0:
-        raise ValueError(f"tritongrad.weighted_sum: x must have at least 1 dim [..., D], got a 0-d tensor")
+        raise ValueError("tritongrad.weighted_sum: x must have at least 1 dim [..., D], got a 0-d tensor")
     if w.dim() != 1:
         raise ValueError(f"tritongrad.weighted_sum: w must be 1-D [D], got shape {tuple(w.shape)}")
     if x.shape[-1] != w.shape[0]:
