@@ -64,24 +64,21 @@ class _Function(torch.autograd.Function):
     def forward(ctx, op: "Op", *args):
         outs = op.forward(*args)
         ctx.op = op
-        ctx.nontensor_args = [None if i in op._tensor_set else a for i, a in enumerate(args)]
-        ctx.save_for_backward(*[args[i] for i in op.tensor_positions], *outs[1:])
+        op._save(ctx, args, outs[1:])
         return outs[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         op: Op = ctx.op
-        saved = ctx.saved_tensors
-        if torch.is_grad_enabled() and (grad_out.requires_grad or any(t is not None and t.requires_grad for t in saved)):
+        args, residuals = op._restore(ctx)
+        if torch.is_grad_enabled() and (
+            grad_out.requires_grad or any(t is not None and t.requires_grad for t in (*args, *residuals))
+        ):
             # create_graph=True: the launchers are not differentiable, so a second-order gradient would
             # silently miss terms. Refuse instead.
             raise RuntimeError(f"tritongrad.{op.name}: double backward (create_graph=True) is not supported")
-        k = len(op.tensor_positions)
-        args = list(ctx.nontensor_args)
-        for i, t in zip(op.tensor_positions, saved[:k]):
-            args[i] = t
         needs = tuple(ctx.needs_input_grad[1 + i] for i in op.tensor_positions)
-        grads = op.backward(grad_out, tuple(args), saved[k:], needs)
+        grads = op.backward(grad_out, args, residuals, needs)
         return (None, *op._pad(grads))
 
 
@@ -163,6 +160,20 @@ class Op:
             return self._apply(self, *args)
         return self.forward(*args)[0]
 
+    def _save(self, ctx, args, residuals) -> None:
+        """Keep what the backward needs: tensor inputs and residuals as saved tensors, the rest on ctx."""
+        ctx.nontensor_args = [None if i in self._tensor_set else a for i, a in enumerate(args)]
+        ctx.save_for_backward(*[args[i] for i in self.tensor_positions], *residuals)
+
+    def _restore(self, ctx) -> tuple[tuple, tuple]:
+        """``(args, residuals)`` as they were given to :meth:`_save`."""
+        saved = ctx.saved_tensors
+        k = len(self.tensor_positions)
+        args = list(ctx.nontensor_args)
+        for i, t in zip(self.tensor_positions, saved[:k]):
+            args[i] = t
+        return tuple(args), saved[k:]
+
     def _pad(self, grads: Sequence) -> tuple:
         """Gradients of the tensor inputs -> one entry per input (None for non-tensor args)."""
         out = [None] * self._n_args
@@ -172,7 +183,7 @@ class Op:
 
     # ---------------------------------------------------------------- torch.library registration
     def _register(self, schema: str) -> None:
-        name, k = self.name, len(self.tensor_positions)
+        name = self.name
         outs = ", ".join(["Tensor"] * (1 + self.n_residuals))
         ret = "Tensor" if self.n_residuals == 0 else f"({outs})"
         residual_decl = "".join(f", Tensor residual{i}" for i in range(self.n_residuals))
@@ -225,17 +236,12 @@ class Op:
         torch.library.register_fake(bwd_qual, bwd_fake, lib=_LIB)
 
         def setup_context(ctx, inputs, output):
-            outs = output if self.n_residuals else (output,)
-            ctx.nontensor_args = [None if i in self._tensor_set else a for i, a in enumerate(inputs)]
-            ctx.save_for_backward(*[inputs[i] for i in self.tensor_positions], *outs[1:])
+            self._save(ctx, inputs, output[1:] if self.n_residuals else ())
 
         def backward(ctx, grad_out, *_residual_grads):
-            saved = ctx.saved_tensors
-            args = list(ctx.nontensor_args)
-            for i, t in zip(self.tensor_positions, saved[:k]):
-                args[i] = t
+            args, residuals = self._restore(ctx)
             needs = [ctx.needs_input_grad[i] for i in self.tensor_positions]
-            grads = iter(self._bwd_op(grad_out, *args, *saved[k:], needs))
+            grads = iter(self._bwd_op(grad_out, *args, *residuals, needs))
             return self._pad([next(grads) if n else None for n in needs])
 
         torch.library.register_autograd(fwd_qual, backward, setup_context=setup_context, lib=_LIB)

@@ -10,9 +10,6 @@ import torch
 
 from . import _runtime as rt
 
-LAYOUTS = ("contiguous", "transposed", "row-sliced", "col-strided", "permuted")
-
-
 def make_rows(shape: tuple[int, ...], dtype: torch.dtype, device, layout: str = "contiguous", scale=1.0):
     """Random ``shape`` tensor ([..., D]) stored in ``layout``, filled with fresh normal values.
 
