@@ -95,6 +95,15 @@ def test_derived_numbers_follow_their_definitions(bench):
             assert r["speedup"] == pytest.approx(r["ms"] / ref), r
         if r["mode"] == "fwdbwd":
             assert r["host_us"] > 0, r
+        # Device time (CUDA-graph replays) exists only on a GPU; there tritongrad's ops must be capturable,
+        # and any other provider that is not says why.
+        if doc["meta"]["device"] != "cuda":
+            assert "dev_ms" not in r and "dev_reason" not in r, r
+        elif "dev_ms" in r:
+            assert 0 < r["dev_ms_p20"] <= r["dev_ms"] <= r["dev_ms_p80"], r
+            assert r["dev_pct_copy"] == pytest.approx(100 * r["bytes"] / (r["dev_ms"] * 1e-3) / 1e9 / copy["GBps"]), r
+        else:
+            assert r["provider"] != "tritongrad" and r["dev_reason"], r
 
 
 def test_csv_is_the_json_tagged(bench):

@@ -11,6 +11,13 @@ Each (op, dtype, shape, provider, mode) gives one row: median and 20/80 percenti
 the op's bytes formula, that as a share of the copy bandwidth, and tritongrad's speedup over the provider;
 ``fwdbwd`` rows add the peak memory of one fwd+bwd above the inputs, and the host's wall time per call over
 many calls (in the latency regime, launch and Python overhead are what that measures).
+
+Two times per row on a GPU. ``ms`` is ``triton.testing.do_bench``: each call issued from Python after an
+L2 flush, so it includes whatever part of the host's work per call (Python, autograd, launches) the GPU
+cannot hide; on a slow host that can exceed the kernels' time even at 256 MB. ``dev_ms`` takes the host
+out: the same calls captured in a CUDA graph (each after an L2 flush) and replayed, minus a graph of the
+flushes alone. ``ms`` is what one eager call costs; ``dev_ms`` is what the GPU spends, the figure a
+kernel's distance from the copy bandwidth is judged by (``dev_pct_copy``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from .providers import PROVIDERS, Unavailable
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwdbwd")
 QUANTILES = (0.5, 0.2, 0.8)
+GRAPH_MS = 5.0  # GPU time each CUDA-graph replay of the device-time measurement aims at
+GRAPH_REPLAYS = 5
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,61 @@ class Timer:
         self.sync()
         return (time.perf_counter() - start) / calls * 1e6
 
+    def device_ms(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> tuple[float, float, float]:
+        """Median, 20th and 80th percentile of the GPU time of one run, host overhead excluded: replays of a
+        CUDA graph of n (flush L2, run) minus the mean replay of a graph of n flushes, over n."""
+        import triton
+
+        n = max(3, min(100, int(GRAPH_MS / max(median_ms, 1e-3))))
+        cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+
+        def flush_and_run():
+            _clear_grads(leaves)
+            cache.zero_()
+            run()
+
+        def capture(body) -> torch.cuda.CUDAGraph:
+            # Warm-up on a side stream first, as torch.cuda.graph asks of code captured for the first time.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body()
+            torch.cuda.current_stream().wait_stream(side)
+            # A backward runs on autograd's device thread: "thread_local" forbids unsafe CUDA calls only on
+            # this thread, not on that one. One retry: on an H200 (torch 2.11) the first capture of a backward
+            # in a process failed once with "operation failed due to a previous error during capture", and
+            # every later one succeeded.
+            for attempt in (1, 2):
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                        for _ in range(n):
+                            body()
+                    return graph
+                except Exception:
+                    _clear_grads(leaves)
+                    if attempt == 2:
+                        raise
+
+        def replay(graph) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        try:
+            flushes = capture(cache.zero_)
+            runs = capture(flush_and_run)
+            replay(runs)
+            flush_ms = sum(replay(flushes) for _ in range(GRAPH_REPLAYS)) / GRAPH_REPLAYS
+            times = [(replay(runs) - flush_ms) / n for _ in range(GRAPH_REPLAYS)]
+        finally:
+            _clear_grads(leaves)  # they point into the graph's memory pool
+        q = torch.quantile(torch.tensor(times, dtype=torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
+        return tuple(q.tolist())
+
     def peak_memory(self, run: Callable, leaves: Sequence[torch.Tensor]) -> int | None:
         """Bytes allocated at the peak of one run above what was allocated before it (inputs, g)."""
         if self.device != "cuda":
@@ -172,6 +236,15 @@ def _measure(provider_name: str, fn: Callable, mode: str, inputs, g, timer: Time
         if mode == "fwdbwd":
             found["peak_mem_bytes"] = timer.peak_memory(run, leaves)
             found["host_us"] = timer.host_us(run, leaves, ms)
+        if timer.device == "cuda":
+            try:
+                dev = timer.device_ms(run, leaves, ms)
+                if dev[0] > 0:
+                    found["dev_ms"], found["dev_ms_p20"], found["dev_ms_p80"] = dev
+                else:
+                    found["dev_reason"] = "below what the flush subtraction resolves"
+            except Exception as e:  # e.g. a provider that synchronizes or reads back a value mid-call
+                found["dev_reason"] = "not capturable in a CUDA graph: " + _error(e)
     _clear_grads(leaves)
     return found
 
@@ -200,10 +273,15 @@ def _provider_rows(name, op, inputs, g, base, why_not, cfg, timer, copy_gbps, re
         if row["status"] == "ok":
             row["GBps"] = roofline.gbps(row["bytes"], row["ms"])
             row["pct_copy"] = 100.0 * row["GBps"] / copy_gbps
+            if row.get("dev_ms"):
+                row["dev_pct_copy"] = 100.0 * roofline.gbps(row["bytes"], row["dev_ms"]) / copy_gbps
             if name == "tritongrad":
                 reference[mode] = row["ms"]
+                reference["dev", mode] = row.get("dev_ms")
             elif mode in reference:
                 row["speedup"] = row["ms"] / reference[mode]
+                if row.get("dev_ms") and reference.get(("dev", mode)):
+                    row["dev_speedup"] = row["dev_ms"] / reference["dev", mode]
         yield row
 
 
@@ -225,7 +303,7 @@ def sweep(cfg: Config, device: str, timer: Timer, copy_gbps: float, probes: dict
                     inputs = op.inputs(N, D, dtype, device)
                     with torch.no_grad():
                         g = torch.randn_like(op.bind(op.torch_fn)(*inputs))
-                reference: dict[str, float] = {}
+                reference: dict = {}
                 for name in cfg.providers:
                     yield from _provider_rows(
                         name, op, inputs, g, base, why_not or probes[name][1], cfg, timer, copy_gbps, reference

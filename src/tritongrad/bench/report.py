@@ -21,6 +21,7 @@ import tritongrad
 ROW_FIELDS = (
     "op", "dtype", "shape", "N", "D", "itemsize", "mode", "provider", "status", "reason",
     "ms", "ms_p20", "ms_p80", "bytes", "GBps", "pct_copy", "speedup", "peak_mem_bytes", "host_us",
+    "dev_ms", "dev_ms_p20", "dev_ms_p80", "dev_pct_copy", "dev_speedup", "dev_reason",
 )
 # Repeated on every CSV row, so a row read on its own still says where it came from.
 TAGS = ("gpu", "torch", "triton", "git_sha", "date")
@@ -69,11 +70,11 @@ def _num(value, fmt: str, width: int) -> str:
 LEGEND = (
     "median/p20/p80: ms per call; GB/s: the op's bytes formula / median; %copy: of the copy bandwidth; "
     "tg x: this provider's time / tritongrad's; peak MiB (fwdbwd): above the inputs; host us (fwdbwd): "
-    "wall time per call, back to back"
+    "wall time per call, back to back; dev ms, dev%: GPU time without the host (CUDA graph) and its %copy"
 )
 HEADER = (
     f"{'op':<13} {'dtype':<5} {'shape':<13} {'mode':<6} {'provider':<14} {'median ms':>10} {'p20':>9} {'p80':>9} "
-    f"{'GB/s':>8} {'%copy':>6} {'tg x':>7} {'peak MiB':>9} {'host us':>9}"
+    f"{'GB/s':>8} {'%copy':>6} {'tg x':>7} {'peak MiB':>9} {'host us':>9} {'dev ms':>9} {'dev%':>6}"
 )
 
 
@@ -85,7 +86,8 @@ def line(row: dict) -> str:
     return (
         f"{head} {_num(row['ms'], '.4f', 10)} {_num(row['ms_p20'], '.4f', 9)} {_num(row['ms_p80'], '.4f', 9)} "
         f"{_num(row['GBps'], '.1f', 8)} {_num(row['pct_copy'], '.1f', 6)} {_num(row.get('speedup'), '.3g', 7)} "
-        f"{_num(peak / 2**20 if peak is not None else None, '.1f', 9)} {_num(row.get('host_us'), '.1f', 9)}"
+        f"{_num(peak / 2**20 if peak is not None else None, '.1f', 9)} {_num(row.get('host_us'), '.1f', 9)} "
+        f"{_num(row.get('dev_ms'), '.4f', 9)} {_num(row.get('dev_pct_copy'), '.1f', 6)}"
     )
 
 
@@ -107,28 +109,37 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def _speedup_cell(here: list[dict], provider: str) -> str:
+    """Geometric-mean speedup over ``provider``, "call / device" when device times exist."""
+    speedups = [r["speedup"] for r in here if r["provider"] == provider and r.get("speedup")]
+    dev = [r["dev_speedup"] for r in here if r["provider"] == provider and r.get("dev_speedup")]
+    if not speedups:
+        return "-"
+    return f"{_geomean(speedups):.3g}x" + (f" / {_geomean(dev):.3g}x" if dev else "")
+
+
 def summary(rows: list[dict], providers: list[str]) -> list[str]:
     """Per op, dtype and mode: tritongrad's share of copy bandwidth at its largest measured size, and its
-    speedup over each provider (geometric mean over the shapes both ran); then the host time per fwd+bwd
-    call at the smallest shape, the latency regime."""
+    speedup over each provider (geometric mean over the shapes both ran), per call and on the device;
+    then the host time per fwd+bwd call at the smallest shape, the latency regime."""
     ok = [r for r in rows if r["status"] == "ok"]
     others = [p for p in providers if p != "tritongrad"]
     keys = list(dict.fromkeys((r["op"], r["dtype"], r["mode"]) for r in rows))
     lines = [
-        "== summary: tritongrad's % of copy bandwidth at its largest size; its speedup over each provider "
-        "(geometric mean over shapes, > 1: tritongrad faster)",
-        f"{'op':<13} {'dtype':<5} {'mode':<6} {'tritongrad %copy':>26} " + " ".join(f"{p:>14}" for p in others),
+        "== summary: tritongrad's % of copy bandwidth at its largest size, per call / device time; its speedup "
+        "over each provider (geometric mean over shapes, per call / device time; > 1: tritongrad faster)",
+        f"{'op':<13} {'dtype':<5} {'mode':<6} {'tritongrad %copy':>30} " + " ".join(f"{p:>18}" for p in others),
     ]
     for op, dtype, mode in keys:
         here = [r for r in ok if (r["op"], r["dtype"], r["mode"]) == (op, dtype, mode)]
         tg = [r for r in here if r["provider"] == "tritongrad"]
         top = max(tg, key=lambda r: r["bytes"], default=None)
-        share = f"{top['pct_copy']:.1f}% at {top['shape']}" if top else "-"
-        cells = []
-        for p in others:
-            speedups = [r["speedup"] for r in here if r["provider"] == p and r.get("speedup")]
-            cells.append(f"{_geomean(speedups):.3g}x" if speedups else "-")
-        lines.append(f"{op:<13} {dtype:<5} {mode:<6} {share:>26} " + " ".join(f"{c:>14}" for c in cells))
+        share = "-"
+        if top:
+            dev = f" / {top['dev_pct_copy']:.1f}%" if top.get("dev_pct_copy") else ""
+            share = f"{top['pct_copy']:.1f}%{dev} at {top['shape']}"
+        cells = [_speedup_cell(here, p) for p in others]
+        lines.append(f"{op:<13} {dtype:<5} {mode:<6} {share:>30} " + " ".join(f"{c:>18}" for c in cells))
 
     host = [r for r in ok if r.get("host_us") is not None]
     if host:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import _runtime as rt
 from .kernels import _column_sum_kernel
 
 _kernel = rt.Kernel(_column_sum_kernel)
+
+_MIN_BLOCK_M = 32
+_TILE = 4096  # elements of the partial buffer a program sums per step (32 per thread at 4 warps)
 
 
 def column_sum(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -18,11 +23,19 @@ def column_sum(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     P, M = part.shape
     if M == 0:
         return out
-    BLOCK_M = min(rt.next_pow2(M), 256)
-    BLOCK_P = min(rt.next_pow2(P), max(1, 4096 // BLOCK_M))
-    grid = (rt.cdiv(M, BLOCK_M),)
-    _kernel[grid](
+    BLOCK_M, BLOCK_P = _plan(P, M, rt.sm_count(part.device))
+    _kernel[(rt.cdiv(M, BLOCK_M),)](
         part, out, P, M, part.stride(0), out.stride(0),
         BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, ACC=rt.tl_acc_dtype(part.dtype),
     )
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(P: int, M: int, sms: int) -> tuple[int, int]:
+    # Columns per program: narrow enough that there is about one program per SM (a [264, 4096] partial
+    # buffer over 16 programs of 256 columns took 13 us on an H200, a fifth of the bandwidth), but at least
+    # 32 float32 columns, so each row segment a program reads is a whole 128-byte line.
+    BLOCK_M = min(rt.next_pow2(M), max(_MIN_BLOCK_M, min(256, rt.next_pow2(rt.cdiv(M, sms)))))
+    BLOCK_P = min(rt.next_pow2(P), max(1, _TILE // BLOCK_M))
+    return BLOCK_M, BLOCK_P
