@@ -132,58 +132,55 @@ class Timer:
         self.sync()
         return (time.perf_counter() - start) / calls * 1e6
 
-    def device_ms(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> tuple[float, float, float]:
+    def device_ms(self, make_run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> tuple[float, float, float]:
         """Median, 20th and 80th percentile of the GPU time of one run, host overhead excluded: replays of a
-        CUDA graph of n (flush L2, run) minus the mean replay of a graph of n flushes, over n."""
+        CUDA graph of n (flush L2, run) minus the mean replay of a graph of n flushes, over n.
+
+        Everything runs on one side stream, the runner's setup included: autograd runs a backward's kernels
+        on the stream its forward ran on, so a ``bwd`` runner's forward must run where the capture happens.
+        """
         import triton
 
         n = max(3, min(100, int(GRAPH_MS / max(median_ms, 1e-3))))
         cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
-
-        def flush_and_run():
-            _clear_grads(leaves)
-            cache.zero_()
-            run()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
 
         def capture(body) -> torch.cuda.CUDAGraph:
-            # Warm-up on a side stream first, as torch.cuda.graph asks of code captured for the first time.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                body()
-            torch.cuda.current_stream().wait_stream(side)
-            # A backward runs on autograd's device thread: "thread_local" forbids unsafe CUDA calls only on
-            # this thread, not on that one. One retry: on an H200 (torch 2.11) the first capture of a backward
-            # in a process failed once with "operation failed due to a previous error during capture", and
-            # every later one succeeded.
-            for attempt in (1, 2):
-                graph = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                        for _ in range(n):
-                            body()
-                    return graph
-                except Exception:
-                    _clear_grads(leaves)
-                    if attempt == 2:
-                        raise
+            body()  # warm-up on the side stream, as torch.cuda.graph asks of code captured the first time
+            graph = torch.cuda.CUDAGraph()
+            # "thread_local": a backward runs on autograd's device thread, whose calls this capture, begun
+            # on this thread, must not forbid.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                for _ in range(n):
+                    body()
+            return graph
 
         def replay(graph) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             graph.replay()
-            end.record()
+            end.record(stream)
             end.synchronize()
             return start.elapsed_time(end)
 
         try:
-            flushes = capture(cache.zero_)
-            runs = capture(flush_and_run)
-            replay(runs)
-            flush_ms = sum(replay(flushes) for _ in range(GRAPH_REPLAYS)) / GRAPH_REPLAYS
-            times = [(replay(runs) - flush_ms) / n for _ in range(GRAPH_REPLAYS)]
+            with torch.cuda.stream(stream):
+                run = make_run()
+
+                def flush_and_run():
+                    _clear_grads(leaves)
+                    cache.zero_()
+                    run()
+
+                flushes = capture(cache.zero_)
+                runs = capture(flush_and_run)
+                replay(runs)
+                flush_ms = sum(replay(flushes) for _ in range(GRAPH_REPLAYS)) / GRAPH_REPLAYS
+                times = [(replay(runs) - flush_ms) / n for _ in range(GRAPH_REPLAYS)]
         finally:
             _clear_grads(leaves)  # they point into the graph's memory pool
+            torch.cuda.current_stream().wait_stream(stream)
         q = torch.quantile(torch.tensor(times, dtype=torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
         return tuple(q.tolist())
 
@@ -238,7 +235,7 @@ def _measure(provider_name: str, fn: Callable, mode: str, inputs, g, timer: Time
             found["host_us"] = timer.host_us(run, leaves, ms)
         if timer.device == "cuda":
             try:
-                dev = timer.device_ms(run, leaves, ms)
+                dev = timer.device_ms(lambda: _RUNNERS[mode](fn, inputs, g), leaves, ms)
                 if dev[0] > 0:
                     found["dev_ms"], found["dev_ms_p20"], found["dev_ms_p80"] = dev
                 else:
