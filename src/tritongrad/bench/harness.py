@@ -15,8 +15,8 @@ many calls (in the latency regime, launch and Python overhead are what that meas
 Two times per row on a GPU. ``ms`` is ``triton.testing.do_bench``: each call issued from Python after an
 L2 flush, so it includes whatever part of the host's work per call (Python, autograd, launches) the GPU
 cannot hide; on a slow host that can exceed the kernels' time even at 256 MB. ``dev_ms`` takes the host
-out: the same calls captured in a CUDA graph (each after an L2 flush) and replayed, minus a graph of the
-flushes alone. ``ms`` is what one eager call costs; ``dev_ms`` is what the GPU spends, the figure a
+out (``fwd`` and ``fwdbwd`` rows): the same calls captured in a CUDA graph (each after an L2 flush) and
+replayed, minus a graph of the flushes alone. ``ms`` is what one eager call costs; ``dev_ms`` is what the GPU spends, the figure a
 kernel's distance from the copy bandwidth is judged by (``dev_pct_copy``).
 """
 
@@ -132,13 +132,12 @@ class Timer:
         self.sync()
         return (time.perf_counter() - start) / calls * 1e6
 
-    def device_ms(self, make_run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> tuple[float, float, float]:
-        """Median, 20th and 80th percentile of the GPU time of one run, host overhead excluded: replays of a
-        CUDA graph of n (flush L2, run) minus the mean replay of a graph of n flushes, over n.
-
-        Everything runs on one side stream, the runner's setup included: autograd runs a backward's kernels
-        on the stream its forward ran on, so a ``bwd`` runner's forward must run where the capture happens.
-        """
+    def device_ms(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> tuple[float, float, float]:
+        """Median, 20th and 80th percentile of the GPU time of one ``fwd`` or ``fwdbwd`` run, host overhead
+        excluded: replays of a CUDA graph of n (flush L2, run) minus the mean replay of a graph of n
+        flushes, over n. Not for ``bwd``: its forward ran before, outside the capture, and autograd runs a
+        backward on its forward's stream. Capturing it failed for every provider in one H200 run (torch
+        2.11), and that run later ran out of GPU memory."""
         import triton
 
         n = max(3, min(100, int(GRAPH_MS / max(median_ms, 1e-3))))
@@ -166,7 +165,6 @@ class Timer:
 
         try:
             with torch.cuda.stream(stream):
-                run = make_run()
 
                 def flush_and_run():
                     _clear_grads(leaves)
@@ -233,9 +231,11 @@ def _measure(provider_name: str, fn: Callable, mode: str, inputs, g, timer: Time
         if mode == "fwdbwd":
             found["peak_mem_bytes"] = timer.peak_memory(run, leaves)
             found["host_us"] = timer.host_us(run, leaves, ms)
-        if timer.device == "cuda":
+        if timer.device == "cuda" and mode == "bwd":
+            found["dev_reason"] = "not measured for bwd (see Timer.device_ms); fwdbwd minus fwd bounds it"
+        elif timer.device == "cuda":
             try:
-                dev = timer.device_ms(lambda: _RUNNERS[mode](fn, inputs, g), leaves, ms)
+                dev = timer.device_ms(run, leaves, ms)
                 if dev[0] > 0:
                     found["dev_ms"], found["dev_ms_p20"], found["dev_ms_p80"] = dev
                 else:
