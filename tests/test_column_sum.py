@@ -1,0 +1,52 @@
+"""The second stage of every column reduction, on its own: ``out = part.sum(0)`` in a fixed order."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from tritongrad import _runtime as rt
+from tritongrad.ops.column_sum import launch as cs
+
+
+# (P, M): why each is here
+SHAPES = [
+    (1, 1),        # one partial row, one column
+    (7, 33),       # M just past one 32-column block: a masked second block
+    (264, 4096),   # a norm's partial buffer at D=4096 (2 programs x 132 SMs): the case the plan is tuned for
+    (300, 100),    # P not a multiple of the row step: masked rows in the last step
+    (3, 70000),    # very wide: 256-column blocks
+]
+
+
+@pytest.mark.parametrize("P,M", SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_matches_float64_sum(P, M, out_dtype):
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    part = torch.randn(P, M, dtype=acc, device=DEVICE)
+    out = torch.empty(M, dtype=out_dtype, device=DEVICE)
+    cs.column_sum(part, out)
+    want = part.double().sum(0)
+    # float32 accumulation of P terms of size ~1, then one rounding to out_dtype.
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5 * P**0.5, torch.bfloat16: 2 ** -7}[out_dtype]
+    torch.testing.assert_close(out.double(), want, atol=tol * max(1.0, P**0.5), rtol=tol)
+
+
+def test_bitwise_reproducible_and_strided_out():
+    part = torch.randn(264, 4096, device=DEVICE)
+    wide = torch.empty(4096, 2, device=DEVICE)
+    cs.column_sum(part, wide[:, 0])  # out with stride 2
+    again = torch.empty(4096, device=DEVICE)
+    cs.column_sum(part, again)
+    assert torch.equal(wide[:, 0], again)
+
+
+@pytest.mark.parametrize("M", [1, 64, 4096, 16384, 70000])
+def test_plan_fills_the_gpu_with_whole_lines(M):
+    """On 132 SMs: about one program per SM where M allows, never blocks narrower than a 128-byte line of
+    float32 (unless M itself is), never wider than 256 columns; a step covers at most 4096 elements."""
+    BLOCK_M, BLOCK_P = cs._plan(264, M, 132)
+    assert BLOCK_M >= min(32, rt.next_pow2(M)) and BLOCK_M <= 256
+    assert BLOCK_M * BLOCK_P <= 4096
+    programs = rt.cdiv(M, BLOCK_M)
+    if M >= 32 * 132:  # wide enough for one 32-column block per SM
+        assert 66 <= programs <= 2 * 132 or BLOCK_M == 256
