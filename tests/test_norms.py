@@ -23,7 +23,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [
     ((1,), (64,)),          # one row
     ((5,), (37,)),          # D not a power of two, N not a multiple of the row tile: both masks active
-    ((3,), (20000,)),       # D > FWD/BWD_MAX_BLOCK_D: rows walked in chunks, row-sum pass, column split
+    ((3,), (20000,)),       # D > FWD/BWD_MAX_BLOCK_D, few rows: chunks, row passes split across columns
+    ((5,), (16500,)),       # D > FWD/BWD_MAX_BLOCK_D, a row tile per "SM": chunks, whole-row passes
     ((300,), (24,)),        # several row chunks: dw/db go through the partial buffer and column_sum
     ((2, 3), (20,)),        # 3-D input
     ((2, 2, 3), (9,)),      # 4-D input
@@ -111,12 +112,24 @@ def small_tiles():
     sizes the interpreter runs quickly."""
     saved = nc.FWD_MAX_BLOCK_D, nc.BWD_MAX_BLOCK_D, nc.CHUNK_D
     nc.FWD_MAX_BLOCK_D, nc.BWD_MAX_BLOCK_D, nc.CHUNK_D = 8, 8, 4
-    nc.fwd_plan.cache_clear()
-    nc.bwd_plan.cache_clear()
+    _clear_plans()
     yield
     nc.FWD_MAX_BLOCK_D, nc.BWD_MAX_BLOCK_D, nc.CHUNK_D = saved
-    nc.fwd_plan.cache_clear()
-    nc.bwd_plan.cache_clear()
+    _clear_plans()
+
+
+@pytest.fixture
+def whole_rows(monkeypatch):
+    """Chunked rows are never split across columns, however few: the single-pass-per-row kernels."""
+    monkeypatch.setattr(nc, "SPLIT_PROGS_PER_SM", 0)
+    _clear_plans()
+    yield
+    _clear_plans()
+
+
+def _clear_plans():
+    for plan in (nc.fwd_plan, nc.bwd_plan, nc.column_split):
+        plan.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,16 +144,27 @@ def test_shapes_and_dtypes(norm, lead, ns, dtype):
 def test_shape_comments_hold():
     # The reasons given in SHAPES rely on these launch decisions (4 "SMs" off the GPU).
     assert not nc.fwd_plan(3, 20000).ONE_TILE and nc.bwd_plan(3, 20000, 4)[1] > 1   # chunked, column split
+    assert nc.column_split(3, 20000, nc.fwd_plan(3, 20000), 4)[0] > 1                # split row passes
+    assert nc.column_split(3, 20000, nc.bwd_plan(3, 20000, 4)[0], 4)[0] > 1
+    assert not nc.fwd_plan(5, 16500).ONE_TILE and not nc.bwd_plan(5, 16500, 4)[0].ONE_TILE
+    assert nc.column_split(5, 16500, nc.fwd_plan(5, 16500), 4)[0] == 1               # whole-row passes
+    assert nc.column_split(5, 16500, nc.bwd_plan(5, 16500, 4)[0], 4)[0] == 1
     assert nc.bwd_plan(300, 24, 4)[2] > 1                                            # several partial rows
     assert nc.bwd_plan(1000, 8, 4)[2] > 1                                            # determinism test
     assert 5 % nc.fwd_plan(5, 37).BLOCK_N and 5 % nc.bwd_plan(5, 37, 4)[0].BLOCK_N   # ragged row tile
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["column-split", "whole-rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("lead,ns", [((5,), (13,)), ((3, 2), (2, 7)), ((300,), (9,))], ids=str)
 @pytest.mark.parametrize("norm", NORMS)
-def test_chunked_path(norm, lead, ns, dtype, small_tiles):
-    assert not nc.fwd_plan(math.prod(lead), math.prod(ns)).ONE_TILE
+def test_chunked_path(norm, lead, ns, dtype, split, small_tiles, request):
+    # With tiles this small every shape here is one row tile, fewer than the 4 "SMs": split by default.
+    if not split:
+        request.getfixturevalue("whole_rows")
+    N, D = math.prod(lead), math.prod(ns)
+    t = nc.fwd_plan(N, D)
+    assert not t.ONE_TILE and (nc.column_split(N, D, t, 4)[0] > 1) == split
     x = (2 * torch.randn(*lead, *ns, device=DEVICE) + (40.0 if norm == "layer_norm" else 0)).to(dtype)
     w, b = params(norm, ns, dtype)
     check(norm, x, ns, w, b)

@@ -20,6 +20,9 @@ BWD_TILE = 4096  # likewise for the backward
 # of copy bandwidth, RMSNorm), 1 for 16-warp tiles (16384x8192: 83% -> 89%), whose registers fill an SM.
 BWD_PROGS_PER_SM = 2
 BWD_PROGS_PER_SM_WIDE = 1
+# Rows walked in chunks, but fewer row tiles than SMs (e.g. 16 x 1M): the row passes (forward statistics,
+# normalisation, the backward's row sums) also split the columns, for about this many programs per SM.
+SPLIT_PROGS_PER_SM = 4
 
 
 @functools.lru_cache(maxsize=1024)
@@ -37,6 +40,18 @@ def bwd_plan(N: int, D: int, sms: int) -> tuple[rt.RowTile, int, int, int]:
     per_sm = BWD_PROGS_PER_SM if t.num_warps <= 8 else BWD_PROGS_PER_SM_WIDE
     chunks, rows_per_prog = rt.row_split(N, t.BLOCK_N, sms, d_blocks, per_sm)
     return t, d_blocks, chunks, rows_per_prog
+
+
+@functools.lru_cache(maxsize=1024)
+def column_split(N: int, D: int, t: rt.RowTile, sms: int) -> tuple[int, int]:
+    """``(splits, columns per split)`` for a row pass over tile ``t``: ``(1, D)`` unless rows are walked
+    in chunks and there are fewer row tiles than SMs; splits are whole chunks, only the last is ragged."""
+    row_tiles = rt.cdiv(N, t.BLOCK_N)
+    if t.ONE_TILE or row_tiles >= sms or SPLIT_PROGS_PER_SM == 0:
+        return 1, D
+    splits = min(rt.cdiv(D, t.BLOCK_D), rt.cdiv(SPLIT_PROGS_PER_SM * sms, row_tiles))
+    per_split = rt.cdiv(rt.cdiv(D, splits), t.BLOCK_D) * t.BLOCK_D
+    return rt.cdiv(D, per_split), per_split
 
 
 def shape_tuple(normalized_shape) -> tuple:

@@ -40,7 +40,10 @@ and y = b.
 Shapes of the launch are those of rms_norm (see ops/rms_norm/kernels.py): forward one read of a row held
 in registers (two when the row is walked in chunks); backward over (row chunk, column block) with the dw
 and db partials summed in registers into rows of float partial buffers that ``column_sum`` reduces in a
-fixed order; for long rows c1 and c2 come from a separate row pass.
+fixed order; for long rows c1 and c2 come from a separate row pass. Few long rows split the row passes
+across columns as rms_norm's do; the forward's splits write (mean, M2) of x - K over their columns, and
+PHASE 2 merges them with Chan's update in a fixed order (a split merges like a chunk, so the statistics
+stay free of cancellation).
 """
 
 import triton
@@ -73,6 +76,7 @@ def _layer_norm_fwd_kernel(
     y_ptr,  # [N, D], unit column stride
     mean_ptr,  # [N], ACC
     rstd_ptr,  # [N], ACC
+    part_ptr,  # [2, NUM_SPLITS, N], ACC: each column split's mean and M2 of x - K (PHASE 1 writes, 2 reads)
     N,
     D,
     stride_x_row,
@@ -81,15 +85,19 @@ def _layer_norm_fwd_kernel(
     stride_b,
     stride_y_row,
     eps,
+    D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
+    NUM_SPLITS,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ONE_TILE: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
     ACC: tl.constexpr,
 ):
     # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
     o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     p_x = x_ptr + o_n[:, None] * stride_x_row
@@ -114,36 +122,57 @@ def _layer_norm_fwd_kernel(
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
         # Rows too long for registers: per-chunk mean and M2 of x - K, merged with Chan's update (stable),
-        # then a second read to normalise.
+        # then a second read to normalise. With few rows the columns are split across programs too:
+        # PHASE 1 writes each split's (mean, M2), PHASE 2 merges them in a fixed order, the same update
+        # with a split for a chunk, and normalises its split.
+        d_lo = pid_s * D_SPLIT
+        d_hi = tl.minimum(D, d_lo + D_SPLIT)
         b_mean = tl.zeros([BLOCK_N], dtype=ACC)
         b_m2 = tl.zeros([BLOCK_N], dtype=ACC)
-        for d0 in range(0, D, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D)
-            mask = m_n[:, None] & (o_d < D)[None, :]
-            b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-            b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
-            # Column counts in ACC (float32 would cap a float64 merge at float32 accuracy): n_a before
-            # this chunk, n_b valid in it.
-            n_a = tl.zeros([BLOCK_N], dtype=ACC) + d0
-            n_b = tl.minimum(n_a * 0 + (D - d0), BLOCK_D)
-            c_mean = tl.sum(b_x, axis=1) / n_b
-            b_xc = tl.where(mask, b_x - c_mean[:, None], 0.0)
-            delta = c_mean - b_mean
-            f_b = n_b / (n_a + n_b)
-            b_mean += delta * f_b
-            b_m2 += tl.sum(b_xc * b_xc, axis=1) + delta * delta * (n_a * f_b)
-        b_rstd = tl.rsqrt(b_m2 / D + eps)
-        for d0 in range(0, D, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D)
-            m_d = o_d < D
-            mask = m_n[:, None] & m_d[None, :]
-            b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-            b_xhat = ((b_x - b_k[:, None]) - b_mean[:, None]) * b_rstd[:, None]
-            b_y = _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
-            tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
-        b_mean += b_k
-    tl.store(mean_ptr + o_n, b_mean, mask=m_n)
-    tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
+        if PHASE == 2:
+            for s in range(0, NUM_SPLITS):
+                n_a = tl.zeros([BLOCK_N], dtype=ACC) + s * D_SPLIT
+                n_b = tl.minimum(n_a * 0 + (D - s * D_SPLIT), D_SPLIT)
+                c_mean = tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
+                c_m2 = tl.load(part_ptr + (NUM_SPLITS + s) * N + o_n, mask=m_n, other=0.0)
+                delta = c_mean - b_mean
+                f_b = n_b / (n_a + n_b)
+                b_mean += delta * f_b
+                b_m2 += c_m2 + delta * delta * (n_a * f_b)
+        else:
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                mask = m_n[:, None] & (o_d < d_hi)[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
+                # Column counts in ACC (float32 would cap a float64 merge at float32 accuracy): n_a before
+                # this chunk, n_b valid in it.
+                n_a = tl.zeros([BLOCK_N], dtype=ACC) + (d0 - d_lo)
+                n_b = tl.minimum(n_a * 0 + (d_hi - d0), BLOCK_D)
+                c_mean = tl.sum(b_x, axis=1) / n_b
+                b_xc = tl.where(mask, b_x - c_mean[:, None], 0.0)
+                delta = c_mean - b_mean
+                f_b = n_b / (n_a + n_b)
+                b_mean += delta * f_b
+                b_m2 += tl.sum(b_xc * b_xc, axis=1) + delta * delta * (n_a * f_b)
+        if PHASE == 1:
+            tl.store(part_ptr + pid_s * N + o_n, b_mean, mask=m_n)
+            tl.store(part_ptr + (NUM_SPLITS + pid_s) * N + o_n, b_m2, mask=m_n)
+        else:
+            b_rstd = tl.rsqrt(b_m2 / D + eps)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                m_d = o_d < d_hi
+                mask = m_n[:, None] & m_d[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                b_xhat = ((b_x - b_k[:, None]) - b_mean[:, None]) * b_rstd[:, None]
+                b_y = _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
+                tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
+            b_mean += b_k
+    if PHASE != 1:
+        if pid_s == 0:  # one split of a row writes its statistics
+            tl.store(mean_ptr + o_n, b_mean, mask=m_n)
+            tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
 
 
 @triton.jit
@@ -162,23 +191,29 @@ def _layer_norm_bwd_rowsum_kernel(
     stride_dy_row,
     stride_dy_col,
     stride_c,
+    D_SPLIT,  # columns per program along grid axis 1 (D when rows are not split)
+    stride_c_split,  # between the partial [2, N] blocks of column splits
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_W: tl.constexpr,
     ACC: tl.constexpr,
 ):
     # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
-    # split columns across programs.
+    # split columns across programs. With few rows the columns are split here too; the splits' partial
+    # sums are then added by column_sum.
     pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
     o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
+    d_lo = pid_s * D_SPLIT
+    d_hi = tl.minimum(D, d_lo + D_SPLIT)
     b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
     b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
     acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(d_lo, d_hi, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D)
-        m_d = o_d < D
+        m_d = o_d < d_hi
         o_d64 = o_d.to(tl.int64)
         mask = m_n[:, None] & m_d[None, :]
         b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
@@ -189,8 +224,9 @@ def _layer_norm_bwd_rowsum_kernel(
         # g is 0 on masked lanes, so (0 - mean) there adds nothing.
         acc1 += b_g * (b_x.to(ACC) - b_mean[:, None])
         acc2 += b_g
-    tl.store(c_ptr + o_n, tl.sum(acc1, axis=1) * b_rstd / D, mask=m_n)
-    tl.store(c_ptr + stride_c + o_n, tl.sum(acc2, axis=1) / D, mask=m_n)
+    p_c = c_ptr + pid_s * stride_c_split + o_n
+    tl.store(p_c, tl.sum(acc1, axis=1) * b_rstd / D, mask=m_n)
+    tl.store(p_c + stride_c, tl.sum(acc2, axis=1) / D, mask=m_n)
 
 
 @triton.jit

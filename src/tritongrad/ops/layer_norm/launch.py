@@ -10,7 +10,9 @@ Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx
             read x and dy)
   Rows longer than one register tile (D > FWD_MAX_BLOCK_D = 16384 in the forward, D > BWD_MAX_BLOCK_D = 8192
   in the backward; ops/_norm_common.py) read x twice in the forward (the second read partly from L2) and
-  x and dy twice in the backward (a row pass for the row sums first).
+  x and dy twice in the backward (a row pass for the row sums first). With fewer row tiles than SMs
+  those row passes also split the columns (ops/_norm_common.py, column_split), adding S*N floats of
+  partial statistics (S splits) to each pass.
 Measured on an H200 (torch 2.11, triton 3.6) at 32768x4096 bf16, kernels alone: forward 138 us, 94% of the
 device-to-device copy bandwidth; backward 243 us, 80%.
 Launch plans (tiles, warps, programs per SM) are shared with rms_norm: see ops/_norm_common.py.
@@ -50,11 +52,15 @@ def _forward(x, normalized_shape, weight, bias, eps):
         return y, mean.fill_(0.0), rstd.fill_(0.0)
     w, b = nc.flat(weight), nc.flat(bias)
     t = nc.fwd_plan(N, D)
-    _fwd_kernel[(rt.cdiv(N, t.BLOCK_N),)](
-        x2, w, b, y, mean, rstd, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps,
-        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_B=b is not None,
-        ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
-    )
+    splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
+    # Column-split rows: each split's (mean, M2) first (PHASE 1), then the merge and normalisation (PHASE 2).
+    part = rstd if splits == 1 else torch.empty((2, splits, N), dtype=acc, device=x.device)
+    for phase in (0,) if splits == 1 else (1, 2):
+        _fwd_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+            x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps,
+            d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
+            HAS_B=b is not None, PHASE=phase, ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
+        )
     return y, mean, rstd
 
 
@@ -75,14 +81,21 @@ def _backward(dy, args, residuals, needs):
     w = nc.flat(weight)
     acc = rstd.dtype
     ACC = rt.tl_acc_dtype(acc)
-    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, rt.sm_count(x.device))
+    sms = rt.sm_count(x.device)
+    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms)
     c = None
     if need_x and not t.ONE_TILE:
         c = torch.empty((2, N), dtype=acc, device=x.device)
-        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N),)](
-            x2, w, dy2, mean, rstd, c, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0), dy2.stride(1),
-            c.stride(0), BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
+        splits, d_split = nc.column_split(N, D, t, sms)
+        # Column-split rows: partial [c1; c2] blocks per split, added by column_sum.
+        c_part = c if splits == 1 else torch.empty((splits, 2 * N), dtype=acc, device=x.device)
+        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+            x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
+            dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
+            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
         )
+        if splits > 1:
+            column_sum(c_part, c.view(-1))
 
     def partial(grad):  # the grad itself when one program covers all rows, else a float partial buffer
         if grad is None:

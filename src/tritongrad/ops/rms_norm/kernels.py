@@ -38,6 +38,12 @@ each program owns a contiguous chunk of rows and BLOCK_D columns, writes dL/dx f
 dL/dw partial in registers into one row of a float partial buffer, which ``column_sum`` then reduces in a
 fixed order (deterministic, no atomics). When a row does not fit one tile, c[n] comes from a separate row
 pass (``_rms_norm_bwd_rowsum_kernel``) so that columns can be split across programs.
+
+Few long rows (fewer row tiles than SMs, e.g. 16 x 1M): one program per row would leave most SMs idle, so
+the row passes split the columns too. Forward: PHASE 1 programs write the sum of squares of their column
+split, PHASE 2 programs add the splits' sums in a fixed order and normalise their split. Backward: each
+split writes its part of c[n], and ``column_sum`` adds the parts in a fixed order. Sums of squares and
+row sums are additive over columns, so the split changes only the order of float additions.
 """
 
 import triton
@@ -67,6 +73,7 @@ def _rms_norm_fwd_kernel(
     w_ptr,
     y_ptr,  # [N, D], unit column stride
     rstd_ptr,  # [N], ACC
+    part_ptr,  # [NUM_SPLITS, N], ACC: each column split's sum of squares (PHASE 1 writes, PHASE 2 reads)
     N,
     D,
     stride_x_row,
@@ -74,15 +81,19 @@ def _rms_norm_fwd_kernel(
     stride_w,
     stride_y_row,
     eps,
+    D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
+    NUM_SPLITS,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ONE_TILE: tl.constexpr,
     HAS_W: tl.constexpr,
     ROUND_XHAT: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
     ACC: tl.constexpr,
 ):
     # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
     o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     p_x = x_ptr + o_n[:, None] * stride_x_row
@@ -100,22 +111,37 @@ def _rms_norm_fwd_kernel(
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
         # Rows too long for registers: sum of squares over chunks, then a second read to normalise
-        # (for a few rows per SM the second read mostly hits L2).
-        acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-        for d0 in range(0, D, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D)
-            mask = m_n[:, None] & (o_d < D)[None, :]
-            b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-            acc += b_x * b_x
-        b_rstd = tl.rsqrt(tl.sum(acc, axis=1) / D + eps)
-        for d0 in range(0, D, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D)
-            m_d = o_d < D
-            mask = m_n[:, None] & m_d[None, :]
-            b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-            b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
-            tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
+        # (for a few rows per SM the second read mostly hits L2). With few rows the columns are split
+        # across programs too: PHASE 1 writes each split's sum of squares, PHASE 2 adds them in a fixed
+        # order and normalises its split.
+        d_lo = pid_s * D_SPLIT
+        d_hi = tl.minimum(D, d_lo + D_SPLIT)
+        if PHASE == 2:
+            b_ss = tl.zeros([BLOCK_N], dtype=ACC)
+            for s in range(0, NUM_SPLITS):
+                b_ss += tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                mask = m_n[:, None] & (o_d < d_hi)[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                acc += b_x * b_x
+            b_ss = tl.sum(acc, axis=1)
+        if PHASE == 1:
+            tl.store(part_ptr + pid_s * N + o_n, b_ss, mask=m_n)
+        else:
+            b_rstd = tl.rsqrt(b_ss / D + eps)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                m_d = o_d < d_hi
+                mask = m_n[:, None] & m_d[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
+                tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
+    if PHASE != 1:
+        if pid_s == 0:  # one split of a row writes its statistics
+            tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
 
 
 @triton.jit
@@ -124,7 +150,7 @@ def _rms_norm_bwd_rowsum_kernel(
     w_ptr,
     dy_ptr,
     rstd_ptr,
-    c_ptr,  # [N], ACC: c[n] = (1/D) sum_d g[n, d] * xhat[n, d]
+    c_ptr,  # [N], ACC: c[n] = (1/D) sum_d g[n, d] * xhat[n, d]; or [NUM_SPLITS, N] partials of it
     N,
     D,
     stride_x_row,
@@ -132,21 +158,27 @@ def _rms_norm_bwd_rowsum_kernel(
     stride_w,
     stride_dy_row,
     stride_dy_col,
+    D_SPLIT,  # columns per program along grid axis 1 (D when rows are not split)
+    stride_c_split,  # between the partial rows of column splits
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_W: tl.constexpr,
     ACC: tl.constexpr,
 ):
     # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
-    # split columns across programs.
+    # split columns across programs. With few rows the columns are split here too; the splits' partial
+    # sums are then added by column_sum.
     pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
     o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
+    d_lo = pid_s * D_SPLIT
+    d_hi = tl.minimum(D, d_lo + D_SPLIT)
     b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(d_lo, d_hi, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D)
-        m_d = o_d < D
+        m_d = o_d < d_hi
         o_d64 = o_d.to(tl.int64)
         mask = m_n[:, None] & m_d[None, :]
         b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
@@ -156,7 +188,7 @@ def _rms_norm_bwd_rowsum_kernel(
             b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
         acc += b_g * b_x.to(ACC)
     # sum_d g * xhat = r * sum_d g * x
-    tl.store(c_ptr + o_n, tl.sum(acc, axis=1) * b_rstd / D, mask=m_n)
+    tl.store(c_ptr + pid_s * stride_c_split + o_n, tl.sum(acc, axis=1) * b_rstd / D, mask=m_n)
 
 
 @triton.jit

@@ -8,7 +8,9 @@ Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx
             (only the gradients asked for are written; dw alone still reads x and dy)
   Rows longer than one register tile (D > FWD_MAX_BLOCK_D = 16384 in the forward, D > BWD_MAX_BLOCK_D = 8192
   in the backward; ops/_norm_common.py) read x twice in the forward (the second read partly from L2) and
-  x and dy twice in the backward (a row pass for the row sums first).
+  x and dy twice in the backward (a row pass for the row sums first). With fewer row tiles than SMs
+  those row passes also split the columns (ops/_norm_common.py, column_split), adding S*N floats of
+  partial statistics (S splits) to each pass.
 Measured on an H200 (torch 2.11, triton 3.6) at 32768x4096 bf16, kernels alone: forward 135 us, 96% of the
 device-to-device copy bandwidth; backward 224 us, 88%.
 Launch plans (tiles, warps, programs per SM) are shared with layer_norm: see ops/_norm_common.py.
@@ -43,11 +45,15 @@ def _launch_forward(x, k: int, weight, eps: float, llama: bool):
         return y, rstd.fill_(0.0)
     w = nc.flat(weight)
     t = nc.fwd_plan(N, D)
-    _fwd_kernel[(rt.cdiv(N, t.BLOCK_N),)](
-        x2, w, y, rstd, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, D, eps,
-        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, ROUND_XHAT=llama,
-        ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
-    )
+    splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
+    # Column-split rows: partial sums of squares first (PHASE 1), then normalisation (PHASE 2).
+    part = rstd if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
+    for phase in (0,) if splits == 1 else (1, 2):
+        _fwd_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+            x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, D, eps,
+            d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
+            ROUND_XHAT=llama, PHASE=phase, ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
+        )
     return y, rstd
 
 
@@ -64,15 +70,20 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
     w = nc.flat(weight)
     acc = rstd.dtype
     ACC = rt.tl_acc_dtype(acc)
-    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, rt.sm_count(x.device))
+    sms = rt.sm_count(x.device)
+    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms)
     c = None
     if need_x and not t.ONE_TILE:
         c = torch.empty(N, dtype=acc, device=x.device)
-        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N),)](
-            x2, w, dy2, rstd, c, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
-            dy2.stride(0), dy2.stride(1),
+        splits, d_split = nc.column_split(N, D, t, sms)
+        c_part = c if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
+        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+            x2, w, dy2, rstd, c_part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
+            dy2.stride(0), dy2.stride(1), d_split, c_part.stride(0) if splits > 1 else 0,
             BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
         )
+        if splits > 1:
+            column_sum(c_part, c)
     part = None
     if need_w:
         part = dw.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
