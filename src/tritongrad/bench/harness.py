@@ -16,8 +16,8 @@ Two times per row on a GPU. ``ms`` is ``triton.testing.do_bench``: each call iss
 L2 flush, so it includes whatever part of the host's work per call (Python, autograd, launches) the GPU
 cannot hide; on a slow host that can exceed the kernels' time even at 256 MB. ``dev_ms`` takes the host
 out (``fwd`` and ``fwdbwd`` rows): the same calls captured in a CUDA graph (each after an L2 flush) and
-replayed, minus a graph of the flushes alone. ``ms`` is what one eager call costs; ``dev_ms`` is what the GPU spends, the figure a
-kernel's distance from the copy bandwidth is judged by (``dev_pct_copy``).
+replayed, minus a graph of the flushes alone. ``ms`` is what one eager call costs; ``dev_ms`` is what the
+GPU spends, the figure a kernel's distance from the copy bandwidth is judged by (``dev_pct_copy``).
 """
 
 from __future__ import annotations

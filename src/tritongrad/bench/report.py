@@ -152,7 +152,7 @@ def summary(rows: list[dict], providers: list[str]) -> list[str]:
             cells = [f"{by[p]:.1f}" if p in by else "-" for p in providers]
             lines.append(f"{op:<13} {dtype:<5} {small:<13} " + " ".join(f"{c:>14}" for c in cells))
 
-    no_dev = [r for r in ok if r.get("dev_reason")]
+    no_dev = [r for r in ok if r.get("dev_reason") and r["mode"] != "bwd"]  # bwd rows are never captured
     if no_dev:
         lines.append(f"== {len(no_dev)} rows without a device time ('dev_reason' in the JSON/CSV), e.g.:")
         for r in list({(r["provider"], r["dev_reason"]): r for r in no_dev}.values())[:5]:
