@@ -66,7 +66,8 @@ def params(norm, D, dtype, device="cuda"):
         ((4096, 4096), torch.bfloat16, torch.float32, "contiguous"),     # mixed: bf16 activations, fp32 params
         ((1024, 8192), torch.float16, torch.float16, "contiguous"),      # longest backward register tile
         ((512, 16384), torch.bfloat16, torch.bfloat16, "contiguous"),    # fwd: longest register tile; bwd: chunked
-        ((4, 65536), torch.bfloat16, torch.bfloat16, "contiguous"),      # few huge rows: chunked fwd, column-split bwd
+        ((4, 65536), torch.bfloat16, torch.bfloat16, "contiguous"),      # few huge rows: column-split row passes
+        ((16, 1048576), torch.bfloat16, torch.float32, "contiguous"),    # the benchmark's skinny shape, mixed
         ((4, 65536), torch.float32, torch.float32, "contiguous"),
         ((262144, 64), torch.bfloat16, torch.bfloat16, "contiguous"),    # many short rows per program step
         ((3, 999, 3001), torch.bfloat16, torch.float32, "row-sliced"),   # odd sizes, 3-D, row stride != D
