@@ -137,3 +137,32 @@ def test_list_and_bad_arguments(capsys):
     assert main(["bench", "no_such_op", *ARGS]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "--shapes", "4096"])
+
+
+def test_summary_with_device_times():
+    """The GPU-only columns of the summary, from hand-made rows: per-call / device shares and speedups,
+    bwd rows (never captured) left out of the list of rows without a device time, other such rows listed."""
+    from tritongrad.bench.report import summary
+
+    def row(provider, mode, ms, dev=None, reason=None, speedup=None, dev_speedup=None):
+        r = dict(op="rms_norm", dtype="bf16", shape="8x8", N=8, D=8, mode=mode, provider=provider, status="ok",
+                 bytes=1000, ms=ms, pct_copy=50.0, speedup=speedup)
+        if dev is not None:
+            r.update(dev_ms=dev, dev_pct_copy=80.0, dev_speedup=dev_speedup)
+        if reason is not None:
+            r["dev_reason"] = reason
+        return r
+
+    rows = [
+        row("tritongrad", "fwd", 1.0, dev=0.5),
+        row("eager", "fwd", 2.0, dev=2.0, speedup=2.0, dev_speedup=4.0),
+        row("tritongrad", "bwd", 1.0, reason="not measured for bwd (see Timer.device_ms)"),
+        row("eager", "bwd", 3.0, reason="not measured for bwd (see Timer.device_ms)", speedup=3.0),
+        row("eager", "fwdbwd", 3.0, reason="not capturable in a CUDA graph: boom", speedup=1.5),
+        row("tritongrad", "fwdbwd", 2.0, dev=1.0),
+    ]
+    text = "\n".join(summary(rows, ["tritongrad", "eager"]))
+    assert "50.0% / 80.0% at 8x8" in text      # fwd: per call / device share
+    assert "2x / 4x" in text                   # fwd: per call / device speedup over eager
+    assert "3x" in text and "3x /" not in text  # bwd: per call only
+    assert "1 rows without a device time" in text and "boom" in text and "not measured for bwd" not in text
