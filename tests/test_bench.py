@@ -9,8 +9,10 @@ import json
 import math
 
 import pytest
+import torch
 
 import tritongrad
+from tritongrad.bench import harness, report
 from tritongrad.bench.ops import OPS
 from tritongrad.bench.providers import PROVIDERS
 from tritongrad.cli import main
@@ -142,8 +144,6 @@ def test_list_and_bad_arguments(capsys):
 def test_summary_with_device_times():
     """The GPU-only columns of the summary, from hand-made rows: per-call / device shares and speedups,
     bwd rows (never captured) left out of the list of rows without a device time, other such rows listed."""
-    from tritongrad.bench.report import summary
-
     def row(provider, mode, ms, dev=None, reason=None, speedup=None, dev_speedup=None):
         r = dict(op="rms_norm", dtype="bf16", shape="8x8", N=8, D=8, mode=mode, provider=provider, status="ok",
                  bytes=1000, ms=ms, pct_copy=50.0, speedup=speedup)
@@ -161,8 +161,56 @@ def test_summary_with_device_times():
         row("eager", "fwdbwd", 3.0, reason="not capturable in a CUDA graph: boom", speedup=1.5),
         row("tritongrad", "fwdbwd", 2.0, dev=1.0),
     ]
-    text = "\n".join(summary(rows, ["tritongrad", "eager"]))
+    text = "\n".join(report.summary(rows, ["tritongrad", "eager"]))
     assert "50.0% / 80.0% at 8x8" in text      # fwd: per call / device share
     assert "2x / 4x" in text                   # fwd: per call / device speedup over eager
     assert "3x" in text and "3x /" not in text  # bwd: per call only
     assert "1 rows without a device time" in text and "boom" in text and "not measured for bwd" not in text
+
+
+def test_device_time_fields_follow_their_definitions():
+    """The GPU-only row fields, with a timer that claims a GPU and returns fixed times: dev_pct_copy and
+    dev_speedup from dev_ms, bwd rows never captured, a failed capture recorded as a reason."""
+    class FixedTimer(harness.Timer):
+        def __init__(self, dev_ms):
+            super().__init__("cuda", 0.0, 0.0)
+            self.dev = dev_ms
+
+        def __call__(self, run, leaves=()):
+            run()
+            return 2.0, 1.5, 2.5
+
+        def host_us(self, run, leaves, median_ms):
+            return 10.0
+
+        def peak_memory(self, run, leaves):
+            return 0
+
+        def device_ms(self, run, leaves, median_ms):
+            if self.dev is None:
+                raise RuntimeError("capture failed")
+            return self.dev, self.dev * 0.9, self.dev * 1.1
+
+    op = OPS["weighted_sum"]
+    inputs = op.inputs(4, 64, torch.float32, "cpu")
+    g = torch.randn(4)
+    cfg = harness.Config(
+        ops=["weighted_sum"], dtypes=["fp32"], modes=list(harness.MODES), providers=["tritongrad", "eager"]
+    )
+    base = dict(op="weighted_sum", dtype="fp32", shape="4x64", N=4, D=64, itemsize=4)
+    reference: dict = {}
+    copy = 1000.0
+    rows = {}
+    for name, dev in (("tritongrad", 0.5), ("eager", 1.0)):
+        for r in harness._provider_rows(name, op, inputs, g, base, None, cfg, FixedTimer(dev), copy, reference):
+            rows[name, r["mode"]] = r
+    for mode in ("fwd", "fwdbwd"):
+        mine, other = rows["tritongrad", mode], rows["eager", mode]
+        assert mine["dev_pct_copy"] == pytest.approx(100 * mine["bytes"] / (0.5e-3) / 1e9 / copy)
+        assert other["dev_speedup"] == pytest.approx(1.0 / 0.5) and other["speedup"] == pytest.approx(1.0)
+    for name in ("tritongrad", "eager"):
+        assert "dev_ms" not in rows[name, "bwd"] and rows[name, "bwd"]["dev_reason"].startswith("not measured")
+    failed = list(harness._provider_rows("eager", op, inputs, g, base, None, cfg, FixedTimer(None), copy, {}))
+    assert all(r["status"] == "ok" and "dev_ms" not in r for r in failed)
+    reasons = [r["dev_reason"] for r in failed if r["mode"] != "bwd"]
+    assert reasons == ["not capturable in a CUDA graph: RuntimeError: capture failed"] * 2
