@@ -50,3 +50,29 @@ def test_plan_fills_the_gpu_with_whole_lines(M):
     programs = rt.cdiv(M, BLOCK_M)
     if M >= 32 * 132:  # wide enough for one 32-column block per SM
         assert 66 <= programs <= 2 * 132 or BLOCK_M == 256
+
+
+@pytest.mark.parametrize("M1,M2", [(4096, 4096), (33, 70), (1, 1)], ids=str)
+def test_two_outputs(M1, M2):
+    """Two reductions sharing one partial buffer (layer_norm's weight and bias gradients): columns before
+    M1 go to the first output, the rest to the second, each rounded once to its own dtype; a 32-column
+    block straddles M1 when M1 is not a multiple of 32. Nothing past either output is written, and a
+    second run gives the same bits."""
+    part = torch.randn(264, M1 + M2, device=DEVICE)
+    # Each output is followed by a guard element that must stay untouched.
+    g1, g2 = torch.full((M1 + 1,), 7.0, device=DEVICE), torch.full((M2 + 1,), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    out, out2 = g1[:M1], g2[:M2]
+    cs.column_sum(part, out, out2)
+    assert g1[-1] == 7.0 and g2[-1] == 7.0
+    want = part.double().sum(0)
+    torch.testing.assert_close(out.double(), want[:M1], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out2.double(), want[M1:], atol=2 ** -7 * 16, rtol=2 ** -7)
+    again, again2 = torch.empty_like(out), torch.empty_like(out2)
+    cs.column_sum(part, again, again2)
+    assert torch.equal(out, again) and torch.equal(out2, again2)
+
+
+def test_outputs_must_cover_the_columns():
+    part = torch.zeros(4, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="4 \\+ 5 elements for a partial buffer of 10 columns"):
+        cs.column_sum(part, torch.empty(4, device=DEVICE), torch.empty(5, device=DEVICE))

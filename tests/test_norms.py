@@ -154,6 +154,16 @@ def test_shape_comments_hold():
     assert 5 % nc.fwd_plan(5, 37).BLOCK_N and 5 % nc.bwd_plan(5, 37, 4)[0].BLOCK_N   # ragged row tile
 
 
+def test_forward_warps_for_wide_16bit_rows():
+    # Whole rows of 16-bit elements longer than 4096 columns run 8 warps (two programs resident per SM on
+    # an H200); float32 rows and shorter rows keep row_tile's choice.
+    assert nc.fwd_plan(64, 16384, 2).num_warps == nc.FWD_WARPS_WIDE_16BIT == 8
+    assert nc.fwd_plan(64, 8192, 2).num_warps == 8
+    assert nc.fwd_plan(64, 16384, 4).num_warps == 16
+    assert nc.fwd_plan(64, 4096, 2) == nc.fwd_plan(64, 4096, 4)
+    assert not nc.fwd_plan(64, 32768, 2).ONE_TILE and nc.fwd_plan(64, 32768, 2) == nc.fwd_plan(64, 32768, 4)
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["column-split", "whole-rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("lead,ns", [((5,), (13,)), ((3, 2), (2, 7)), ((300,), (9,))], ids=str)

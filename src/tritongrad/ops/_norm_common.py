@@ -15,6 +15,12 @@ BWD_MAX_BLOCK_D = 8192  # likewise for the backward, which holds x, dy, w and th
 CHUNK_D = 4096  # columns per step for longer rows (read in chunks, twice)
 FWD_TILE = 4096  # elements a forward program handles per step when rows are short (several rows a step)
 BWD_TILE = 4096  # likewise for the backward
+# Forward warps for a whole row of 16-bit elements longer than 4096 columns (row_tile would give 16).
+# Measured on an H200: 8 warps keep two such programs resident per SM where 16 warps fit one (layer_norm
+# 16384x16384 float16: 89 registers x 512 threads, one program, 60% of copy bandwidth; 8 warps: 128
+# registers x 256 threads, two programs, 95%). float32 rows need twice the registers per thread, so
+# they keep row_tile's 16 warps (8 would run one program of 8 warps per SM).
+FWD_WARPS_WIDE_16BIT = 8
 # Backward programs per SM (each loops over its chunk of rows); also bounds the height of the dw/db
 # partial buffers. Measured on an H200 at bf16: 2 for tiles of <= 8 warps (32768x4096: 1 -> 70%, 2 -> 88%
 # of copy bandwidth, RMSNorm), 1 for 16-warp tiles (16384x8192: 83% -> 89%), whose registers fill an SM.
@@ -26,9 +32,12 @@ SPLIT_PROGS_PER_SM = 4
 
 
 @functools.lru_cache(maxsize=1024)
-def fwd_plan(N: int, D: int) -> rt.RowTile:
-    """Forward: one program per BLOCK_N rows."""
-    return rt.row_tile(N, D, FWD_MAX_BLOCK_D, CHUNK_D, FWD_TILE)
+def fwd_plan(N: int, D: int, itemsize: int = 4) -> rt.RowTile:
+    """Forward: one program per BLOCK_N rows (``itemsize``: bytes per element of x)."""
+    t = rt.row_tile(N, D, FWD_MAX_BLOCK_D, CHUNK_D, FWD_TILE)
+    if t.ONE_TILE and itemsize <= 2 and t.num_warps > FWD_WARPS_WIDE_16BIT:
+        t = t._replace(num_warps=FWD_WARPS_WIDE_16BIT)
+    return t
 
 
 @functools.lru_cache(maxsize=1024)

@@ -15,18 +15,24 @@ _MIN_BLOCK_M = 32
 _TILE = 4096  # elements of the partial buffer a program sums per step (32 per thread at 4 warps)
 
 
-def column_sum(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def column_sum(part: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``part.sum(0)`` into ``out`` (1-D, any float dtype) in a fixed order; returns ``out``.
 
-    ``part`` is a [P, M] float32/float64 buffer with unit column stride, as stage one writes it.
+    ``part`` is a [P, M] float32/float64 buffer with unit column stride, as stage one writes it. With
+    ``out2``, the first ``len(out)`` column sums go to ``out`` and the remaining ``len(out2)`` to ``out2``
+    (two reductions, one launch).
     """
     P, M = part.shape
+    M1 = M if out2 is None else out.shape[0]
+    if M1 + (0 if out2 is None else out2.shape[0]) != M:
+        raise ValueError(f"column_sum: outputs of {M1} + {M - M1 if out2 is None else out2.shape[0]} "
+                         f"elements for a partial buffer of {M} columns")
     if M == 0:
         return out
     BLOCK_M, BLOCK_P = _plan(P, M, rt.sm_count(part.device))
     _kernel[(rt.cdiv(M, BLOCK_M),)](
-        part, out, P, M, part.stride(0), out.stride(0),
-        BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, ACC=rt.tl_acc_dtype(part.dtype),
+        part, out, out2, P, M, M1, part.stride(0), out.stride(0), out2.stride(0) if out2 is not None else 0,
+        BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, HAS_OUT2=out2 is not None, ACC=rt.tl_acc_dtype(part.dtype),
     )
     return out
 

@@ -51,7 +51,7 @@ def _forward(x, normalized_shape, weight, bias, eps):
     if N == 0 or D == 0:
         return y, mean.fill_(0.0), rstd.fill_(0.0)
     w, b = nc.flat(weight), nc.flat(bias)
-    t = nc.fwd_plan(N, D)
+    t = nc.fwd_plan(N, D, x.element_size())
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: each split's (mean, M2) first (PHASE 1), then the merge and normalisation (PHASE 2).
     part = rstd if splits == 1 else torch.empty((2, splits, N), dtype=acc, device=x.device)
@@ -97,12 +97,12 @@ def _backward(dy, args, residuals, needs):
         if splits > 1:
             column_sum(c_part, c.view(-1))
 
-    def partial(grad):  # the grad itself when one program covers all rows, else a float partial buffer
-        if grad is None:
-            return None
-        return grad.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
-
-    part_w, part_b = partial(dw), partial(db)
+    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
+    part = None
+    if chunks > 1 and (need_w or need_b):
+        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
+        part = torch.empty((chunks, (need_w + need_b) * D), dtype=acc, device=x.device)
+        part_w, part_b = (part[:, :D] if need_w else None), (part[:, -D:] if need_b else None)
     _bwd_kernel[(chunks, d_blocks)](
         x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
         dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D,
@@ -111,11 +111,8 @@ def _backward(dy, args, residuals, needs):
         HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ACC=ACC,
         num_warps=t.num_warps,
     )
-    if chunks > 1:
-        if need_w:
-            column_sum(part_w, dw.view(-1))
-        if need_b:
-            column_sum(part_b, db.view(-1))
+    if part is not None:
+        column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
     return dx, dw, db
 
 

@@ -44,7 +44,7 @@ def _launch_forward(x, k: int, weight, eps: float, llama: bool):
     if N == 0 or D == 0:
         return y, rstd.fill_(0.0)
     w = nc.flat(weight)
-    t = nc.fwd_plan(N, D)
+    t = nc.fwd_plan(N, D, x.element_size())
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: partial sums of squares first (PHASE 1), then normalisation (PHASE 2).
     part = rstd if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
