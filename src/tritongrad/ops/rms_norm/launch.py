@@ -12,7 +12,7 @@ Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx
   those row passes also split the columns (ops/_norm_common.py, column_split), adding S*N floats of
   partial statistics (S splits) to each pass.
 Measured on an H200 (torch 2.11, triton 3.6, 2026-11-29) at 32768x4096 bf16, GPU time (`tritongrad bench`'s
-device time): forward 133 us, 95% of the device-to-device copy bandwidth; backward 210 us, 91%.
+device time): forward 133 us, 95% of the device-to-device copy bandwidth; backward 209 us, 91%.
 Launch plans (tiles, warps, programs per SM) are shared with layer_norm: see ops/_norm_common.py.
 """
 
