@@ -38,9 +38,10 @@ where every term is non-negative. A constant row thus gets var = 0, r = 1/sqrt(e
 and y = b.
 
 Shapes of the launch are those of rms_norm (see ops/rms_norm/kernels.py): forward one read of a row held
-in registers (two when the row is walked in chunks); backward over (row chunk, column block) with the dw
-and db partials summed in registers into rows of float partial buffers that ``column_sum`` reduces in a
-fixed order; for long rows c1 and c2 come from a separate row pass. Few long rows split the row passes
+in registers (two when the row is walked in chunks). The backward kernels, shared with rms_norm, are in
+ops/_norm_kernels.py: over (row chunk, column block) with the dw and db partials summed in registers
+into rows of float partial buffers that ``column_sum`` reduces in a fixed order; for long rows c1 and c2
+come from a separate row pass. Few long rows split the row passes
 across columns as rms_norm's do; the forward's splits write (mean, M2) of x - K over their columns, and
 PHASE 2 merges them with Chan's update in a fixed order (a split merges like a chunk, so the statistics
 stay free of cancellation).
@@ -50,11 +51,6 @@ import triton
 import triton.language as tl
 
 from .._tl import round_to
-
-
-@triton.jit
-def _add_pair(a1, a2, b1, b2):
-    return a1 + b1, a2 + b2
 
 
 @triton.jit
@@ -173,153 +169,3 @@ def _layer_norm_fwd_kernel(
         if pid_s == 0:  # one split of a row writes its statistics
             tl.store(mean_ptr + o_n, b_mean, mask=m_n)
             tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
-
-
-@triton.jit
-def _layer_norm_bwd_rowsum_kernel(
-    x_ptr,
-    w_ptr,
-    dy_ptr,
-    mean_ptr,
-    rstd_ptr,
-    c_ptr,  # [2, N], ACC: c1 = (1/D) sum g * xhat, c2 = (1/D) sum g
-    N,
-    D,
-    stride_x_row,
-    stride_x_col,
-    stride_w,
-    stride_dy_row,
-    stride_dy_col,
-    stride_c,
-    D_SPLIT,  # columns per program along grid axis 1 (D when rows are not split)
-    stride_c_split,  # between the partial [2, N] blocks of column splits
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_W: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
-    # split columns across programs. With few rows the columns are split here too; the splits' partial
-    # sums are then added by column_sum.
-    pid = tl.program_id(0).to(tl.int64)
-    pid_s = tl.program_id(1)
-    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    d_lo = pid_s * D_SPLIT
-    d_hi = tl.minimum(D, d_lo + D_SPLIT)
-    b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-    b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
-        o_d = d0 + tl.arange(0, BLOCK_D)
-        m_d = o_d < d_hi
-        o_d64 = o_d.to(tl.int64)
-        mask = m_n[:, None] & m_d[None, :]
-        b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
-        b_dy = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
-        b_g = b_dy.to(ACC)
-        if HAS_W:
-            b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
-        # g is 0 on masked lanes, so (0 - mean) there adds nothing.
-        acc1 += b_g * (b_x.to(ACC) - b_mean[:, None])
-        acc2 += b_g
-    p_c = c_ptr + pid_s * stride_c_split + o_n
-    tl.store(p_c, tl.sum(acc1, axis=1) * b_rstd / D, mask=m_n)
-    tl.store(p_c + stride_c, tl.sum(acc2, axis=1) / D, mask=m_n)
-
-
-@triton.jit
-def _layer_norm_bwd_kernel(
-    x_ptr,
-    w_ptr,
-    dy_ptr,
-    mean_ptr,
-    rstd_ptr,
-    c_ptr,  # [2, N] row sums from _layer_norm_bwd_rowsum_kernel; read only when not ONE_TILE
-    dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
-    dw_ptr,  # dL/dw: [D] when one program covers all rows, else a [P, D] float partial buffer
-    db_ptr,  # dL/db: likewise
-    N,
-    D,
-    stride_x_row,
-    stride_x_col,
-    stride_w,
-    stride_dy_row,  # 0 for the expanded dy that y.sum().backward() produces
-    stride_dy_col,
-    stride_c,
-    stride_dx_row,
-    stride_dw_part,
-    stride_db_part,
-    ROWS_PER_PROG,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_DX: tl.constexpr,
-    HAS_DW: tl.constexpr,
-    HAS_DB: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw/db
-    # partials of the program's rows stay in registers until the single store at the end.
-    pid_p = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    o_d64 = o_d.to(tl.int64)
-    if HAS_W:
-        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
-    if HAS_DW:
-        acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    if HAS_DB:
-        acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    row_start = pid_p * ROWS_PER_PROG
-    row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
-    # Software pipelining by hand: the next row tile's loads are issued before the current tile is
-    # processed, so HBM latency overlaps the row reductions (a program of this size holds most of an SM's
-    # registers, so other programs cannot hide the latency). Registers, not shared memory, hold the next
-    # tile: no shared-memory limit to hit for float64 or long rows.
-    # Masked lanes load 0: their xhat and dy are 0, so they add nothing to the row sums or the partials.
-    o_n = row_start + tl.arange(0, BLOCK_N)
-    mask = (o_n < row_end)[:, None] & m_d[None, :]
-    b_x_next = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
-    b_dy_next = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
-    for r0 in range(row_start, row_end, BLOCK_N):
-        o_n = r0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < row_end
-        mask = m_n[:, None] & m_d[None, :]
-        b_x = b_x_next
-        b_dy = b_dy_next.to(ACC)
-        o_nn = o_n + BLOCK_N
-        mask_next = (o_nn < row_end)[:, None] & m_d[None, :]
-        b_x_next = tl.load(x_ptr + o_nn[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask_next, other=0.0)
-        b_dy_next = tl.load(
-            dy_ptr + o_nn[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask_next, other=0.0
-        )
-        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-        b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-        # Masked lanes: xhat forced to 0 (x - mean is not), dy loads 0; they add nothing to c1, c2, dw, db.
-        b_xhat = tl.where(mask, (b_x.to(ACC) - b_mean[:, None]) * b_rstd[:, None], 0.0)
-        if HAS_DX:
-            b_g = b_dy
-            if HAS_W:
-                b_g = b_dy * b_w[None, :]
-            if ONE_TILE:
-                # Both row sums in one reduction: one round of cross-warp exchange instead of two.
-                b_c1, b_c2 = tl.reduce((b_g * b_xhat, b_g), 1, _add_pair)
-                b_c1 = b_c1 / D
-                b_c2 = b_c2 / D
-            else:
-                b_c1 = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-                b_c2 = tl.load(c_ptr + stride_c + o_n, mask=m_n, other=0.0).to(ACC)
-            b_dx = (b_g - b_c2[:, None] - b_xhat * b_c1[:, None]) * b_rstd[:, None]
-            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], round_to(b_dx, dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_DW:
-            acc_dw += b_dy * b_xhat
-        if HAS_DB:
-            acc_db += b_dy
-    if HAS_DW:
-        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
-    if HAS_DB:
-        tl.store(db_ptr + pid_p * stride_db_part + o_d, round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)

@@ -25,13 +25,15 @@ import torch
 from ... import _pattern
 from ... import _runtime as rt
 from .. import _norm_common as nc
+from .. import _norm_kernels
 from ..column_sum import column_sum
 from . import kernels
 from .reference import layer_norm_reference
 
 _fwd_kernel = rt.Kernel(kernels._layer_norm_fwd_kernel)
-_bwd_rowsum_kernel = rt.Kernel(kernels._layer_norm_bwd_rowsum_kernel)
-_bwd_kernel = rt.Kernel(kernels._layer_norm_bwd_kernel)
+# The backward kernels are shared with rms_norm (ops/_norm_kernels.py); CENTERED adds the mean terms.
+_bwd_rowsum_kernel = rt.Kernel(_norm_kernels._norm_bwd_rowsum_kernel)
+_bwd_kernel = rt.Kernel(_norm_kernels._norm_bwd_kernel)
 
 
 def _stride(t) -> int:
@@ -92,7 +94,8 @@ def _backward(dy, args, residuals, needs):
         _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
             x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
             dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
-            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
+            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=True, ACC=ACC,
+            num_warps=t.num_warps,
         )
         if splits > 1:
             column_sum(c_part, c.view(-1))
@@ -108,7 +111,7 @@ def _backward(dy, args, residuals, needs):
         dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D,
         part_w.stride(0) if (need_w and chunks > 1) else 0, part_b.stride(0) if (need_b and chunks > 1) else 0,
         rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-        HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ACC=ACC,
+        HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
         num_warps=t.num_warps,
     )
     if part is not None:

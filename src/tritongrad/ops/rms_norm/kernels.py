@@ -33,11 +33,11 @@ r = 1/sqrt(eps), finite for eps > 0, and y = 0.
 
 Shapes of the launch: the forward gives each program BLOCK_N rows; when a row fits one tile
 (``ONE_TILE``) it is loaded once and kept in registers, otherwise the program walks it in BLOCK_D-column
-chunks twice (sum of squares, then normalise). The backward runs programs over (row chunk, column block):
-each program owns a contiguous chunk of rows and BLOCK_D columns, writes dL/dx for them and sums its
-dL/dw partial in registers into one row of a float partial buffer, which ``column_sum`` then reduces in a
-fixed order (deterministic, no atomics). When a row does not fit one tile, c[n] comes from a separate row
-pass (``_rms_norm_bwd_rowsum_kernel``) so that columns can be split across programs.
+chunks twice (sum of squares, then normalise). The backward kernels are layer_norm's without its mean
+terms (ops/_norm_kernels.py): programs over (row chunk, column block), each writing dL/dx for its rows
+and columns and summing its dL/dw partial in registers into one row of a float partial buffer, which
+``column_sum`` then reduces in a fixed order (deterministic, no atomics). When a row does not fit one
+tile, c[n] comes from a separate row pass so that columns can be split across programs.
 
 Few long rows (fewer row tiles than SMs, e.g. 16 x 1M): one program per row would leave most SMs idle, so
 the row passes split the columns too. Forward: PHASE 1 programs write the sum of squares of their column
@@ -142,133 +142,3 @@ def _rms_norm_fwd_kernel(
     if PHASE != 1:
         if pid_s == 0:  # one split of a row writes its statistics
             tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
-
-
-@triton.jit
-def _rms_norm_bwd_rowsum_kernel(
-    x_ptr,
-    w_ptr,
-    dy_ptr,
-    rstd_ptr,
-    c_ptr,  # [N], ACC: c[n] = (1/D) sum_d g[n, d] * xhat[n, d]; or [NUM_SPLITS, N] partials of it
-    N,
-    D,
-    stride_x_row,
-    stride_x_col,
-    stride_w,
-    stride_dy_row,
-    stride_dy_col,
-    D_SPLIT,  # columns per program along grid axis 1 (D when rows are not split)
-    stride_c_split,  # between the partial rows of column splits
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_W: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
-    # split columns across programs. With few rows the columns are split here too; the splits' partial
-    # sums are then added by column_sum.
-    pid = tl.program_id(0).to(tl.int64)
-    pid_s = tl.program_id(1)
-    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    d_lo = pid_s * D_SPLIT
-    d_hi = tl.minimum(D, d_lo + D_SPLIT)
-    b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
-        o_d = d0 + tl.arange(0, BLOCK_D)
-        m_d = o_d < d_hi
-        o_d64 = o_d.to(tl.int64)
-        mask = m_n[:, None] & m_d[None, :]
-        b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
-        b_dy = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
-        b_g = b_dy.to(ACC)
-        if HAS_W:
-            b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
-        acc += b_g * b_x.to(ACC)
-    # sum_d g * xhat = r * sum_d g * x
-    tl.store(c_ptr + pid_s * stride_c_split + o_n, tl.sum(acc, axis=1) * b_rstd / D, mask=m_n)
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(
-    x_ptr,
-    w_ptr,
-    dy_ptr,
-    rstd_ptr,
-    c_ptr,  # [N] row sums from _rms_norm_bwd_rowsum_kernel; read only when not ONE_TILE
-    dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
-    dw_ptr,  # dL/dw: [D] when one program covers all rows, else a [P, D] float partial buffer
-    N,
-    D,
-    stride_x_row,
-    stride_x_col,
-    stride_w,
-    stride_dy_row,  # 0 for the expanded dy that y.sum().backward() produces
-    stride_dy_col,
-    stride_dx_row,
-    stride_dw_part,
-    ROWS_PER_PROG,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_DX: tl.constexpr,
-    HAS_DW: tl.constexpr,
-    ROUND_XHAT: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw
-    # partial of the program's rows stays in registers until the single store at the end.
-    pid_p = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    o_d64 = o_d.to(tl.int64)
-    if HAS_W:
-        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
-    if HAS_DW:
-        acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    row_start = pid_p * ROWS_PER_PROG
-    row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
-    # Software pipelining by hand: the next row tile's loads are issued before the current tile is
-    # processed, so HBM latency overlaps the row reductions (a program of this size holds most of an SM's
-    # registers, so other programs cannot hide the latency). Registers, not shared memory, hold the next
-    # tile: no shared-memory limit to hit for float64 or long rows.
-    # Masked lanes load 0: their xhat and dy are 0, so they add nothing to the row sums or the partials.
-    o_n = row_start + tl.arange(0, BLOCK_N)
-    mask = (o_n < row_end)[:, None] & m_d[None, :]
-    b_x_next = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
-    b_dy_next = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
-    for r0 in range(row_start, row_end, BLOCK_N):
-        o_n = r0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < row_end
-        mask = m_n[:, None] & m_d[None, :]
-        b_x = b_x_next
-        b_dy = b_dy_next.to(ACC)
-        o_nn = o_n + BLOCK_N
-        mask_next = (o_nn < row_end)[:, None] & m_d[None, :]
-        b_x_next = tl.load(x_ptr + o_nn[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask_next, other=0.0)
-        b_dy_next = tl.load(
-            dy_ptr + o_nn[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask_next, other=0.0
-        )
-        b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-        b_xhat = b_x.to(ACC) * b_rstd[:, None]
-        if HAS_DX:
-            b_g = b_dy
-            if HAS_W:
-                b_g = b_dy * b_w[None, :]
-            if ONE_TILE:
-                b_c = tl.sum(b_g * b_xhat, axis=1) / D
-            else:
-                b_c = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
-            b_dx = (b_g - b_xhat * b_c[:, None]) * b_rstd[:, None]
-            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], round_to(b_dx, dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_DW:
-            if ROUND_XHAT:
-                # The forward multiplied w by xhat rounded to x's dtype; its gradient is that value.
-                b_xhat = round_to(b_xhat, x_ptr.dtype.element_ty).to(ACC)
-            acc_dw += b_dy * b_xhat
-    if HAS_DW:
-        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)

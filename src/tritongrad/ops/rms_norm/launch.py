@@ -23,13 +23,15 @@ import torch
 from ... import _pattern
 from ... import _runtime as rt
 from .. import _norm_common as nc
+from .. import _norm_kernels
 from ..column_sum import column_sum
 from . import kernels
 from .reference import default_eps, llama_rms_norm_reference, rms_norm_reference
 
 _fwd_kernel = rt.Kernel(kernels._rms_norm_fwd_kernel)
-_bwd_rowsum_kernel = rt.Kernel(kernels._rms_norm_bwd_rowsum_kernel)
-_bwd_kernel = rt.Kernel(kernels._rms_norm_bwd_kernel)
+# The backward is layer_norm's without the mean terms (ops/_norm_kernels.py, CENTERED=False).
+_bwd_rowsum_kernel = rt.Kernel(_norm_kernels._norm_bwd_rowsum_kernel)
+_bwd_kernel = rt.Kernel(_norm_kernels._norm_bwd_kernel)
 
 
 def _launch_forward(x, k: int, weight, eps: float, llama: bool):
@@ -78,9 +80,10 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
         splits, d_split = nc.column_split(N, D, t, sms)
         c_part = c if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
         _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-            x2, w, dy2, rstd, c_part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
-            dy2.stride(0), dy2.stride(1), d_split, c_part.stride(0) if splits > 1 else 0,
-            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, ACC=ACC, num_warps=t.num_warps,
+            x2, w, dy2, None, rstd, c_part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
+            dy2.stride(0), dy2.stride(1), 0, d_split, c_part.stride(0) if splits > 1 else 0,
+            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=False, ACC=ACC,
+            num_warps=t.num_warps,
         )
         if splits > 1:
             column_sum(c_part, c)
@@ -88,10 +91,11 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
     if need_w:
         part = dw.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
     _bwd_kernel[(chunks, d_blocks)](
-        x2, w, dy2, rstd, c, dx, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
-        dy2.stride(0), dy2.stride(1), D, part.stride(0) if (need_w and chunks > 1) else 0, rows_per_prog,
+        x2, w, dy2, None, rstd, c, dx, part, None, N, D, x2.stride(0), x2.stride(1),
+        w.stride(0) if w is not None else 0, dy2.stride(0), dy2.stride(1), 0, D,
+        part.stride(0) if (need_w and chunks > 1) else 0, 0, rows_per_prog,
         BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_DX=need_x,
-        HAS_DW=need_w, ROUND_XHAT=llama, ACC=ACC,
+        HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
         num_warps=t.num_warps,
     )
     if need_w and chunks > 1:

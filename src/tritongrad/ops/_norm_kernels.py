@@ -1,0 +1,206 @@
+r"""The backward kernels of both norms: layer_norm's, and rms_norm's as its special case.
+
+With xhat the normalised input, g = dy * w the gradient reaching it (g = dy without a weight), r = rstd
+and D the row length (derivations in ops/layer_norm/kernels.py and ops/rms_norm/kernels.py):
+
+    layer_norm (CENTERED):  xhat = (x - mu) * r,  dL/dx = r * (g - c2 - xhat * c1),  dL/db = \sum_n dy
+    rms_norm:               xhat = x * r,         dL/dx = r * (g - xhat * c1)
+    both:                   c1 = (1/D) \sum_d g * xhat,  c2 = (1/D) \sum_d g,  dL/dw = \sum_n dy * xhat
+
+RMSNorm is LayerNorm without the mean: no mean to subtract, no c2 term (the mean's gradient), no bias.
+``CENTERED`` selects layer_norm's terms at compile time, so each norm's compiled kernel contains only its
+own arithmetic.
+
+Launch shape: programs over (row chunk, column block). Each owns a contiguous chunk of rows and BLOCK_D
+columns, writes dL/dx for them, and sums its dL/dw (and dL/db) partials in registers into one row of a
+float partial buffer that ``column_sum`` reduces in a fixed order (deterministic, no atomics). When a row
+fits one tile (``ONE_TILE``) the row sums come from the tile itself; otherwise
+``_norm_bwd_rowsum_kernel`` computes them first, so that columns can be split across programs (with few
+rows it splits the columns too, and ``column_sum`` adds the splits' parts).
+
+Precision: loads are cast to ACC (float32, float64 for float64) before any arithmetic; results are
+rounded once, on store. Masked lanes load 0 and have xhat = 0, so they add nothing to any sum.
+"""
+
+import triton
+import triton.language as tl
+
+from ._tl import round_to
+
+
+@triton.jit
+def _add_pair(a1, a2, b1, b2):
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
+def _norm_bwd_rowsum_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,  # [N], ACC; None unless CENTERED
+    rstd_ptr,
+    c_ptr,  # [N], ACC: c1; CENTERED: [2, N], c1 then c2 at stride_c. Or [NUM_SPLITS, ...] partials of it
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_dy_row,
+    stride_dy_col,
+    stride_c,
+    D_SPLIT,  # columns per program along grid axis 1 (D when rows are not split)
+    stride_c_split,  # between the partial blocks of column splits
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CENTERED: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
+    # split columns across programs. With few rows the columns are split here too; the splits' partial
+    # sums are then added by column_sum.
+    pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    d_lo = pid_s * D_SPLIT
+    d_hi = tl.minimum(D, d_lo + D_SPLIT)
+    if CENTERED:
+        b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+    b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    if CENTERED:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D)
+        m_d = o_d < d_hi
+        o_d64 = o_d.to(tl.int64)
+        mask = m_n[:, None] & m_d[None, :]
+        b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
+        b_dy = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
+        b_g = b_dy.to(ACC)
+        if HAS_W:
+            b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+        if CENTERED:
+            # g is 0 on masked lanes, so (0 - mean) there adds nothing.
+            acc1 += b_g * (b_x.to(ACC) - b_mean[:, None])
+            acc2 += b_g
+        else:
+            acc1 += b_g * b_x.to(ACC)
+    # sum_d g * xhat = r * sum_d g * (x - mu)   (mu = 0 for rms_norm)
+    p_c = c_ptr + pid_s * stride_c_split + o_n
+    tl.store(p_c, tl.sum(acc1, axis=1) * b_rstd / D, mask=m_n)
+    if CENTERED:
+        tl.store(p_c + stride_c, tl.sum(acc2, axis=1) / D, mask=m_n)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,  # [N], ACC; None unless CENTERED
+    rstd_ptr,
+    c_ptr,  # row sums from _norm_bwd_rowsum_kernel (c1; CENTERED: c1, c2 at stride_c); unless ONE_TILE
+    dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
+    dw_ptr,  # dL/dw: [D] when one program covers all rows, else a [P, D] float partial buffer
+    db_ptr,  # dL/db: likewise; None unless HAS_DB
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_dy_row,  # 0 for the expanded dy that y.sum().backward() produces
+    stride_dy_col,
+    stride_c,
+    stride_dx_row,
+    stride_dw_part,
+    stride_db_part,
+    ROWS_PER_PROG,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    CENTERED: tl.constexpr,
+    ROUND_XHAT: tl.constexpr,  # rms_norm's Llama variant: dw sums dy * xhat rounded to x's dtype
+    ACC: tl.constexpr,
+):
+    # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw/db
+    # partials of the program's rows stay in registers until the single store at the end.
+    pid_p = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    o_d64 = o_d.to(tl.int64)
+    if HAS_W:
+        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+    if HAS_DW:
+        acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    if HAS_DB:
+        acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    row_start = pid_p * ROWS_PER_PROG
+    row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
+    # Software pipelining by hand: the next row tile's loads are issued before the current tile is
+    # processed, so HBM latency overlaps the row reductions (a program of this size holds most of an SM's
+    # registers, so other programs cannot hide the latency). Registers, not shared memory, hold the next
+    # tile: no shared-memory limit to hit for float64 or long rows.
+    o_n = row_start + tl.arange(0, BLOCK_N)
+    mask = (o_n < row_end)[:, None] & m_d[None, :]
+    b_x_next = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
+    b_dy_next = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
+    for r0 in range(row_start, row_end, BLOCK_N):
+        o_n = r0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < row_end
+        mask = m_n[:, None] & m_d[None, :]
+        b_x = b_x_next
+        b_dy = b_dy_next.to(ACC)
+        o_nn = o_n + BLOCK_N
+        mask_next = (o_nn < row_end)[:, None] & m_d[None, :]
+        b_x_next = tl.load(x_ptr + o_nn[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask_next, other=0.0)
+        b_dy_next = tl.load(
+            dy_ptr + o_nn[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask_next, other=0.0
+        )
+        if CENTERED:
+            b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+        b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+        if CENTERED:
+            # Masked lanes: xhat forced to 0 (x - mean is not), dy loads 0.
+            b_xhat = tl.where(mask, (b_x.to(ACC) - b_mean[:, None]) * b_rstd[:, None], 0.0)
+        else:
+            b_xhat = b_x.to(ACC) * b_rstd[:, None]
+        if HAS_DX:
+            b_g = b_dy
+            if HAS_W:
+                b_g = b_dy * b_w[None, :]
+            if CENTERED:
+                if ONE_TILE:
+                    # Both row sums in one reduction: one round of cross-warp exchange instead of two.
+                    b_c1, b_c2 = tl.reduce((b_g * b_xhat, b_g), 1, _add_pair)
+                    b_c1 = b_c1 / D
+                    b_c2 = b_c2 / D
+                else:
+                    b_c1 = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+                    b_c2 = tl.load(c_ptr + stride_c + o_n, mask=m_n, other=0.0).to(ACC)
+                b_dx = (b_g - b_c2[:, None] - b_xhat * b_c1[:, None]) * b_rstd[:, None]
+            else:
+                if ONE_TILE:
+                    b_c1 = tl.sum(b_g * b_xhat, axis=1) / D
+                else:
+                    b_c1 = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
+                b_dx = (b_g - b_xhat * b_c1[:, None]) * b_rstd[:, None]
+            tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], round_to(b_dx, dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            if ROUND_XHAT:
+                # The forward multiplied w by xhat rounded to x's dtype; its gradient is that value.
+                b_xhat = round_to(b_xhat, x_ptr.dtype.element_ty).to(ACC)
+            acc_dw += b_dy * b_xhat
+        if HAS_DB:
+            acc_db += b_dy
+    if HAS_DW:
+        tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
+    if HAS_DB:
+        tl.store(db_ptr + pid_p * stride_db_part + o_d, round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)
