@@ -6,8 +6,8 @@ Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx
   backward: read x + read dy + read w + read mean, rstd + write dx + write dw + write db
                                                             = N*D*(sx + sdy + sdx) + D*(2*sw + sb) + 8*N
             plus the float32 dw and db partial rows, written and read once: 2 * 2*P*D*4,
-            P <= BWD_PROGS_PER_SM * SMs (side by side in one [P, 2D] buffer, summed by one launch). (only the gradients asked for are written; dw or db alone still
-            read x and dy)
+            P <= BWD_PROGS_PER_SM * SMs, side by side in one [P, 2D] buffer that one launch reduces.
+            (only the gradients asked for are written; dw or db alone still read x and dy)
   Rows longer than one register tile (D > FWD_MAX_BLOCK_D = 16384 in the forward, D > BWD_MAX_BLOCK_D = 8192
   in the backward; ops/_norm_common.py) read x twice in the forward (the second read partly from L2) and
   x and dy twice in the backward (a row pass for the row sums first). With fewer row tiles than SMs
