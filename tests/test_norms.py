@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from conftest import ATOL, DEVICE, run_without_interpreter
 
 import tritongrad
+from tritongrad import _runtime as rt
 from tritongrad.ops import _norm_common as nc
 from tritongrad.ops.layer_norm import launch as ln_launch
 from tritongrad.ops.layer_norm import layer_norm_reference
@@ -266,7 +267,10 @@ def test_needs_input_grad(norm, needs, monkeypatch):
     seen = []
     backward = launch._OP.backward
     monkeypatch.setattr(launch._OP, "backward", lambda *a: seen.append(a[-1]) or backward(*a))
-    x = torch.randn(10, 33, device=DEVICE)
+    # 300 rows: several row chunks, so dw and db (or either alone) go through the partial buffer and
+    # column_sum, where layer_norm puts them side by side.
+    assert nc.bwd_plan(300, 33, rt.sm_count(torch.device(DEVICE)))[2] > 1
+    x = torch.randn(300, 33, device=DEVICE)
     w, b = params(norm, (33,), torch.float32)
     check(norm, x, (33,), w, b, needs=needs)
     want = needs if HAS_BIAS[norm] else needs[:2]

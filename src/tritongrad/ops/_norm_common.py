@@ -1,4 +1,11 @@
-"""Host-side pieces RMSNorm and LayerNorm share: launch plans, ``normalized_shape`` handling, validation."""
+"""Host-side pieces RMSNorm and LayerNorm share: launch plans, ``normalized_shape`` handling, validation.
+
+Bytes beyond each norm's floor (the formulas are in its launch.py): rows longer than one register tile
+(D > FWD_MAX_BLOCK_D in the forward, D > BWD_MAX_BLOCK_D in the backward) read x twice in the forward
+(the second read partly from L2) and x and dy twice in the backward (a row pass for the row sums first).
+With fewer row tiles than SMs those row passes also split the columns (``column_split``), adding S*N
+floats of partial statistics (S splits) to each pass.
+"""
 
 from __future__ import annotations
 

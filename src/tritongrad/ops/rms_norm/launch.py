@@ -6,11 +6,7 @@ Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx
                                                             = N*D*(sx + sdy + sdx) + 2*D*sw + 4*N
             plus the float32 dw partial rows, written and read once: 2*P*D*4, P <= BWD_PROGS_PER_SM * SMs.
             (only the gradients asked for are written; dw alone still reads x and dy)
-  Rows longer than one register tile (D > FWD_MAX_BLOCK_D = 16384 in the forward, D > BWD_MAX_BLOCK_D = 8192
-  in the backward; ops/_norm_common.py) read x twice in the forward (the second read partly from L2) and
-  x and dy twice in the backward (a row pass for the row sums first). With fewer row tiles than SMs
-  those row passes also split the columns (ops/_norm_common.py, column_split), adding S*N floats of
-  partial statistics (S splits) to each pass.
+  Rows longer than one register tile read x (and dy) twice: see ops/_norm_common.py.
 Measured on an H200 (torch 2.11, triton 3.6, 2026-11-29) at 32768x4096 bf16, GPU time (`tritongrad bench`'s
 device time): forward 133 us, 95% of the device-to-device copy bandwidth; backward 209 us, 91%.
 Launch plans (tiles, warps, programs per SM) are shared with layer_norm: see ops/_norm_common.py.
