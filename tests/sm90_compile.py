@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import tritongrad  # noqa: E402
 from tritongrad import _pattern, _runtime  # noqa: E402
 from tritongrad.ops.rms_norm import llama_rms_norm  # noqa: E402
+from tritongrad.ops.weighted_sum import launch as ws_launch  # noqa: E402
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 _seen: set = set()
@@ -94,6 +95,11 @@ def main(cases) -> int:
             llama_rms_norm(x, w, 1e-6),
         ):
             y.backward(torch.randn(y.shape, dtype=y.dtype))
+        # Large inputs take weighted_sum's backward in two launches (grad_x, then grad_w): compile those too.
+        split = ws_launch._SPLIT_BWD_BYTES, ws_launch._SPLIT_BWD_ROWS
+        ws_launch._SPLIT_BWD_BYTES = ws_launch._SPLIT_BWD_ROWS = 0
+        tritongrad.weighted_sum(x, w).backward(torch.randn(N, dtype=torch.promote_types(xdt, pdt)))
+        ws_launch._SPLIT_BWD_BYTES, ws_launch._SPLIT_BWD_ROWS = split
     for f in _failures:
         print("FAIL", f)
     print(f"compiled {len(_seen)} specializations, {len(_failures)} failures")

@@ -33,6 +33,7 @@ def eager(x, w):
         ((4194304, 32), "contiguous"),    # millions of tiny rows
         ((4, 999, 3001), "row-sliced"),   # odd sizes, 3-D, row stride != D
         ((2048, 2048), "transposed"),     # column-major x read in place
+        ((64, 2**23 + 128), "contiguous"),  # more 128-column blocks than the grid's second axis holds
     ],
     ids=str,
 )

@@ -13,7 +13,9 @@ from tritongrad.testing import assert_close_earned, make_rows
 SHAPES = [
     ((1,), 1),          # smallest: one program, one element
     ((5,), 37),         # D not a power of two and N not a multiple of the row tile: both masks active
-    ((3,), 1500),       # D larger than one block (1024): loop over D, and few rows -> split-D forward
+    ((3,), 1500),       # few rows of one partly masked block; backward with widened column blocks
+    ((2,), 140000),     # rows longer than the forward's tile (8192): split-D forward, 2 steps per split
+    ((37,), 1100),      # few rows: backward programs of 1024 columns loop over row steps, the last one ragged
     ((300,), 24),       # many row tiles: several grad_w partial rows, reduced by the second stage
     ((2, 3), 20),       # 3-D input
     ((2, 2, 3), 9),     # 4-D input
@@ -148,6 +150,49 @@ def test_needs_input_grad(needs, monkeypatch):
     assert seen == ([needs] if any(needs) else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "shape,layout",
+    [
+        ((300, 24), "contiguous"),  # several row tiles, and grad_w through the partial rows
+        ((5, 37), "transposed"),    # masks on both axes; x read with column stride N
+        ((3, 1500), "row-sliced"),  # few rows: widened column blocks; row stride != D
+    ],
+    ids=str,
+)
+def test_two_pass_backward(shape, layout, dtype, monkeypatch):
+    # Large inputs of many rows take grad_x and grad_w in two launches (write-only, then read-only); the
+    # thresholds are lowered so that small inputs take that path.
+    monkeypatch.setattr(ws_launch, "_SPLIT_BWD_BYTES", 0)
+    monkeypatch.setattr(ws_launch, "_SPLIT_BWD_ROWS", 0)
+    launches = []
+    kernel = ws_launch._bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launches.append((kw["HAS_GX"], kw["HAS_GW"]))
+                return kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(ws_launch, "_bwd_kernel", Spy())
+    x = make_rows(shape, dtype, DEVICE, layout)
+    check(x, torch.randn(shape[-1], device=DEVICE).to(dtype))
+    assert launches == [(True, False), (False, True)]
+
+
+@pytest.mark.parametrize("N,D", [(64, 2**23 + 128), (1, 2**27), (2**20, 2**26)])
+def test_column_blocks_fit_the_grid(N, D):
+    # Column blocks sit on the grid's second axis, which CUDA limits to 65535 blocks: the first shape needs
+    # 65537 blocks of the usual 128 columns.
+    for elem in (2, 4, 8):
+        for fused in (True, False):
+            _, BLOCK_D, d_blocks = ws_launch._bwd_config(N, D, elem, 132, fused)[:3]
+            assert d_blocks <= 65535 and d_blocks * BLOCK_D >= D
+        _, BLOCK_D, d_blocks, _ = ws_launch._gx_config(N, D, elem)
+        assert d_blocks <= 65535 and d_blocks * BLOCK_D >= D
+
+
 def test_no_grad_saves_nothing():
     x = torch.randn(4, 8, device=DEVICE, requires_grad=True)
     w = torch.randn(8, device=DEVICE, requires_grad=True)
@@ -280,7 +325,10 @@ print("ok")
 
 def test_shape_comments_hold():
     # The reasons given in SHAPES rely on these launch decisions (4 "SMs" off the GPU, float32).
-    assert ws_launch._fwd_config(3, 1500, 4, 4)[3] > 1        # (3, 1500): split-D forward
+    assert ws_launch._fwd_config(2, 140000, 4, 4)[3] > 1      # (2, 140000): split-D forward ...
+    assert ws_launch._fwd_config(2, 140000, 4, 4)[4] == 2 * ws_launch._fwd_config(2, 140000, 4, 4)[1]  # 2 steps
     assert ws_launch._bwd_config(300, 24, 4, 4)[3] > 1        # (300, 24): several grad_w partial rows
     assert ws_launch._bwd_config(1000, 8, 4, 4)[3] > 1        # determinism test goes through the partials
     assert 5 % ws_launch._fwd_config(5, 37, 4, 4)[0] != 0     # (5, 37): N not a multiple of the row tile
+    BLOCK_N, BLOCK_D, _, _, rows_per_prog, _ = ws_launch._bwd_config(37, 1100, 4, 4)
+    assert BLOCK_D == 1024 and rows_per_prog > BLOCK_N and 37 % BLOCK_N != 0  # (37, 1100)

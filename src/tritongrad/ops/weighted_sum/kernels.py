@@ -20,6 +20,10 @@ Reductions are deterministic: dL/dw is reduced in two stages (each program sums 
 chunk of rows into one row of a float32 partial buffer, then ``column_sum`` adds the partial rows in a
 fixed order). The split-D forward, used when there are too few rows to fill the GPU, works the same way
 along D.
+
+The backward kernel computes either gradient or both (HAS_GX, HAS_GW): dL/dx needs no x and dL/dw writes
+no [N, D] output, so for large inputs the launcher runs them as two launches, a write-only stream and a
+read-only one.
 """
 
 import triton
