@@ -44,7 +44,7 @@ def test_bitwise_reproducible_and_strided_out():
 def test_plan_fills_the_gpu_with_whole_lines(M):
     """On 132 SMs: about one program per SM where M allows, never blocks narrower than a 128-byte line of
     float32 (unless M itself is), never wider than 256 columns; a step covers at most 4096 elements."""
-    BLOCK_M, BLOCK_P = cs._plan(264, M, 132)
+    BLOCK_M, BLOCK_P, _ = cs._plan(264, M, 132)
     assert BLOCK_M >= min(32, rt.next_pow2(M)) and BLOCK_M <= 256
     assert BLOCK_M * BLOCK_P <= 4096
     programs = rt.cdiv(M, BLOCK_M)
