@@ -11,8 +11,11 @@ from .kernels import _column_sum_kernel
 
 _kernel = rt.Kernel(_column_sum_kernel)
 
-_MIN_BLOCK_M = 32
-_TILE = 4096  # elements of the partial buffer a program sums per step (32 per thread at 4 warps)
+# Narrow column blocks, many programs: on an H200 a [264, 8192] float32 buffer took 2.8 us in 512 programs of
+# 16 columns x 64 rows per step, 4.2 us in 128 programs of 64 columns x 64 rows (benchmarks/NOTES.md). The
+# buffer was just written by stage one and sits in L2; what limits this launch is latency, not bandwidth.
+_BLOCK_M = 16  # columns per program
+_BLOCK_P = 64  # partial rows per loop step
 _NUM_WARPS = 4
 
 
@@ -30,7 +33,7 @@ def column_sum(part: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None 
                          f"elements for a partial buffer of {M} columns")
     if M == 0:
         return out
-    BLOCK_M, BLOCK_P, num_warps = _plan(P, M, rt.sm_count(part.device))
+    BLOCK_M, BLOCK_P, num_warps = _plan(P, M)
     _kernel[(rt.cdiv(M, BLOCK_M),)](
         part, out, out2, P, M, M1, part.stride(0), out.stride(0), out2.stride(0) if out2 is not None else 0,
         BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, HAS_OUT2=out2 is not None, ACC=rt.tl_acc_dtype(part.dtype),
@@ -40,10 +43,5 @@ def column_sum(part: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None 
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(P: int, M: int, sms: int) -> tuple[int, int, int]:
-    # Columns per program: narrow enough that there is about one program per SM (a [264, 4096] partial
-    # buffer over 16 programs of 256 columns took 13 us on an H200, a fifth of the bandwidth), but at least
-    # 32 float32 columns, so each row segment a program reads is a whole 128-byte line.
-    BLOCK_M = min(rt.next_pow2(M), max(_MIN_BLOCK_M, min(256, rt.next_pow2(rt.cdiv(M, sms)))))
-    BLOCK_P = min(rt.next_pow2(P), max(1, _TILE // BLOCK_M))
-    return BLOCK_M, BLOCK_P, _NUM_WARPS
+def _plan(P: int, M: int) -> tuple[int, int, int]:
+    return min(rt.next_pow2(M), _BLOCK_M), min(rt.next_pow2(P), _BLOCK_P), _NUM_WARPS
