@@ -7,7 +7,7 @@ Bytes each pass must move (the bandwidth floor; ``tritongrad bench`` uses these)
 
 The backward's two gradients are independent streams: grad_x = g * w only writes, grad_w = sum_n x * g only
 reads. Small inputs, and inputs of few rows, take both in one launch; large inputs of many rows take two
-launches, a write-only pass and then a read-only pass: the same bytes, moved 4-14% faster on an H200
+launches, a write-only pass and then a read-only pass: the same bytes, moved in 5-13% less time on an H200
 (benchmarks/NOTES.md, "weighted_sum backward in two passes").
 """
 
