@@ -28,11 +28,11 @@ _bwd_kernel = rt.Kernel(kernels._weighted_sum_bwd_kernel)
 
 # Launch knobs, chosen by sweeps on an H200 (benchmarks/NOTES.md). Keyed by element size: 16-bit inputs
 # move half the bytes per element, so they want different pipelining than float32.
-_TILE_BYTES = 16384   # bytes of x one program loads per loop step: several 16-byte loads in flight per thread
-_NUM_WARPS = 4
 # The forward, by element size: (bytes of x per program step, warps, pipelining depth of the D loop).
 _FWD = {2: (16384, 8, 1), 4: (32768, 8, 2), 8: (16384, 4, 1)}
-_BWD_STAGES = {2: 2, 4: 3, 8: 1}       # ... and of the one-launch backward's row loop
+_TILE_BYTES = 16384   # bytes of x a backward program moves per row step: several 16-byte loads per thread
+_NUM_WARPS = 4                         # warps of the backward launches
+_BWD_STAGES = {2: 2, 4: 3, 8: 1}       # pipelining depth of the one-launch backward's row loop
 _BWD_PROGS_PER_SM = {2: 8, 4: 4, 8: 4}  # one-launch backward programs per SM (bounds the grad_w partial rows)
 _GW_STAGES = 2                         # the read-only grad_w pass: pipelining depth ...
 _GW_PROGS_PER_SM = 4                   # ... and programs per SM
