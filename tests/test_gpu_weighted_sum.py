@@ -50,6 +50,33 @@ def test_large_low_precision(shape, layout, dtype):
     assert_close_earned("grad_w", gw, gw64, gwe, atol=ATOL[dtype] * n_rows**0.5)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (524289, 4096),      # N * D passes 2**31: two-pass backward (write-only grad_x, read-only grad_w)
+        (64, 2**25 + 64),    # the same with few rows: one-launch backward, 1024-column blocks
+    ],
+    ids=str,
+)
+def test_int64_offsets(shape):
+    # Element offsets pass 2**31 in the last rows, so they must be computed in int64. Rows are independent
+    # for y and grad_x: the last rows are checked alone; grad_w against float64 sums taken in slices.
+    N, D = shape
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(D, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    y, gx, gw = grads(tritongrad.weighted_sum, x, w, g)
+    tail = x[-2:].double()
+    torch.testing.assert_close(y[-2:].double(), weighted_sum_reference(tail, w.double()), atol=0.05 * D**0.5, rtol=0.02)
+    torch.testing.assert_close(gx[-2:].double(), g[-2:, None].double() * w.double(), atol=2**-7, rtol=2**-7)
+    gw64 = torch.zeros(D, device="cuda", dtype=torch.float64)
+    step = max(1, 2**27 // D)  # rows per slice: 1 GB of float64
+    for r in range(0, N, step):
+        gw64 += g[r:r + step].double() @ x[r:r + step].double()
+    torch.testing.assert_close(gw.double(), gw64, atol=0.05 * N**0.5, rtol=0.02)
+    del x, gx
+
+
 def test_grad_w_deterministic_large():
     x = torch.randn(131072, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
