@@ -42,7 +42,7 @@ def test_bitwise_reproducible_and_strided_out():
 @pytest.mark.parametrize("M1,M2", [(4096, 4096), (33, 70), (1, 1)], ids=str)
 def test_two_outputs(M1, M2):
     """Two reductions sharing one partial buffer (layer_norm's weight and bias gradients): columns before
-    M1 go to the first output, the rest to the second, each rounded once to its own dtype; a 32-column
+    M1 go to the first output, the rest to the second, each rounded once to its own dtype; a 16-column
     block straddles M1 when M1 is not a multiple of 16. Nothing past either output is written, and a
     second run gives the same bits."""
     part = torch.randn(264, M1 + M2, device=DEVICE)
