@@ -165,6 +165,23 @@ def test_forward_warps_for_wide_16bit_rows():
     assert not nc.fwd_plan(64, 32768, 2).ONE_TILE and nc.fwd_plan(64, 32768, 2) == nc.fwd_plan(64, 32768, 4)
 
 
+def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
+    # layer_norm's backward steps over half the rows with 32/64-bit x (faster on an H200, _norm_common);
+    # 16-bit x and rms_norm keep BWD_TILE. The spy sees which tile each launcher asks for.
+    asked = []
+    plan = nc.bwd_plan
+    monkeypatch.setattr(nc, "bwd_plan", lambda N, D, sms, tile=nc.BWD_TILE: asked.append(tile) or plan(N, D, sms, tile))
+    for norm, dtype in (("layer_norm", torch.float32), ("layer_norm", torch.float64), ("layer_norm", torch.bfloat16),
+                        ("rms_norm", torch.float32)):
+        x = torch.randn(6, 16, device=DEVICE, dtype=dtype, requires_grad=True)
+        w, b = params(norm, (16,), dtype)
+        w.requires_grad_()
+        out = tritongrad.layer_norm(x, (16,), w, b) if norm == "layer_norm" else tritongrad.rms_norm(x, (16,), w)
+        out.sum().backward()
+    assert asked == [nc.LN_BWD_TILE_32BIT] * 2 + [nc.BWD_TILE] * 2 and nc.LN_BWD_TILE_32BIT < nc.BWD_TILE
+    assert plan(4096, 32, 4, nc.LN_BWD_TILE_32BIT)[0].BLOCK_N < plan(4096, 32, 4)[0].BLOCK_N
+
+
 @pytest.mark.parametrize("split", [True, False], ids=["column-split", "whole-rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("lead,ns", [((5,), (13,)), ((3, 2), (2, 7)), ((300,), (9,))], ids=str)

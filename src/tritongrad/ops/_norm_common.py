@@ -22,6 +22,11 @@ BWD_MAX_BLOCK_D = 8192  # likewise for the backward, which holds x, dy, w and th
 CHUNK_D = 4096  # columns per step for longer rows (read in chunks, twice)
 FWD_TILE = 4096  # elements a forward program handles per step when rows are short (several rows a step)
 BWD_TILE = 4096  # likewise for the backward
+# layer_norm's backward with 32- and 64-bit x: half the rows per step. Measured on an H200, float32
+# forward+backward, 4096 -> 2048 elements: 4194304x32 763.6 -> 685.4 us, 1048576x128 748.8 -> 696.0,
+# 262144x512 756.3 -> 665.5, 131072x1024 708.2 -> 668.3 (rows of 4096 and more are one row a step either
+# way). rms_norm keeps 4096 (2048 was 1-4% slower at four of six float32 shapes), and 16-bit x keeps it too.
+LN_BWD_TILE_32BIT = 2048
 # Forward warps for a whole row of 16-bit elements longer than 4096 columns (row_tile would give 16).
 # Measured on an H200: 8 warps keep two such programs resident per SM where 16 warps fit one (layer_norm
 # 16384x16384 float16: 89 registers x 512 threads, one program, 60% of copy bandwidth; 8 warps: 128
@@ -48,10 +53,11 @@ def fwd_plan(N: int, D: int, itemsize: int = 4) -> rt.RowTile:
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_plan(N: int, D: int, sms: int) -> tuple[rt.RowTile, int, int, int]:
+def bwd_plan(N: int, D: int, sms: int, tile: int = BWD_TILE) -> tuple[rt.RowTile, int, int, int]:
     """Backward: ``(tile, column blocks, row chunks, rows per program)``; grid (row chunks, column blocks),
-    each program reducing its contiguous rows into one row of the partial buffers."""
-    t = rt.row_tile(N, D, BWD_MAX_BLOCK_D, CHUNK_D, BWD_TILE)
+    each program reducing its contiguous rows into one row of the partial buffers. ``tile``: elements a
+    program handles per step when rows are short."""
+    t = rt.row_tile(N, D, BWD_MAX_BLOCK_D, CHUNK_D, tile)
     d_blocks = rt.cdiv(D, t.BLOCK_D)
     per_sm = BWD_PROGS_PER_SM if t.num_warps <= 8 else BWD_PROGS_PER_SM_WIDE
     chunks, rows_per_prog = rt.row_split(N, t.BLOCK_N, sms, d_blocks, per_sm)

@@ -80,7 +80,8 @@ def _backward(dy, args, residuals, needs):
     acc = rstd.dtype
     ACC = rt.tl_acc_dtype(acc)
     sms = rt.sm_count(x.device)
-    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms)
+    tile = nc.LN_BWD_TILE_32BIT if x.element_size() >= 4 else nc.BWD_TILE
+    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms, tile)
     c = None
     if need_x and not t.ONE_TILE:
         c = torch.empty((2, N), dtype=acc, device=x.device)
