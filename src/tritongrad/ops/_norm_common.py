@@ -24,8 +24,8 @@ FWD_TILE = 4096  # elements a forward program handles per step when rows are sho
 BWD_TILE = 4096  # likewise for the backward
 # layer_norm's backward with 32- and 64-bit x: half the rows per step. Measured on an H200, float32
 # forward+backward, 4096 -> 2048 elements: 4194304x32 763.6 -> 685.4 us, 1048576x128 748.8 -> 696.0,
-# 262144x512 756.3 -> 665.5, 131072x1024 708.2 -> 668.3 (rows of 4096 and more are one row a step either
-# way). rms_norm keeps 4096 (2048 was 1-4% slower at four of six float32 shapes), and 16-bit x keeps it too.
+# 262144x512 756.3 -> 665.5, 131072x1024 708.2 -> 668.3 (rows longer than 2048 columns take one row a step
+# either way). rms_norm keeps 4096 (2048 was 1-4% slower at four of six float32 shapes), and 16-bit x keeps it too.
 LN_BWD_TILE_32BIT = 2048
 # Forward warps for a whole row of 16-bit elements longer than 4096 columns (row_tile would give 16).
 # Measured on an H200: 8 warps keep two such programs resident per SM where 16 warps fit one (layer_norm
