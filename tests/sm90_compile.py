@@ -110,6 +110,8 @@ if __name__ == "__main__":
     bf, f32, f64 = torch.bfloat16, torch.float32, torch.float64
     # Why each: short rows, several per program; a 4096-wide row held whole (the common hidden size); rows
     # longer than one tile (chunked norms, split-D weighted_sum); few rows, many column blocks; float64
-    # accumulation stored to bfloat16.
-    cases = [(bf, bf, 4096, 1024), (bf, bf, 64, 4096), (f32, f32, 300, 20000), (bf, f32, 16, 70000), (bf, f64, 64, 512)]
+    # accumulation stored to bfloat16; the norms' one-kernel long-row backward (3 and 4 chunks, 16/32-bit,
+    # mixed).
+    cases = [(bf, bf, 4096, 1024), (bf, bf, 64, 4096), (f32, f32, 300, 20000), (bf, f32, 16, 70000), (bf, f64, 64, 512),
+             (bf, bf, 300, 12288), (f32, f32, 300, 16384), (bf, f32, 200, 10000), (bf, f32, 200, 16384)]
     sys.exit(main(cases))

@@ -65,7 +65,12 @@ def params(norm, D, dtype, device="cuda"):
         ((32768, 4096), torch.bfloat16, torch.bfloat16, "contiguous"),   # the bandwidth benchmark shape
         ((4096, 4096), torch.bfloat16, torch.float32, "contiguous"),     # mixed: bf16 activations, fp32 params
         ((1024, 8192), torch.float16, torch.float16, "contiguous"),      # longest backward register tile
-        ((512, 16384), torch.bfloat16, torch.bfloat16, "contiguous"),    # fwd: longest register tile; bwd: chunked
+        ((512, 16384), torch.bfloat16, torch.bfloat16, "contiguous"),    # fwd: longest register tile; bwd: long
+                                                                         # rows (rms_norm), row-sum pass (layer_norm)
+        ((2048, 12288), torch.bfloat16, torch.bfloat16, "contiguous"),   # one-kernel long-row backward, 3 chunks
+        ((1000, 10000), torch.float32, torch.float32, "contiguous"),     # the same, float32, ragged last chunk
+        ((700, 9000), torch.bfloat16, torch.float32, "row-sliced"),      # the same, mixed, row stride != D
+        ((1024, 16384), torch.float16, torch.float16, "transposed"),     # long rows read with column stride N
         ((4, 65536), torch.bfloat16, torch.bfloat16, "contiguous"),      # few huge rows: column-split row passes
         ((16, 1048576), torch.bfloat16, torch.float32, "contiguous"),    # the benchmark's skinny shape, mixed
         ((4, 65536), torch.float32, torch.float32, "contiguous"),
@@ -85,9 +90,10 @@ def test_large(norm, shape, dtype, wdtype, layout):
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
-@pytest.mark.parametrize("shape", [(32769, 65536), (262145, 8192)], ids=str)
+@pytest.mark.parametrize("shape", [(32769, 65536), (262145, 8192), (174763, 12288)], ids=str)
 def test_int64_offsets(norm, shape):
-    # N * D passes 2**31 elements: row offsets must be computed in int64 (chunked and register paths).
+    # N * D passes 2**31 elements: row offsets must be computed in int64 (chunked, register and long-row
+    # paths).
     # Rows are independent, so the last rows are checked against the reference run on those rows alone.
     fn, ref, _, has_bias = NORMS[norm]
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -104,9 +110,10 @@ def test_int64_offsets(norm, shape):
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
-@pytest.mark.parametrize("shape", [(32768, 1024), (8, 65536)], ids=str)
+@pytest.mark.parametrize("shape", [(32768, 1024), (8, 65536), (4096, 12288)], ids=str)
 def test_param_grads_bitwise_deterministic(norm, shape):
-    # (32768, 1024): 2 x SMs partial rows; (8, 65536): column-split backward of long rows.
+    # (32768, 1024): 2 x SMs partial rows; (8, 65536): column-split backward of long rows; (4096, 12288):
+    # the one-kernel long-row backward.
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     w, b = params(norm, shape[-1], torch.float32)
     g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)

@@ -26,6 +26,7 @@ SHAPES = [
     ((5,), (37,)),          # D not a power of two, N not a multiple of the row tile: both masks active
     ((3,), (20000,)),       # D > FWD/BWD_MAX_BLOCK_D, few rows: chunks, row passes split across columns
     ((5,), (16500,)),       # D > FWD/BWD_MAX_BLOCK_D, a row tile per "SM": chunks, whole-row passes
+    ((5,), (9000,)),        # BWD_MAX_BLOCK_D < D <= 3 LONG_BWD_CHUNKs, a row per "SM": one-kernel backward
     ((300,), (24,)),        # several row chunks: dw/db go through the partial buffer and column_sum
     ((2, 3), (20,)),        # 3-D input
     ((2, 2, 3), (9,)),      # 4-D input
@@ -128,8 +129,26 @@ def whole_rows(monkeypatch):
     _clear_plans()
 
 
+@pytest.fixture
+def long_rows(monkeypatch):
+    """Rows of 17 to 32 columns take the one-kernel long-row backward, in 3 or 4 chunks of 8 columns (the
+    last one ragged unless D is a multiple of 8), at sizes the interpreter runs quickly. 4 "SMs" on a GPU
+    too, so that a few rows are enough for the path (it needs a row per SM)."""
+    monkeypatch.setattr(rt, "sm_count", lambda device: 4)
+    monkeypatch.setattr(nc, "BWD_MAX_BLOCK_D", 16)
+    monkeypatch.setattr(nc, "LONG_BWD_CHUNK", 8)
+    _clear_plans()
+    yield
+    _clear_plans()
+
+
+def _long_path_taken(norm, N, D, dtype=torch.float32, wdtype=None):
+    return nc.long_bwd_plan(N, D, rt.sm_count(torch.device(DEVICE)), norm == "layer_norm", dtype.itemsize,
+                            (wdtype or dtype).itemsize, 4)
+
+
 def _clear_plans():
-    for plan in (nc.fwd_plan, nc.bwd_plan, nc.column_split):
+    for plan in (nc.fwd_plan, nc.bwd_plan, nc.column_split, nc.long_bwd_plan):
         plan.cache_clear()
 
 
@@ -150,6 +169,11 @@ def test_shape_comments_hold():
     assert not nc.fwd_plan(5, 16500).ONE_TILE and not nc.bwd_plan(5, 16500, 4)[0].ONE_TILE
     assert nc.column_split(5, 16500, nc.fwd_plan(5, 16500), 4)[0] == 1               # whole-row passes
     assert nc.column_split(5, 16500, nc.bwd_plan(5, 16500, 4)[0], 4)[0] == 1
+    assert all(nc.long_bwd_plan(5, 16500, 4, c, 4, 4, 4) is None for c in (False, True))  # over 4 chunks
+    assert all(nc.long_bwd_plan(5, 9000, 4, c, s, s, 4).NCH == 3 for c in (False, True) for s in (2, 4))
+    assert nc.long_bwd_plan(3, 9000, 4, False, 4, 4, 4) is None                     # fewer rows than SMs
+    assert nc.long_bwd_plan(5, 9000, 4, False, 8, 8, 8) is None                     # float64
+    assert nc.long_bwd_plan(5, 9000, 4, True, 4, 2, 4) is None                      # float32 x, 16-bit w
     assert nc.bwd_plan(300, 24, 4)[2] > 1                                            # several partial rows
     assert nc.bwd_plan(1000, 8, 4)[2] > 1                                            # determinism test
     assert 5 % nc.fwd_plan(5, 37).BLOCK_N and 5 % nc.bwd_plan(5, 37, 4)[0].BLOCK_N   # ragged row tile
@@ -196,6 +220,58 @@ def test_chunked_path(norm, lead, ns, dtype, split, small_tiles, request):
     x = (2 * torch.randn(*lead, *ns, device=DEVICE) + (40.0 if norm == "layer_norm" else 0)).to(dtype)
     w, b = params(norm, ns, dtype)
     check(norm, x, ns, w, b)
+
+
+@pytest.mark.parametrize("case", ["plain", "transposed-x, expanded-dy", "mixed", "no-affine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lead,ns", [((5,), (21,)), ((3, 2), (19,)), ((9,), (3, 8)), ((40,), (17,))], ids=str)
+@pytest.mark.parametrize("norm", NORMS)
+def test_long_rows_path(norm, lead, ns, dtype, case, long_rows):
+    # 21 and 19 columns: 3 chunks, the last ragged; 24: 3 full chunks over 2 normalised dims; 40 rows: 10
+    # per program. The launcher's choice is asserted, so a change to the plan cannot turn this into a
+    # test of the two-kernel path.
+    N, D = math.prod(lead), math.prod(ns)
+    assert _long_path_taken(norm, N, D, dtype, torch.float32 if case == "mixed" else dtype).NCH == 3
+    if case == "transposed-x, expanded-dy":
+        x = make_rows((N, D), torch.float32, DEVICE, "transposed").to(dtype)
+        w, b = params(norm, (D,), dtype)
+        fn = tritongrad.layer_norm if HAS_BIAS[norm] else tritongrad.rms_norm
+        ref = layer_norm_reference if HAS_BIAS[norm] else rms_norm_reference
+        got, want = leaves((x, w, b), (True,) * 3), leaves([t.double() if t is not None else None for t in (x, w, b)], (True,) * 3)
+        call(norm, fn, got[0], (D,), got[1], got[2], 1e-5).sum().backward()
+        call(norm, ref, want[0], (D,), want[1], want[2], 1e-5).sum().backward()
+        for a, c in zip(got, want):
+            if a is not None:
+                torch.testing.assert_close(a.grad.double(), c.grad, **_tol(dtype, N))
+        return
+    x = (2 * torch.randn(*lead, *ns, device=DEVICE) + (40.0 if norm == "layer_norm" else 0)).to(dtype)
+    w, b = params(norm, ns, torch.float32 if case == "mixed" else dtype)
+    check(norm, x, ns, *((None, None) if case == "no-affine" else (w, b)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [29, 32])
+def test_long_rows_four_chunks(D, dtype, long_rows):
+    # rms_norm runs rows of 4 chunks (ragged and full) in one kernel; layer_norm's would spill on a GPU and
+    # stay with the two kernels (LONG_BWD_WARPS).
+    assert _long_path_taken("rms_norm", 12, D, dtype).NCH == 4 and _long_path_taken("layer_norm", 12, D, dtype) is None
+    x = torch.randn(12, D, device=DEVICE).to(dtype)
+    check("rms_norm", x, (D,), *params("rms_norm", (D,), dtype))
+    check("layer_norm", x, (D,), *params("layer_norm", (D,), dtype))
+
+
+def _tol(dtype, N):
+    a = ATOL[dtype] * max(1.0, N**0.5)
+    return {"atol": a, "rtol": 2 * a}
+
+
+@pytest.mark.parametrize("norm,needs", [(n, k) for n in NORMS for k in ((True, False, False), (False, True, True),
+                                                                      (False, True, False))], ids=str)
+def test_long_rows_needs_input_grad(norm, needs, long_rows):
+    # Only dw (and db): the kernel skips its row-sum pass and stores no dx.
+    assert _long_path_taken(norm, 50, 20)
+    x = torch.randn(50, 20, device=DEVICE)
+    check(norm, x, (20,), *params(norm, (20,), torch.float32), needs=needs)
 
 
 @pytest.mark.parametrize(
@@ -305,14 +381,15 @@ def test_weight_bias_none(norm, has_w, has_b):
     check(norm, x, (45,), w if has_w else None, b if has_b else None)
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["registers", "chunked"])
+@pytest.mark.parametrize("path", ["registers", "small_tiles", "long_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("norm", NORMS)
-def test_zero_variance_rows(norm, dtype, chunked, request):
+def test_zero_variance_rows(norm, dtype, path, request):
     # Constant rows (a mean that is not exactly representable, so the deviations are rounding noise) and
     # all-zero rows: outputs and gradients finite and as accurate as eager PyTorch's.
-    if chunked:
-        request.getfixturevalue("small_tiles")
+    if path != "registers":
+        request.getfixturevalue(path)
+    assert (_long_path_taken(norm, 6, 21) is not None) == (path == "long_rows")
     x = torch.randn(6, 21, device=DEVICE)
     x[0] = 0.1
     x[1] = 0.0
@@ -402,13 +479,14 @@ def test_double_backward_is_refused(norm):
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["registers", "chunked"])
+@pytest.mark.parametrize("path", ["registers", "small_tiles", "long_rows"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_param_grads_bitwise_deterministic(norm, chunked, request):
+def test_param_grads_bitwise_deterministic(norm, path, request):
     # 1000 rows of D=8 give several row chunks, so dw/db go through the partial buffer.
-    if chunked:
-        request.getfixturevalue("small_tiles")
-    D = 19 if chunked else 8
+    if path != "registers":
+        request.getfixturevalue(path)
+    D = 8 if path == "registers" else 19
+    assert (_long_path_taken(norm, 1000, D) is not None) == (path == "long_rows")
     x = torch.randn(1000, D, device=DEVICE)
     w, b = leaves(params(norm, (D,), torch.float32), (True, True))
     g = torch.randn(1000, D, device=DEVICE)

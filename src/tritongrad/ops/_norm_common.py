@@ -2,15 +2,16 @@
 
 Bytes beyond each norm's floor (the formulas are in its launch.py): rows longer than one register tile
 (D > FWD_MAX_BLOCK_D in the forward, D > BWD_MAX_BLOCK_D in the backward) read x twice in the forward
-(the second read partly from L2) and x and dy twice in the backward (a row pass for the row sums first).
-With fewer row tiles than SMs those row passes also split the columns (``column_split``), adding S*N
-floats of partial statistics (S splits) to each pass.
-"""
+(the second read partly from L2). In the backward, rows of up to LONG_BWD_CHUNKS chunks with a row per SM
+read x and dy twice too, the second time from L2 (``long_bwd_plan``); other long rows read them twice from
+HBM (a row pass for the row sums first). With fewer row tiles than SMs those row passes also split the
+columns (``column_split``), adding S*N floats of partial statistics (S splits) to each pass."""
 
 from __future__ import annotations
 
 import functools
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,29 @@ BWD_PROGS_PER_SM_WIDE = 1
 # Rows walked in chunks, but fewer row tiles than SMs (e.g. 16 x 1M): the row passes (forward statistics,
 # normalisation, the backward's row sums) also split the columns, for about this many programs per SM.
 SPLIT_PROGS_PER_SM = 4
+# Backward of rows longer than BWD_MAX_BLOCK_D, at most LONG_BWD_CHUNKS chunks long, with at least one row
+# per SM: one kernel (_norm_bwd_long_kernel) that keeps its dw/db partials in registers and reads each row
+# twice, the second time from L2, instead of the row-sum pass and _norm_bwd_kernel, which read x and dy
+# twice from HBM. Its registers fill an SM (one program per SM). Warps by (layer_norm, 16-bit x, 16-bit
+# weight (or none), chunks per row): the best of 8/16/32 in sweeps on an H200 (benchmarks/NOTES.md, "Long
+# rows"). The cases it lacks keep the two kernels: layer_norm rows of 4 chunks (they spill the dw and db
+# accumulators, and ran no faster in 16-bit and up to 1.3x slower in float32), float32 x with a 16-bit
+# weight (not measured), and float64 accumulators.
+LONG_BWD_CHUNK = 4096
+LONG_BWD_CHUNKS = 4
+LONG_BWD_WARPS = {
+    (False, True, True, 3): 8, (False, True, False, 3): 32, (False, False, False, 3): 32,
+    (False, True, True, 4): 32, (False, True, False, 4): 32, (False, False, False, 4): 32,
+    (True, True, True, 3): 16, (True, True, False, 3): 16, (True, False, False, 3): 32,
+}
+
+
+class LongBwdPlan(NamedTuple):
+    CHUNK: int
+    NCH: int  # chunks per row
+    num_warps: int
+    programs: int
+    rows_per_prog: int
 
 
 @functools.lru_cache(maxsize=1024)
@@ -62,6 +86,22 @@ def bwd_plan(N: int, D: int, sms: int, tile: int = BWD_TILE) -> tuple[rt.RowTile
     per_sm = BWD_PROGS_PER_SM if t.num_warps <= 8 else BWD_PROGS_PER_SM_WIDE
     chunks, rows_per_prog = rt.row_split(N, t.BLOCK_N, sms, d_blocks, per_sm)
     return t, d_blocks, chunks, rows_per_prog
+
+
+@functools.lru_cache(maxsize=1024)
+def long_bwd_plan(
+    N: int, D: int, sms: int, centered: bool, x_itemsize: int, w_itemsize: int, acc_itemsize: int
+) -> LongBwdPlan | None:
+    """The one-kernel backward's plan for long rows (``w_itemsize`` 0: no weight), or None where the row-sum
+    pass + _norm_bwd_kernel serve: rows that fit one tile, rows of more than LONG_BWD_CHUNKS chunks, fewer
+    rows than SMs, float64 accumulators, and the cases LONG_BWD_WARPS leaves out."""
+    nch = rt.cdiv(D, LONG_BWD_CHUNK)
+    narrow_x = x_itemsize <= 2
+    warps = LONG_BWD_WARPS.get((centered, narrow_x, w_itemsize <= 2 if w_itemsize else narrow_x, nch))
+    if D <= BWD_MAX_BLOCK_D or nch > LONG_BWD_CHUNKS or N < sms or acc_itemsize > 4 or warps is None:
+        return None
+    programs, rows_per_prog = rt.row_split(N, 1, sms, 1, 1)
+    return LongBwdPlan(LONG_BWD_CHUNK, nch, warps, programs, rows_per_prog)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -16,7 +16,9 @@ columns, writes dL/dx for them, and sums its dL/dw (and dL/db) partials in regis
 float partial buffer that ``column_sum`` reduces in a fixed order (deterministic, no atomics). When a row
 fits one tile (``ONE_TILE``) the row sums come from the tile itself; otherwise
 ``_norm_bwd_rowsum_kernel`` computes them first, so that columns can be split across programs (with few
-rows it splits the columns too, and ``column_sum`` adds the splits' parts).
+rows it splits the columns too, and ``column_sum`` adds the splits' parts). Rows of a few chunks, with a
+row per SM, take ``_norm_bwd_long_kernel`` instead: programs own rows and all columns, and read each row
+twice, the second time from L2.
 
 Precision: loads are cast to ACC (float32, float64 for float64) before any arithmetic; results are
 rounded once, on store. Masked lanes load 0 and have xhat = 0, so they add nothing to any sum.
@@ -204,3 +206,156 @@ def _norm_bwd_kernel(
         tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
     if HAS_DB:
         tl.store(db_ptr + pid_p * stride_db_part + o_d, round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, d0, D, mean, s1, s2,
+                   CHUNK: tl.constexpr, HAS_W: tl.constexpr, CENTERED: tl.constexpr, ACC: tl.constexpr):
+    # One chunk's share of the row sums: s1 += g * (x - mean), s2 += g (lane-wise; reduced once per row).
+    o_d = d0 + tl.arange(0, CHUNK)
+    m_d = o_d < D
+    o_d64 = o_d.to(tl.int64)
+    b_x = tl.load(x_row + o_d64 * stride_x_col, mask=m_d, other=0.0).to(ACC)
+    b_g = tl.load(dy_row + o_d64 * stride_dy_col, mask=m_d, other=0.0).to(ACC)
+    if HAS_W:
+        b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+    if CENTERED:
+        s1 += b_g * (b_x - mean)  # g is 0 on masked lanes
+        s2 += b_g
+    else:
+        s1 += b_g * b_x
+    return s1, s2
+
+
+@triton.jit
+def _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, d0, D, mean, rstd,
+                    c1, c2, acc_dw, acc_db, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_DX: tl.constexpr,
+                    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CENTERED: tl.constexpr,
+                    ROUND_XHAT: tl.constexpr, ACC: tl.constexpr):
+    # One chunk of a row: dL/dx stored, dw/db partials added to this chunk's accumulators.
+    o_d = d0 + tl.arange(0, CHUNK)
+    m_d = o_d < D
+    o_d64 = o_d.to(tl.int64)
+    b_x = tl.load(x_row + o_d64 * stride_x_col, mask=m_d, other=0.0)
+    b_dy = tl.load(dy_row + o_d64 * stride_dy_col, mask=m_d, other=0.0).to(ACC)
+    if CENTERED:
+        b_xhat = tl.where(m_d, (b_x.to(ACC) - mean) * rstd, 0.0)
+    else:
+        b_xhat = b_x.to(ACC) * rstd
+    if HAS_DX:
+        b_g = b_dy
+        if HAS_W:
+            b_g = b_dy * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+        if CENTERED:
+            b_dx = (b_g - c2 - b_xhat * c1) * rstd
+        else:
+            b_dx = (b_g - b_xhat * c1) * rstd
+        tl.store(dx_row + o_d64, round_to(b_dx, dx_row.dtype.element_ty), mask=m_d)
+    if HAS_DW:
+        if ROUND_XHAT:
+            b_xhat = round_to(b_xhat, x_row.dtype.element_ty).to(ACC)
+        acc_dw += b_dy * b_xhat
+    if HAS_DB:
+        acc_db += b_dy
+    return acc_dw, acc_db
+
+
+@triton.jit
+def _norm_bwd_long_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,  # [N], ACC; None unless CENTERED
+    rstd_ptr,
+    dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
+    dw_ptr,  # [P, D] float partial buffer (one row per program), or [D] with one program
+    db_ptr,  # likewise; None unless HAS_DB
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_dy_row,
+    stride_dy_col,
+    stride_dx_row,
+    stride_dw_part,
+    stride_db_part,
+    ROWS_PER_PROG,
+    CHUNK: tl.constexpr,
+    NCH: tl.constexpr,  # chunks per row, 2 to 4: D <= NCH * CHUNK
+    HAS_W: tl.constexpr,
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    CENTERED: tl.constexpr,
+    ROUND_XHAT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # Rows too long for one register tile, but short enough for their dw/db partials to stay in registers
+    # (NCH chunk accumulators per program). Each program walks its rows one at a time: a first pass over
+    # the row's chunks for the row sums, a second over the same chunks for dL/dx and the partials. The
+    # second pass re-reads a row the program has just read (D * (sx + sdy) bytes per program in flight),
+    # so it comes from L2: HBM sees x and dy once, where the row-sum kernel plus _norm_bwd_kernel read them
+    # twice. Chunks are unrolled with one accumulator each, because a register tensor cannot be indexed
+    # by a loop variable.
+    pid = tl.program_id(0).to(tl.int64)
+    zero = tl.zeros([CHUNK], dtype=ACC)
+    dw0, db0, dw1, db1, dw2, db2, dw3, db3 = zero, zero, zero, zero, zero, zero, zero, zero
+    row_start = pid * ROWS_PER_PROG
+    row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
+    for row in range(row_start, row_end):
+        x_row = x_ptr + row * stride_x_row
+        dy_row = dy_ptr + row * stride_dy_row
+        dx_row = dx_ptr
+        if HAS_DX:
+            dx_row = dx_ptr + row * stride_dx_row
+        mean = 0.0
+        if CENTERED:
+            mean = tl.load(mean_ptr + row).to(ACC)
+        rstd = tl.load(rstd_ptr + row).to(ACC)
+        c1 = 0.0
+        c2 = 0.0
+        if HAS_DX:
+            s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 0, D, mean,
+                                    zero, zero, CHUNK, HAS_W, CENTERED, ACC)
+            s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, CHUNK, D, mean,
+                                    s1, s2, CHUNK, HAS_W, CENTERED, ACC)
+            if NCH > 2:
+                s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 2 * CHUNK, D,
+                                        mean, s1, s2, CHUNK, HAS_W, CENTERED, ACC)
+            if NCH > 3:
+                s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 3 * CHUNK, D,
+                                        mean, s1, s2, CHUNK, HAS_W, CENTERED, ACC)
+            c1 = tl.sum(s1, axis=0) * rstd / D
+            if CENTERED:
+                c2 = tl.sum(s2, axis=0) / D
+        dw0, db0 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 0, D, mean,
+                                   rstd, c1, c2, dw0, db0, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
+                                   ROUND_XHAT, ACC)
+        dw1, db1 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, CHUNK, D,
+                                   mean, rstd, c1, c2, dw1, db1, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
+                                   ROUND_XHAT, ACC)
+        if NCH > 2:
+            dw2, db2 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w,
+                                       2 * CHUNK, D, mean, rstd, c1, c2, dw2, db2, CHUNK, HAS_W, HAS_DX, HAS_DW,
+                                       HAS_DB, CENTERED, ROUND_XHAT, ACC)
+        if NCH > 3:
+            dw3, db3 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w,
+                                       3 * CHUNK, D, mean, rstd, c1, c2, dw3, db3, CHUNK, HAS_W, HAS_DX, HAS_DW,
+                                       HAS_DB, CENTERED, ROUND_XHAT, ACC)
+    if HAS_DW:
+        _long_store_part(dw_ptr + pid * stride_dw_part, D, dw0, dw1, dw2, dw3, CHUNK, NCH)
+    if HAS_DB:
+        _long_store_part(db_ptr + pid * stride_db_part, D, db0, db1, db2, db3, CHUNK, NCH)
+
+
+@triton.jit
+def _long_store_part(p, D, a0, a1, a2, a3, CHUNK: tl.constexpr, NCH: tl.constexpr):
+    o_d = tl.arange(0, CHUNK)
+    ty = p.dtype.element_ty
+    tl.store(p + o_d, round_to(a0, ty), mask=o_d < D)
+    tl.store(p + CHUNK + o_d, round_to(a1, ty), mask=CHUNK + o_d < D)
+    if NCH > 2:
+        tl.store(p + 2 * CHUNK + o_d, round_to(a2, ty), mask=2 * CHUNK + o_d < D)
+    if NCH > 3:
+        tl.store(p + 3 * CHUNK + o_d, round_to(a3, ty), mask=3 * CHUNK + o_d < D)

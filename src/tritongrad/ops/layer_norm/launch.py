@@ -30,6 +30,7 @@ _fwd_kernel = rt.Kernel(kernels._layer_norm_fwd_kernel)
 # The backward kernels are shared with rms_norm (ops/_norm_kernels.py); CENTERED adds the mean terms.
 _bwd_rowsum_kernel = rt.Kernel(_norm_kernels._norm_bwd_rowsum_kernel)
 _bwd_kernel = rt.Kernel(_norm_kernels._norm_bwd_kernel)
+_bwd_long_kernel = rt.Kernel(_norm_kernels._norm_bwd_long_kernel)
 
 
 def _stride(t) -> int:
@@ -82,35 +83,48 @@ def _backward(dy, args, residuals, needs):
     sms = rt.sm_count(x.device)
     tile = nc.LN_BWD_TILE_32BIT if x.element_size() >= 4 else nc.BWD_TILE
     t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms, tile)
-    c = None
-    if need_x and not t.ONE_TILE:
-        c = torch.empty((2, N), dtype=acc, device=x.device)
-        splits, d_split = nc.column_split(N, D, t, sms)
-        # Column-split rows: partial [c1; c2] blocks per split, added by column_sum.
-        c_part = c if splits == 1 else torch.empty((splits, 2 * N), dtype=acc, device=x.device)
-        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-            x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
-            dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
-            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=True, ACC=ACC,
-            num_warps=t.num_warps,
-        )
-        if splits > 1:
-            column_sum(c_part, c.view(-1))
-
+    lp = nc.long_bwd_plan(
+        N, D, sms, True, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
+    )
+    if lp is not None:
+        chunks = lp.programs
     part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
     part = None
     if chunks > 1 and (need_w or need_b):
         # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
         part = torch.empty((chunks, (need_w + need_b) * D), dtype=acc, device=x.device)
         part_w, part_b = (part[:, :D] if need_w else None), (part[:, -D:] if need_b else None)
-    _bwd_kernel[(chunks, d_blocks)](
-        x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-        dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D,
-        part_w.stride(0) if (need_w and chunks > 1) else 0, part_b.stride(0) if (need_b and chunks > 1) else 0,
-        rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-        HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
-        num_warps=t.num_warps,
-    )
+    stride_pw = part_w.stride(0) if (need_w and chunks > 1) else 0
+    stride_pb = part_b.stride(0) if (need_b and chunks > 1) else 0
+    if lp is not None:
+        _bwd_long_kernel[(lp.programs,)](
+            x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
+            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, lp.rows_per_prog, CHUNK=lp.CHUNK, NCH=lp.NCH,
+            HAS_W=w is not None, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False,
+            ACC=ACC, num_warps=lp.num_warps,
+        )
+    else:
+        c = None
+        if need_x and not t.ONE_TILE:
+            c = torch.empty((2, N), dtype=acc, device=x.device)
+            splits, d_split = nc.column_split(N, D, t, sms)
+            # Column-split rows: partial [c1; c2] blocks per split, added by column_sum.
+            c_part = c if splits == 1 else torch.empty((splits, 2 * N), dtype=acc, device=x.device)
+            _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+                x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
+                dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
+                BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=True, ACC=ACC,
+                num_warps=t.num_warps,
+            )
+            if splits > 1:
+                column_sum(c_part, c.view(-1))
+        _bwd_kernel[(chunks, d_blocks)](
+            x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
+            dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D, stride_pw, stride_pb,
+            rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
+            HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
+            num_warps=t.num_warps,
+        )
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
     return dx, dw, db

@@ -28,6 +28,7 @@ _fwd_kernel = rt.Kernel(kernels._rms_norm_fwd_kernel)
 # The backward is layer_norm's without the mean terms (ops/_norm_kernels.py, CENTERED=False).
 _bwd_rowsum_kernel = rt.Kernel(_norm_kernels._norm_bwd_rowsum_kernel)
 _bwd_kernel = rt.Kernel(_norm_kernels._norm_bwd_kernel)
+_bwd_long_kernel = rt.Kernel(_norm_kernels._norm_bwd_long_kernel)
 
 
 def _launch_forward(x, k: int, weight, eps: float, llama: bool):
@@ -70,30 +71,43 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
     ACC = rt.tl_acc_dtype(acc)
     sms = rt.sm_count(x.device)
     t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms)
-    c = None
-    if need_x and not t.ONE_TILE:
-        c = torch.empty(N, dtype=acc, device=x.device)
-        splits, d_split = nc.column_split(N, D, t, sms)
-        c_part = c if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
-        _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-            x2, w, dy2, None, rstd, c_part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
-            dy2.stride(0), dy2.stride(1), 0, d_split, c_part.stride(0) if splits > 1 else 0,
-            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=False, ACC=ACC,
-            num_warps=t.num_warps,
-        )
-        if splits > 1:
-            column_sum(c_part, c)
+    lp = nc.long_bwd_plan(
+        N, D, sms, False, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
+    )
+    if lp is not None:
+        chunks = lp.programs
     part = None
     if need_w:
         part = dw.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
-    _bwd_kernel[(chunks, d_blocks)](
-        x2, w, dy2, None, rstd, c, dx, part, None, N, D, x2.stride(0), x2.stride(1),
-        w.stride(0) if w is not None else 0, dy2.stride(0), dy2.stride(1), 0, D,
-        part.stride(0) if (need_w and chunks > 1) else 0, 0, rows_per_prog,
-        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_DX=need_x,
-        HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
-        num_warps=t.num_warps,
-    )
+    stride_w, stride_part = (w.stride(0) if w is not None else 0), (part.stride(0) if (need_w and chunks > 1) else 0)
+    if lp is not None:
+        _bwd_long_kernel[(lp.programs,)](
+            x2, w, dy2, None, rstd, dx, part, None, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
+            dy2.stride(1), D, stride_part, 0, lp.rows_per_prog, CHUNK=lp.CHUNK, NCH=lp.NCH, HAS_W=w is not None,
+            HAS_DX=need_x, HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
+            num_warps=lp.num_warps,
+        )
+    else:
+        c = None
+        if need_x and not t.ONE_TILE:
+            c = torch.empty(N, dtype=acc, device=x.device)
+            splits, d_split = nc.column_split(N, D, t, sms)
+            c_part = c if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
+            _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+                x2, w, dy2, None, rstd, c_part, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
+                dy2.stride(1), 0, d_split, c_part.stride(0) if splits > 1 else 0,
+                BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=False, ACC=ACC,
+                num_warps=t.num_warps,
+            )
+            if splits > 1:
+                column_sum(c_part, c)
+        _bwd_kernel[(chunks, d_blocks)](
+            x2, w, dy2, None, rstd, c, dx, part, None, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
+            dy2.stride(1), 0, D, stride_part, 0, rows_per_prog,
+            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_DX=need_x,
+            HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
+            num_warps=t.num_warps,
+        )
     if need_w and chunks > 1:
         column_sum(part, dw.view(-1))
     return dx, dw
