@@ -83,7 +83,7 @@ def _backward(dy, args, residuals, needs):
     sms = rt.sm_count(x.device)
     tile = nc.LN_BWD_TILE_32BIT if x.element_size() >= 4 else nc.BWD_TILE
     t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms, tile)
-    lp = nc.long_bwd_plan(
+    lp = None if t.ONE_TILE else nc.long_bwd_plan(
         N, D, sms, True, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
     )
     if lp is not None:

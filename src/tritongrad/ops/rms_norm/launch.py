@@ -71,7 +71,7 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
     ACC = rt.tl_acc_dtype(acc)
     sms = rt.sm_count(x.device)
     t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms)
-    lp = nc.long_bwd_plan(
+    lp = None if t.ONE_TILE else nc.long_bwd_plan(
         N, D, sms, False, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
     )
     if lp is not None:
