@@ -36,6 +36,20 @@ def _add_pair(a1, a2, b1, b2):
 
 
 @triton.jit
+def _add_param_grads(acc_dw, acc_db, b_dy, b_xhat, x_dtype: tl.constexpr, HAS_DW: tl.constexpr,
+                     HAS_DB: tl.constexpr, ROUND_XHAT: tl.constexpr, ACC: tl.constexpr):
+    # This tile's share of dL/dw = sum_n dy * xhat and dL/db = sum_n dy, added lane-wise to the partials.
+    if HAS_DW:
+        if ROUND_XHAT:
+            # The forward multiplied w by xhat rounded to x's dtype; its gradient is that value.
+            b_xhat = round_to(b_xhat, x_dtype).to(ACC)
+        acc_dw += b_dy * b_xhat
+    if HAS_DB:
+        acc_db += b_dy
+    return acc_dw, acc_db
+
+
+@triton.jit
 def _norm_bwd_rowsum_kernel(
     x_ptr,
     w_ptr,
@@ -140,10 +154,8 @@ def _norm_bwd_kernel(
     o_d64 = o_d.to(tl.int64)
     if HAS_W:
         b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
-    if HAS_DW:
-        acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    if HAS_DB:
-        acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)  # dropped by the compiler without HAS_DW
+    acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     row_start = pid_p * ROWS_PER_PROG
     row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
     # Software pipelining by hand: the next row tile's loads are issued before the current tile is
@@ -195,13 +207,8 @@ def _norm_bwd_kernel(
                     b_c1 = tl.load(c_ptr + o_n, mask=m_n, other=0.0).to(ACC)
                 b_dx = (b_g - b_xhat * b_c1[:, None]) * b_rstd[:, None]
             tl.store(dx_ptr + o_n[:, None] * stride_dx_row + o_d64[None, :], round_to(b_dx, dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_DW:
-            if ROUND_XHAT:
-                # The forward multiplied w by xhat rounded to x's dtype; its gradient is that value.
-                b_xhat = round_to(b_xhat, x_ptr.dtype.element_ty).to(ACC)
-            acc_dw += b_dy * b_xhat
-        if HAS_DB:
-            acc_db += b_dy
+        acc_dw, acc_db = _add_param_grads(acc_dw, acc_db, b_dy, b_xhat, x_ptr.dtype.element_ty, HAS_DW, HAS_DB,
+                                          ROUND_XHAT, ACC)
     if HAS_DW:
         tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
     if HAS_DB:
@@ -251,13 +258,7 @@ def _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, s
         else:
             b_dx = (b_g - b_xhat * c1) * rstd
         tl.store(dx_row + o_d64, round_to(b_dx, dx_row.dtype.element_ty), mask=m_d)
-    if HAS_DW:
-        if ROUND_XHAT:
-            b_xhat = round_to(b_xhat, x_row.dtype.element_ty).to(ACC)
-        acc_dw += b_dy * b_xhat
-    if HAS_DB:
-        acc_db += b_dy
-    return acc_dw, acc_db
+    return _add_param_grads(acc_dw, acc_db, b_dy, b_xhat, x_row.dtype.element_ty, HAS_DW, HAS_DB, ROUND_XHAT, ACC)
 
 
 @triton.jit
