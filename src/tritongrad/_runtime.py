@@ -2,7 +2,7 @@
 
 - whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1`` set before triton was imported);
 - which devices the Triton kernels serve;
-- cached device properties (the SM count sizes persistent grids);
+- cached device properties (the SM count sizes persistent grids; shared memory bounds pipelining);
 - the accumulation dtype of an input dtype, and its Triton spelling;
 - launch heuristics shared by ops: the row split of a column reduction's first stage, the row tile of
   row-wise ops (norms).
@@ -50,6 +50,23 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Shared memory per SM of an H100/H200 (sm_90), for plans made off the GPU (interpreter, offline compiles).
+_SM90_SHARED_MEM = 228 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_mem_per_sm(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block
+
+
+def shared_mem_per_sm(device: torch.device) -> int:
+    """Bytes of shared memory per SM on ``device`` (sm_90's off the GPU): bounds pipelining depths."""
+    if device.type != "cuda":
+        return _SM90_SHARED_MEM
+    return _shared_mem_per_sm(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _TL_DTYPE = {

@@ -144,6 +144,7 @@ def _norm_bwd_kernel(
     CENTERED: tl.constexpr,
     ROUND_XHAT: tl.constexpr,  # rms_norm's Llama variant: dw sums dy * xhat rounded to x's dtype
     ACC: tl.constexpr,
+    STAGES: tl.constexpr,  # pipelining depth of the row loop (1: none)
 ):
     # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw/db
     # partials of the program's rows stay in registers until the single store at the end.
@@ -158,26 +159,16 @@ def _norm_bwd_kernel(
     acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     row_start = pid_p * ROWS_PER_PROG
     row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
-    # Software pipelining by hand: the next row tile's loads are issued before the current tile is
-    # processed, so HBM latency overlaps the row reductions (a program of this size holds most of an SM's
-    # registers, so other programs cannot hide the latency). Registers, not shared memory, hold the next
-    # tile: no shared-memory limit to hit for float64 or long rows.
-    o_n = row_start + tl.arange(0, BLOCK_N)
-    mask = (o_n < row_end)[:, None] & m_d[None, :]
-    b_x_next = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
-    b_dy_next = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
-    for r0 in range(row_start, row_end, BLOCK_N):
+    # The row loop is software-pipelined by Triton (STAGES - 1 row tiles of x and dy in flight, copied
+    # asynchronously into shared memory while the current tile is processed): a program of this size holds
+    # most of an SM's registers, so other programs cannot hide HBM latency.
+    for r0 in tl.range(row_start, row_end, BLOCK_N, num_stages=STAGES):
         o_n = r0 + tl.arange(0, BLOCK_N)
         m_n = o_n < row_end
         mask = m_n[:, None] & m_d[None, :]
-        b_x = b_x_next
-        b_dy = b_dy_next.to(ACC)
-        o_nn = o_n + BLOCK_N
-        mask_next = (o_nn < row_end)[:, None] & m_d[None, :]
-        b_x_next = tl.load(x_ptr + o_nn[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask_next, other=0.0)
-        b_dy_next = tl.load(
-            dy_ptr + o_nn[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask_next, other=0.0
-        )
+        b_x = tl.load(x_ptr + o_n[:, None] * stride_x_row + o_d64[None, :] * stride_x_col, mask=mask, other=0.0)
+        b_dy = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask,
+                       other=0.0).to(ACC)
         if CENTERED:
             b_mean = tl.load(mean_ptr + o_n, mask=m_n, other=0.0).to(ACC)
         b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0).to(ACC)

@@ -123,6 +123,7 @@ def _backward(dy, args, residuals, needs):
             dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D, stride_pw, stride_pb,
             rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
             HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
+            STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device)),
             num_warps=t.num_warps,
         )
     if part is not None:

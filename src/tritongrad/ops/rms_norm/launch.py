@@ -106,6 +106,7 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
             dy2.stride(1), 0, D, stride_part, 0, rows_per_prog,
             BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_DX=need_x,
             HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
+            STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device)),
             num_warps=t.num_warps,
         )
     if need_w and chunks > 1:
