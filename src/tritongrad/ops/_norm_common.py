@@ -41,9 +41,10 @@ BWD_PROGS_PER_SM = 2
 BWD_PROGS_PER_SM_WIDE = 1
 # Pipelining depth of the backward's row loop (_norm_bwd_kernel): STAGES - 1 row tiles of x and dy in
 # flight through shared memory. Measured on an H200 against one tile prefetched in registers (backward
-# launcher, device time): 3 is best or level at every shape; e.g. layer_norm 32768x4096 bf16 214.7 ->
-# 212.2 us, fp32 421.4 -> 408.9; 16384x8192 bf16 219.8 -> 210.1; rms_norm fp32 1048576x128 426.4 -> 407.0.
-# 2 was up to 25% slower in 16-bit. Lowered where the tiles would not fit the programs of an SM.
+# launcher, device time, benchmarks/NOTES.md): 3 is faster or within 0.7% at every shape measured; e.g.
+# layer_norm 32768x4096 bf16 214.7 -> 212.2 us, fp32 421.4 -> 408.9; 16384x8192 bf16 219.8 -> 210.1;
+# rms_norm fp32 1048576x128 426.4 -> 407.0. 2 was up to 39% slower in 16-bit, 4 no better than 3.
+# Lowered where the tiles would not fit the programs of an SM.
 BWD_STAGES = 3
 # Rows walked in chunks, but fewer row tiles than SMs (e.g. 16 x 1M): the row passes (forward statistics,
 # normalisation, the backward's row sums) also split the columns, for about this many programs per SM.
