@@ -189,6 +189,22 @@ def test_forward_warps_for_wide_16bit_rows():
     assert not nc.fwd_plan(64, 32768, 2).ONE_TILE and nc.fwd_plan(64, 32768, 2) == nc.fwd_plan(64, 32768, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D", [100, 200, 300, 700, 1500, 3000])
+def test_layer_norm_16bit_forward_tiles(D, dtype):
+    # layer_norm's forward over 16-bit rows of up to 4096 columns takes its own tiles and warps
+    # (LN_FWD_16BIT: 128 to 4096 columns here, each ragged; 33 rows leave the last row tile ragged where a
+    # tile holds several rows); rms_norm and 32-bit x keep FWD_TILE.
+    N = 33
+    tile, warps = nc.LN_FWD_16BIT[rt.next_pow2(D)]
+    t = nc.fwd_plan(N, D, 2, True)
+    assert t.ONE_TILE and t.BLOCK_N * t.BLOCK_D <= tile and t.num_warps <= warps
+    assert nc.fwd_plan(N, D, 2) == nc.fwd_plan(N, D, 4, True) == nc.fwd_plan(N, D, 4)
+    x = (2 * torch.randn(N, D, device=DEVICE) + 1.5).to(dtype)
+    w, b = params("layer_norm", (D,), dtype)
+    check("layer_norm", x, (D,), w, b)
+
+
 def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
     # layer_norm's backward steps over half the rows with 32/64-bit x (faster on an H200, _norm_common);
     # 16-bit x and rms_norm keep BWD_TILE. The spy sees which tile each launcher asks for.

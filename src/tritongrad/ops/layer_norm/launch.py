@@ -50,7 +50,7 @@ def _forward(x, normalized_shape, weight, bias, eps):
     if N == 0 or D == 0:
         return y, mean.fill_(0.0), rstd.fill_(0.0)
     w, b = nc.flat(weight), nc.flat(bias)
-    t = nc.fwd_plan(N, D, x.element_size())
+    t = nc.fwd_plan(N, D, x.element_size(), True, mean.element_size())
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: each split's (mean, M2) first (PHASE 1), then the merge and normalisation (PHASE 2).
     part = rstd if splits == 1 else torch.empty((2, splits, N), dtype=acc, device=x.device)
