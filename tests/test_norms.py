@@ -192,14 +192,17 @@ def test_forward_warps_for_wide_16bit_rows():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("D", [100, 200, 300, 700, 1500, 3000])
 def test_layer_norm_16bit_forward_tiles(D, dtype):
-    # layer_norm's forward over 16-bit rows of up to 4096 columns takes its own tiles and warps
-    # (LN_FWD_16BIT: 128 to 4096 columns here, each ragged; 33 rows leave the last row tile ragged where a
-    # tile holds several rows); rms_norm and 32-bit x keep FWD_TILE.
+    # layer_norm's forward over 16-bit rows of up to 4096 columns takes its own tiles and warps where
+    # LN_FWD_16BIT has them (128 to 4096 columns here, each ragged; 33 rows leave the last row tile ragged
+    # where a tile holds several rows); rms_norm, 32-bit x and float64 statistics keep FWD_TILE.
     N = 33
-    tile, warps = nc.LN_FWD_16BIT[rt.next_pow2(D)]
-    t = nc.fwd_plan(N, D, 2, True)
-    assert t.ONE_TILE and t.BLOCK_N * t.BLOCK_D <= tile and t.num_warps <= warps
-    assert nc.fwd_plan(N, D, 2) == nc.fwd_plan(N, D, 4, True) == nc.fwd_plan(N, D, 4)
+    t = nc.fwd_plan(N, D, 2, dtype)
+    entry = nc.LN_FWD_16BIT[dtype].get(rt.next_pow2(D))
+    if entry is None:
+        assert t == nc.fwd_plan(N, D, 2)
+    else:
+        assert t.ONE_TILE and t.BLOCK_N * t.BLOCK_D <= entry[0] and t.num_warps <= entry[1]
+    assert nc.fwd_plan(N, D, 2) == nc.fwd_plan(N, D, 4, torch.float32) == nc.fwd_plan(N, D, 4)
     x = (2 * torch.randn(N, D, device=DEVICE) + 1.5).to(dtype)
     w, b = params("layer_norm", (D,), dtype)
     check("layer_norm", x, (D,), w, b)

@@ -34,14 +34,20 @@ LN_BWD_TILE_32BIT = 2048
 # registers x 256 threads, two programs, 95%). float32 rows need twice the registers per thread, so
 # they keep row_tile's 16 warps (8 would run one program of 8 warps per SM).
 FWD_WARPS_WIDE_16BIT = 8
-# layer_norm's forward on whole rows of 16-bit x, by BLOCK_D: (elements per program, warps). Measured on an
-# H200 (bf16, x of 256 MB, device time of the forward launcher; benchmarks/NOTES.md, seventh session)
-# against FWD_TILE with row_tile's warps: D=1024 153.7 -> 131.4 us, 512 153.8 -> 132.4, 256 146.1 -> 136.5,
-# 128 140.1 -> 135.3, 2048 136.9 -> 131.1, 4096 134.8 -> 130.4. Its two row reductions (mean, then the
-# squared deviations) want fewer threads per row than rms_norm's one; rms_norm gained at most 2.6% from
-# any such choice and keeps FWD_TILE.
-LN_FWD_16BIT = {64: (4096, 4), 128: (8192, 4), 256: (4096, 2), 512: (4096, 2), 1024: (2048, 4),
+# layer_norm's forward on whole rows of 16-bit x with float32 statistics, by dtype and BLOCK_D: (elements
+# per program, warps). Measured on an H200 (x of 256 MB, device time of the forward launcher;
+# benchmarks/NOTES.md, seventh session) against FWD_TILE with row_tile's warps, bf16: D=1024 153.7 ->
+# 131.4 us, 512 153.8 -> 132.4, 256 146.1 -> 136.5, 128 140.1 -> 135.3, 2048 136.9 -> 131.1, 4096 134.8 ->
+# 130.4. Its two row reductions (mean, then the squared deviations) want fewer threads per row than
+# rms_norm's one; rms_norm gained at most 2.6% from any such choice and keeps FWD_TILE. float16 takes only
+# the entries measured in float16 (D=128 with bf16's entry ran 139.7 -> 151.3 us in float16); the other
+# row lengths keep FWD_TILE there.
+_LN_FWD_BF16 = {64: (4096, 4), 128: (8192, 4), 256: (4096, 2), 512: (4096, 2), 1024: (2048, 4),
                 2048: (2048, 4), 4096: (8192, 8)}
+LN_FWD_16BIT = {
+    torch.bfloat16: _LN_FWD_BF16,
+    torch.float16: {d: _LN_FWD_BF16[d] for d in (256, 1024, 4096)},
+}
 # Backward programs per SM (each loops over its chunk of rows); also bounds the height of the dw/db
 # partial buffers. Measured on an H200 at bf16: 2 for tiles of <= 8 warps (32768x4096: 1 -> 70%, 2 -> 88%
 # of copy bandwidth, RMSNorm), 1 for 16-warp tiles (16384x8192: 83% -> 89%), whose registers fill an SM.
@@ -83,10 +89,10 @@ class LongBwdPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def fwd_plan(N: int, D: int, itemsize: int = 4, centered: bool = False, acc_itemsize: int = 4) -> rt.RowTile:
-    """Forward: one program per BLOCK_N rows (``itemsize``: bytes per element of x; ``centered``:
-    layer_norm's; ``acc_itemsize``: of the accumulation dtype)."""
-    ln16 = LN_FWD_16BIT.get(rt.next_pow2(D)) if centered and itemsize <= 2 and acc_itemsize == 4 else None
+def fwd_plan(N: int, D: int, itemsize: int = 4, ln_dtype: torch.dtype | None = None) -> rt.RowTile:
+    """Forward: one program per BLOCK_N rows (``itemsize``: bytes per element of x). ``ln_dtype``: x's dtype
+    for layer_norm with float32 statistics (LN_FWD_16BIT), else None."""
+    ln16 = LN_FWD_16BIT.get(ln_dtype, {}).get(rt.next_pow2(D))
     if ln16 is not None:
         t = rt.row_tile(N, D, FWD_MAX_BLOCK_D, CHUNK_D, ln16[0])
         return t._replace(num_warps=min(t.num_warps, ln16[1]))  # no more warps than a small tile has rows for
