@@ -208,6 +208,20 @@ def test_layer_norm_16bit_forward_tiles(D, dtype):
     check("layer_norm", x, (D,), w, b)
 
 
+def test_backward_pipelining_depth_fits_shared_memory():
+    # BWD_STAGES - 1 row tiles of x and dy per resident program, fewer where they would not fit the SM.
+    h200, small = 228 * 1024, 100 * 1024
+    t = nc.bwd_plan(32768, 4096, 132)[0]
+    assert (t.BLOCK_N * t.BLOCK_D, nc.bwd_per_sm(t)) == (4096, 2)
+    assert nc.bwd_stages(t, 2 + 2, h200) == nc.BWD_STAGES == 3   # bf16: 2 x 16 KiB per program
+    assert nc.bwd_stages(t, 4 + 4, h200) == 3                   # float32: 2 x 32 KiB
+    assert nc.bwd_stages(t, 8 + 8, h200) == 2                   # float64: 64 KiB tiles, only one ahead fits
+    assert nc.bwd_stages(t, 4 + 4, small) == 2
+    assert nc.bwd_stages(t, 8 + 8, small) == 1                  # no pipelining rather than one program less
+    wide = nc.bwd_plan(16384, 8192, 132)[0]
+    assert nc.bwd_per_sm(wide) == 1 and nc.bwd_stages(wide, 8 + 8, h200) == 2
+
+
 def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
     # layer_norm's backward steps over half the rows with 32/64-bit x (faster on an H200, _norm_common);
     # 16-bit x and rms_norm keep BWD_TILE. The spy sees which tile each launcher asks for.

@@ -7,8 +7,8 @@ Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx
             plus the float32 dw partial rows, written and read once: 2*P*D*4, P <= BWD_PROGS_PER_SM * SMs.
             (only the gradients asked for are written; dw alone still reads x and dy)
   Rows longer than one register tile read x (and dy) twice: see ops/_norm_common.py.
-Measured on an H200 (torch 2.11, triton 3.6, 2026-11-30, run H) at 32768x4096 bf16, GPU time (`tritongrad
-bench`'s device time): forward 134 us, 95% of the device-to-device copy bandwidth; backward 208 us, 92%.
+Measured on an H200 (torch 2.11, triton 3.6, 2026-11-30, run I) at 32768x4096 bf16, GPU time (`tritongrad
+bench`'s device time): forward 133 us, 95% of the device-to-device copy bandwidth; backward 209 us, 91%.
 Launch plans (tiles, warps, programs per SM) are shared with layer_norm: see ops/_norm_common.py.
 """
 
