@@ -191,21 +191,28 @@ def test_forward_warps_for_wide_16bit_rows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("D", [100, 200, 300, 700, 1500, 3000])
-def test_layer_norm_16bit_forward_tiles(D, dtype):
+def test_layer_norm_16bit_forward_tiles(D, dtype, monkeypatch):
     # layer_norm's forward over 16-bit rows of up to 4096 columns takes its own tiles and warps where
     # LN_FWD_16BIT has them (128 to 4096 columns here, each ragged; 9 rows leave the last row tile ragged
     # where a tile holds several rows); rms_norm, 32-bit x and float64 statistics keep FWD_TILE.
-    N = 9
-    t = nc.fwd_plan(N, D, 2, dtype)
+    big = 1 << 20  # rows enough that no tile is clamped to N
+    t = nc.fwd_plan(big, D, 2, dtype)
     entry = nc.LN_FWD_16BIT[dtype].get(rt.next_pow2(D))
     if entry is None:
-        assert t == nc.fwd_plan(N, D, 2)
+        assert t == nc.fwd_plan(big, D, 2)
     else:
-        assert t.ONE_TILE and t.BLOCK_N * t.BLOCK_D <= entry[0] and t.num_warps <= entry[1]
-    assert nc.fwd_plan(N, D, 2) == nc.fwd_plan(N, D, 4, torch.float32) == nc.fwd_plan(N, D, 4)
+        assert t.ONE_TILE and (t.BLOCK_N * t.BLOCK_D, t.num_warps) == entry
+    assert nc.fwd_plan(big, D, 2) == nc.fwd_plan(big, D, 4, torch.float32) == nc.fwd_plan(big, D, 4)
+    # The launcher asks for the table with x's dtype (float32 statistics) and without it for float64 ones.
+    asked = []
+    plan = nc.fwd_plan
+    monkeypatch.setattr(nc, "fwd_plan", lambda *a: asked.append(a[3:]) or plan(*a))
+    N = 9
     x = (2 * torch.randn(N, D, device=DEVICE) + 1.5).to(dtype)
     w, b = params("layer_norm", (D,), dtype)
     check("layer_norm", x, (D,), w, b)
+    tritongrad.layer_norm(x[:, :16], (16,), w[:16].double(), b[:16].double())
+    assert asked == [(dtype,), (None,)]
 
 
 def test_backward_pipelining_depth_fits_shared_memory():
