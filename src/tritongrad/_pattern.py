@@ -11,6 +11,8 @@ An operator supplies four things:
   float64). Tests compare against it in float64; CPU tensors use it when Triton's interpreter is off.
 - ``validate(*args)``: shape checks that name the shapes involved. Dtype and device checks shared by all
   ops (floating dtypes only, every tensor on one device) are done here.
+- optionally ``native(*args) -> out``: the same function in PyTorch's own CUDA ops (C++ autograd), or
+  ``NotImplemented`` where those ops would be slow (e.g. very long rows). It serves small inputs (below).
 
 From that, :class:`Op` builds:
 
@@ -20,6 +22,12 @@ From that, :class:`Op` builds:
 - the ``torch.library`` registration ``tritongrad::<name>`` (forward, returns ``(out, *residuals)``) and
   ``tritongrad::<name>_backward``, with CPU/CUDA kernels, fake kernels and autograd. torch.compile and
   torch.export trace these ops (no graph break); ``torch.library.opcheck`` tests them.
+- small CUDA inputs (at most :func:`set_small_input_threshold` elements in x, every tensor in x's dtype,
+  x contiguous): ``native`` serves them. There the host decides the time per call, and a Python
+  autograd.Function plus Triton launches costs more host time than PyTorch's whole C++ forward+backward
+  (benchmarks/NOTES.md). The choice depends on the inputs alone, so CUDA graph capture after a warm-up
+  replays the ops the warm-up ran (no Triton kernel is loaded mid-capture). Tracers (torch.compile,
+  export) always record the registered op.
 - CPU behaviour: with ``TRITON_INTERPRET=1`` the Triton kernels run on CPU tensors in the interpreter;
   without it the reference serves CPU tensors, and its backward is the reference's autograd.
 """
@@ -35,6 +43,20 @@ from . import _runtime as rt
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _LIB = torch.library.Library("tritongrad", "DEF")
+
+# Inputs with at most this many elements in x go to the op's ``native`` PyTorch version (see above).
+SMALL_INPUT_THRESHOLD = 1 << 16
+_small = [SMALL_INPUT_THRESHOLD]
+
+
+def set_small_input_threshold(numel: int) -> int:
+    """Inputs x of at most ``numel`` elements (on CUDA, all tensors of x's dtype, x contiguous) run PyTorch's
+    own ops instead of tritongrad's kernels, where host time, not the GPU, decides the time per call.
+    0 turns that off. Returns the previous threshold."""
+    if type(numel) is not int or numel < 0:
+        raise ValueError(f"tritongrad.set_small_input_threshold: numel must be an int >= 0, got {numel!r}")
+    prev, _small[0] = _small[0], numel
+    return prev
 
 
 def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
@@ -99,6 +121,7 @@ class Op:
         reference: Callable,
         validate: Callable,
         n_residuals: int = 0,
+        native: Callable | None = None,
     ):
         self.name = name
         self.forward = forward
@@ -106,6 +129,7 @@ class Op:
         self.reference = reference
         self._validate = validate
         self.n_residuals = n_residuals
+        self.native = native
         self.arg_names, types = [], []
         for decl in (a.strip() for a in schema.split(",")):
             typ, arg_name = decl.split()
@@ -152,13 +176,31 @@ class Op:
         if _tracing(tensors):
             outs = self._fwd_op(*args)
             return outs[0] if self.n_residuals else outs
-        if not rt.uses_triton(tensors[0].device):
+        x = tensors[0]
+        if not rt.uses_triton(x.device):
             return self.reference(*args)
+        if self.native is not None and x.numel() <= _small[0] and self._native_fits(x, tensors):
+            out = self.native(*args)
+            if out is not NotImplemented:
+                return out
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             if torch._C._are_functorch_transforms_active():
                 return self._function.apply(self, *args)  # raises torch's own clear error for vmap/grad
             return self._apply(self, *args)
         return self.forward(*args)[0]
+
+    @staticmethod
+    def _native_fits(x: torch.Tensor, tensors: list) -> bool:
+        """The native version computes the same function (one dtype, so no mixed-precision semantics to
+        match), and returns what tritongrad's does (a contiguous output); torch.func transforms keep
+        tritongrad's refusal at every size."""
+        if not x.is_cuda or not x.is_contiguous() or torch._C._are_functorch_transforms_active():
+            return False
+        dtype = x.dtype
+        for t in tensors:
+            if t.dtype != dtype:
+                return False
+        return True
 
     def _save(self, ctx, args, residuals) -> None:
         """Keep what the backward needs: tensor inputs and residuals as saved tensors, the rest on ctx."""

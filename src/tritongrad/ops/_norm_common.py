@@ -159,6 +159,18 @@ def column_split(N: int, D: int, t: rt.RowTile, sms: int) -> tuple[int, int]:
     return rt.cdiv(D, per_split), per_split
 
 
+# Small inputs run PyTorch's own norm (``_pattern.set_small_input_threshold``) only up to this row length:
+# PyTorch's kernels give a row to one block, which turns slow on long rows (16 x 1M: 1-4 ms, NOTES).
+NATIVE_MAX_D = 8192
+
+
+def native_row_fits(normalized_shape) -> bool:
+    d = 1
+    for s in normalized_shape:
+        d *= s
+    return d <= NATIVE_MAX_D
+
+
 def shape_tuple(normalized_shape) -> tuple:
     """``normalized_shape`` as torch.nn.functional accepts it (an int, a list/tuple, a torch.Size)."""
     if type(normalized_shape) is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):

@@ -17,6 +17,7 @@ Launch plans (tiles, warps, programs per SM) are shared with rms_norm: see ops/_
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ... import _pattern
 from ... import _runtime as rt
@@ -137,6 +138,12 @@ def _validate(x, normalized_shape, weight, bias, eps) -> None:
     nc.validate("layer_norm", x, normalized_shape, eps, weight=weight, bias=bias)
 
 
+def _native(x, normalized_shape, weight, bias, eps):
+    if not nc.native_row_fits(normalized_shape):
+        return NotImplemented
+    return F.layer_norm(x, normalized_shape, weight, bias, eps)
+
+
 _OP = _pattern.Op(
     "layer_norm",
     "Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps",
@@ -145,6 +152,7 @@ _OP = _pattern.Op(
     reference=layer_norm_reference,
     validate=_validate,
     n_residuals=2,
+    native=_native,
 )
 
 

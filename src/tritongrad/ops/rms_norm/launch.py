@@ -15,6 +15,7 @@ Launch plans (tiles, warps, programs per SM) are shared with layer_norm: see ops
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ... import _pattern
 from ... import _runtime as rt
@@ -128,6 +129,12 @@ def _validate(x, normalized_shape, weight, eps) -> None:
     nc.validate("rms_norm", x, normalized_shape, eps, weight=weight)
 
 
+def _native(x, normalized_shape, weight, eps):
+    if not nc.native_row_fits(normalized_shape):
+        return NotImplemented
+    return F.rms_norm(x, normalized_shape, weight, default_eps(x.dtype) if eps is None else eps)
+
+
 _OP = _pattern.Op(
     "rms_norm",
     "Tensor x, SymInt[] normalized_shape, Tensor? weight, float? eps",
@@ -136,6 +143,7 @@ _OP = _pattern.Op(
     reference=rms_norm_reference,
     validate=_validate,
     n_residuals=1,
+    native=_native,
 )
 
 
@@ -176,6 +184,14 @@ def _llama_validate(x, weight, eps) -> None:
     nc.validate("llama_rms_norm", x, [x.shape[-1]] if x.dim() else [1], eps, weight=weight)
 
 
+def _llama_native(x, weight, eps):
+    # Hugging Face's own sequence of ops; x and the weight share a dtype here (``_pattern``).
+    if x.shape[-1] > nc.NATIVE_MAX_D:
+        return NotImplemented
+    xf = x.to(rt.acc_dtype(x.dtype))
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 _LLAMA_OP = _pattern.Op(
     "llama_rms_norm",
     "Tensor x, Tensor weight, float eps",
@@ -184,6 +200,7 @@ _LLAMA_OP = _pattern.Op(
     reference=llama_rms_norm_reference,
     validate=_llama_validate,
     n_residuals=1,
+    native=_llama_native,
 )
 
 

@@ -168,6 +168,9 @@ _OP = _pattern.Op(
     backward=_backward,
     reference=weighted_sum_reference,
     validate=_validate,
+    # A matrix-vector product (cuBLAS, float32 accumulation): one kernel forward, two backward, one
+    # autograd node, against eager (x * w).sum(-1)'s five kernels and two nodes.
+    native=torch.matmul,
 )
 
 

@@ -1,0 +1,231 @@
+"""Small inputs: PyTorch's own ops serve them (``tritongrad.set_small_input_threshold``).
+
+On CPU: each op's native version computes the op's function (float64, against the reference), the
+threshold's argument checks, and that the interpreter keeps testing the kernels at every size. On a GPU:
+which inputs take which path, accuracy against eager, reproducible weight gradients, CUDA graph capture
+after a warm-up, torch.compile.
+"""
+
+import pytest
+import torch
+from conftest import ATOL, DEVICE
+
+import tritongrad
+from tritongrad import _pattern
+from tritongrad.ops.layer_norm import layer_norm_reference
+from tritongrad.ops.rms_norm import llama_rms_norm_reference, rms_norm_reference
+from tritongrad.ops.rms_norm.launch import _LLAMA_OP, llama_rms_norm
+from tritongrad.ops.weighted_sum import weighted_sum_reference
+from tritongrad.testing import assert_close_earned
+
+DEFAULT = _pattern.SMALL_INPUT_THRESHOLD
+
+
+def _ws(x, p):
+    return tritongrad.weighted_sum(x, p[0])
+
+
+# name -> (public call, float64 reference with the same arguments, parameter tensors [D] it takes)
+CASES = {
+    "weighted_sum": (_ws, lambda x, p: weighted_sum_reference(x, p[0]), 1),
+    "rms_norm": (lambda x, p: tritongrad.rms_norm(x, [x.shape[-1]], p[0]),
+                 lambda x, p: rms_norm_reference(x, [x.shape[-1]], p[0]), 1),
+    "rms_norm_no_weight": (lambda x, p: tritongrad.rms_norm(x, [x.shape[-1]]),
+                           lambda x, p: rms_norm_reference(x, [x.shape[-1]]), 0),
+    "layer_norm": (lambda x, p: tritongrad.layer_norm(x, [x.shape[-1]], p[0], p[1]),
+                   lambda x, p: layer_norm_reference(x, [x.shape[-1]], p[0], p[1]), 2),
+    "llama_rms_norm": (lambda x, p: llama_rms_norm(x, p[0], 1e-6),
+                       lambda x, p: llama_rms_norm_reference(x, p[0], 1e-6), 1),
+}
+
+
+def _inputs(shape, n_params, dtype, device):
+    x = torch.randn(shape, device=device, dtype=dtype)
+    params = [(1 + 0.5 * torch.randn(shape[-1], device=device)).to(dtype) for _ in range(n_params)]
+    return x, params
+
+
+def _run(fn, x, params, g):
+    """(y, grads of x and every parameter), from fresh leaves; and whether tritongrad's kernels ran."""
+    leaves = [t.detach().requires_grad_() for t in (x, *params)]
+    y = fn(leaves[0], leaves[1:])
+    kernels = isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
+    y.backward(g)
+    return [y.detach(), *[t.grad for t in leaves]], kernels
+
+
+def test_threshold_argument_checks():
+    prev = tritongrad.set_small_input_threshold(123)
+    try:
+        assert tritongrad.set_small_input_threshold(prev) == 123
+        for bad in (-1, 2.5, "1"):
+            with pytest.raises(ValueError, match="numel must be an int >= 0"):
+                tritongrad.set_small_input_threshold(bad)
+    finally:
+        tritongrad.set_small_input_threshold(prev)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_native_versions_compute_the_op(name):
+    # The native versions are plain PyTorch, so float64 on CPU checks their formulas (and the default eps of
+    # rms_norm) against the references, values and gradients, to float64 rounding.
+    fn, ref, n = CASES[name]
+    op = {"llama_rms_norm": _LLAMA_OP}.get(name)
+    x, params = _inputs((3, 5, 48), n, torch.float64, "cpu")
+    g = torch.randn((3, 5) if name == "weighted_sum" else (3, 5, 48), dtype=torch.float64)
+    natives = {
+        "weighted_sum": lambda x, p: tritongrad.ops.weighted_sum.launch._OP.native(x, p[0]),
+        "rms_norm": lambda x, p: tritongrad.ops.rms_norm.launch._OP.native(x, [48], p[0], None),
+        "rms_norm_no_weight": lambda x, p: tritongrad.ops.rms_norm.launch._OP.native(x, [48], None, None),
+        "layer_norm": lambda x, p: tritongrad.ops.layer_norm.launch._OP.native(x, [48], p[0], p[1], 1e-5),
+        "llama_rms_norm": lambda x, p: op.native(x, p[0], 1e-6),
+    }
+    got, _ = _run(natives[name], x, params, g)
+    want, _ = _run(ref, x, params, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "llama_rms_norm"])
+def test_native_norms_decline_long_rows(name):
+    # PyTorch's norms give each row to one block: slow on long rows, so those stay with the kernels.
+    from tritongrad.ops import _norm_common as nc
+
+    ops = tritongrad.ops
+    native = {
+        "rms_norm": lambda x, w: ops.rms_norm.launch._OP.native(x, [x.shape[-1]], w, None),
+        "layer_norm": lambda x, w: ops.layer_norm.launch._OP.native(x, [x.shape[-1]], w, None, 1e-5),
+        "llama_rms_norm": lambda x, w: _LLAMA_OP.native(x, w, 1e-6),
+    }[name]
+    for D, declined in ((nc.NATIVE_MAX_D, False), (nc.NATIVE_MAX_D + 1, True)):
+        out = native(torch.randn(1, D, dtype=torch.float64), torch.ones(D, dtype=torch.float64))
+        assert (out is NotImplemented) == declined, D
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter runs on CPU")
+def test_interpreter_runs_the_kernels_at_every_size():
+    # The threshold applies to CUDA tensors only: the CPU suite tests the kernels whatever it is set to.
+    tritongrad.set_small_input_threshold(1 << 30)
+    fn, _, n = CASES["layer_norm"]
+    x, params = _inputs((4, 64), n, torch.float32, "cpu")
+    _, kernels = _run(fn, x, params, torch.randn(4, 64))
+    assert kernels
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("shape", [(4, 64), (2, 8, 512), (DEFAULT // 1024, 1024)], ids=str)  # tiny, 3-D, at the threshold
+def test_small_cuda_inputs_run_pytorch(name, shape, dtype):
+    tritongrad.set_small_input_threshold(DEFAULT)
+    fn, ref, n = CASES[name]
+    x, params = _inputs(shape, n, dtype, "cuda")
+    assert x.numel() <= DEFAULT
+    g = torch.randn(shape[:-1] if name == "weighted_sum" else shape, device="cuda", dtype=dtype)
+    got, kernels = _run(fn, x, params, g)
+    assert not kernels
+    want, _ = _run(ref, x.double(), [p.double() for p in params], g.double())
+    tritongrad.set_small_input_threshold(0)
+    base, kernels = _run(fn, x, params, g)  # the kernels' error is the bar: the native path must match it
+    assert kernels
+    D = shape[-1]
+    for what, a, r, b in zip(("y", "dx", "dw", "db"), got, want, base):
+        assert a.dtype == b.dtype
+        assert_close_earned(f"{name} {what}", a, r, b, atol=ATOL[dtype] * D**0.5 * max(1.0, r.abs().max().item()))
+    # Reproducible weight gradients on this path too.
+    tritongrad.set_small_input_threshold(DEFAULT)
+    again, _ = _run(fn, x, params, g)
+    for a, b in zip(got[2:], again[2:]):
+        assert torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        "above the threshold",   # numel = threshold + one row
+        "mixed dtypes",          # bfloat16 x, float32 parameters: tritongrad's mixed-precision semantics
+        "transposed x",          # not contiguous: the kernels read it in place, return a contiguous y
+        "long rows",             # norms: one row longer than NATIVE_MAX_D
+    ],
+)
+@pytest.mark.parametrize("name", list(CASES))
+def test_other_inputs_run_the_kernels(name, case):
+    tritongrad.set_small_input_threshold(DEFAULT)
+    fn, _, n = CASES[name]
+    from tritongrad.ops import _norm_common as nc
+
+    shape, dtype, pdtype = (DEFAULT // 64 + 1, 64), torch.bfloat16, torch.bfloat16
+    if case == "mixed dtypes":
+        shape, pdtype = (4, 64), torch.float32
+    if case == "long rows":
+        if name == "weighted_sum":
+            pytest.skip("weighted_sum's native matrix-vector product has no row-length limit")
+        shape = (1, nc.NATIVE_MAX_D * 2)
+    x, params = _inputs(shape, n, dtype, "cuda")
+    params = [p.to(pdtype) for p in params]
+    if case == "transposed x":
+        x = torch.randn(64, 4, device="cuda", dtype=dtype).t()
+    g = torch.randn(x.shape[:-1] if name == "weighted_sum" else x.shape, device="cuda", dtype=dtype)
+    _, kernels = _run(fn, x, params, g)
+    assert kernels
+
+
+@gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_graph_after_warmup(name):
+    # The path depends on the inputs alone: capture replays what the warm-up ran, and loads no Triton
+    # kernel mid-capture (which CUDA forbids).
+    tritongrad.set_small_input_threshold(DEFAULT)
+    fn, _, n = CASES[name]
+    x, params = _inputs((8, 256), n, torch.bfloat16, "cuda")
+    leaves = [t.detach().requires_grad_() for t in (x, *params)]
+    g = torch.randn((8,) if name == "weighted_sum" else (8, 256), device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        y = fn(leaves[0], leaves[1:])
+        y.backward(g)
+        return y
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    want_y = y.detach().clone()
+    with torch.no_grad():
+        leaves[0].copy_(torch.randn_like(leaves[0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh, _ = _run(fn, leaves[0].detach(), [t.detach() for t in leaves[1:]], g)
+    assert not torch.equal(y, want_y)  # the replay computed the new x
+    torch.testing.assert_close(y.detach(), fresh[0])
+    for t, want in zip(leaves, fresh[1:]):
+        torch.testing.assert_close(t.grad, want)
+
+
+@gpu
+def test_compile_traces_the_registered_op_at_small_sizes():
+    tritongrad.set_small_input_threshold(DEFAULT)
+    # Under torch.compile the graph holds tritongrad's op whatever the size; no graph break.
+    x, (w, b) = _inputs((4, 64), 2, torch.float32, "cuda")
+    torch._dynamo.reset()
+    traced = []
+
+    def backend(gm, inputs):
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    y = torch.compile(lambda x, w, b: tritongrad.layer_norm(x, [64], w, b), fullgraph=True, backend=backend)(x, w, b)
+    assert any("tritongrad.layer_norm" in t for t in traced), traced
+    want = layer_norm_reference(x.double(), [64], w.double(), b.double())
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
