@@ -45,7 +45,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LIB = torch.library.Library("tritongrad", "DEF")
 
 # Inputs with at most this many elements in x go to the op's ``native`` PyTorch version (see above).
-SMALL_INPUT_THRESHOLD = 1 << 16
+SMALL_INPUT_THRESHOLD = 1 << 20
 _small = [SMALL_INPUT_THRESHOLD]
 
 
