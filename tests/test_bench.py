@@ -180,7 +180,7 @@ def test_device_time_fields_follow_their_definitions():
             run()
             return 2.0, 1.5, 2.5
 
-        def host_us(self, run, leaves, median_ms):
+        def host_us(self, run, leaves, median_ms, batches=5):
             return 10.0
 
         def peak_memory(self, run, leaves):

@@ -12,6 +12,7 @@ from conftest import ATOL, DEVICE
 
 import tritongrad
 from tritongrad import _pattern
+from tritongrad import _runtime as rt
 from tritongrad.ops.layer_norm import layer_norm_reference
 from tritongrad.ops.rms_norm import llama_rms_norm_reference, rms_norm_reference
 from tritongrad.ops.rms_norm.launch import _LLAMA_OP, llama_rms_norm
@@ -86,18 +87,18 @@ def test_native_versions_compute_the_op(name):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "llama_rms_norm"])
-def test_native_norms_decline_long_rows(name):
-    # PyTorch's norms give each row to one block: slow on long rows, so those stay with the kernels.
-    from tritongrad.ops import _norm_common as nc
-
+@pytest.mark.parametrize("name", ["weighted_sum", "rms_norm", "layer_norm", "llama_rms_norm"])
+def test_native_versions_decline_long_rows(name):
+    # PyTorch's norms give each row to one block, and its matrix-vector product of one long row is slow:
+    # long rows stay with the kernels.
     ops = tritongrad.ops
     native = {
+        "weighted_sum": lambda x, w: ops.weighted_sum.launch._OP.native(x, w),
         "rms_norm": lambda x, w: ops.rms_norm.launch._OP.native(x, [x.shape[-1]], w, None),
         "layer_norm": lambda x, w: ops.layer_norm.launch._OP.native(x, [x.shape[-1]], w, None, 1e-5),
         "llama_rms_norm": lambda x, w: _LLAMA_OP.native(x, w, 1e-6),
     }[name]
-    for D, declined in ((nc.NATIVE_MAX_D, False), (nc.NATIVE_MAX_D + 1, True)):
+    for D, declined in ((rt.NATIVE_MAX_D, False), (rt.NATIVE_MAX_D + 1, True)):
         out = native(torch.randn(1, D, dtype=torch.float64), torch.ones(D, dtype=torch.float64))
         assert (out is NotImplemented) == declined, D
 
@@ -149,24 +150,20 @@ def test_small_cuda_inputs_run_pytorch(name, shape, dtype):
         "above the threshold",   # numel = threshold + one row
         "mixed dtypes",          # bfloat16 x, float32 parameters: tritongrad's mixed-precision semantics
         "transposed x",          # not contiguous: the kernels read it in place, return a contiguous y
-        "long rows",             # norms: one row longer than NATIVE_MAX_D
+        "long rows",             # one row longer than NATIVE_MAX_D
     ],
 )
 @pytest.mark.parametrize("name", list(CASES))
 def test_other_inputs_run_the_kernels(name, case):
     tritongrad.set_small_input_threshold(DEFAULT)
     fn, _, n = CASES[name]
-    from tritongrad.ops import _norm_common as nc
-
     shape, dtype, pdtype = (DEFAULT // 64 + 1, 64), torch.bfloat16, torch.bfloat16
     if case == "mixed dtypes":
         if n == 0:
             pytest.skip("no parameter tensor to differ in dtype")
         shape, pdtype = (4, 64), torch.float32
     if case == "long rows":
-        if name == "weighted_sum":
-            pytest.skip("weighted_sum's native matrix-vector product has no row-length limit")
-        shape = (1, nc.NATIVE_MAX_D * 2)
+        shape = (1, rt.NATIVE_MAX_D * 2)
     x, params = _inputs(shape, n, dtype, "cuda")
     params = [p.to(pdtype) for p in params]
     if case == "transposed x":

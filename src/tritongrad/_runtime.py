@@ -5,7 +5,7 @@
 - cached device properties (the SM count sizes persistent grids; shared memory bounds pipelining);
 - the accumulation dtype of an input dtype, and its Triton spelling;
 - launch heuristics shared by ops: the row split of a column reduction's first stage, the row tile of
-  row-wise ops (norms).
+  row-wise ops (norms), the longest row that small inputs hand to PyTorch's own ops.
 """
 
 from __future__ import annotations
@@ -107,6 +107,12 @@ def row_split(
     chunks = min(cdiv(N, BLOCK_N), max(1, programs_per_sm * sms // programs_per_chunk))
     rows_per_prog = cdiv(cdiv(N, chunks), BLOCK_N) * BLOCK_N
     return cdiv(N, rows_per_prog), rows_per_prog
+
+
+# Small inputs (``_pattern.set_small_input_threshold``) go to PyTorch's own ops only with rows up to this
+# long: PyTorch's norms give a row to one block, and its matrix-vector product of one 1M-element row took
+# 115 us forward+backward on an H200 against 6 us for tritongrad's kernels (benchmarks/NOTES.md).
+NATIVE_MAX_D = 8192
 
 
 class RowTile(NamedTuple):

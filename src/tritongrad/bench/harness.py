@@ -23,6 +23,7 @@ GPU spends, the figure a kernel's distance from the copy bandwidth is judged by 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -120,17 +121,21 @@ class Timer:
         q = torch.quantile(torch.tensor(times, dtype=torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
         return tuple(q.tolist())
 
-    def host_us(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> float:
-        """Wall time per call over back-to-back calls, synchronized once at the end: where the device
-        finishes faster than the host can issue work, this is the host's cost per call."""
-        calls = max(3, min(500, int(self.rep_ms / max(median_ms, 1e-3))))
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            _clear_grads(leaves)
-            run()
-        self.sync()
-        return (time.perf_counter() - start) / calls * 1e6
+    def host_us(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float, batches: int = 5) -> float:
+        """Wall time per call over back-to-back calls, synchronized once at the end of a batch: where the
+        device finishes faster than the host can issue work, this is the host's cost per call. The median
+        of ``batches`` batches, so that one burst of other work on the host does not decide the figure."""
+        calls = max(3, min(200, int(self.rep_ms / max(median_ms, 1e-3)) // batches))
+        per_call = []
+        for _ in range(batches):
+            self.sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                _clear_grads(leaves)
+                run()
+            self.sync()
+            per_call.append((time.perf_counter() - start) / calls * 1e6)
+        return statistics.median(per_call)
 
     def device_ms(self, run: Callable, leaves: Sequence[torch.Tensor], median_ms: float) -> tuple[float, float, float]:
         """Median, 20th and 80th percentile of the GPU time of one ``fwd`` or ``fwdbwd`` run, host overhead

@@ -159,16 +159,12 @@ def column_split(N: int, D: int, t: rt.RowTile, sms: int) -> tuple[int, int]:
     return rt.cdiv(D, per_split), per_split
 
 
-# Small inputs run PyTorch's own norm (``_pattern.set_small_input_threshold``) only up to this row length:
-# PyTorch's kernels give a row to one block, which turns slow on long rows (16 x 1M: 1-4 ms, NOTES).
-NATIVE_MAX_D = 8192
-
-
 def native_row_fits(normalized_shape) -> bool:
+    """Whether a small input's rows are short enough for PyTorch's own norm (``rt.NATIVE_MAX_D``)."""
     d = 1
     for s in normalized_shape:
         d *= s
-    return d <= NATIVE_MAX_D
+    return d <= rt.NATIVE_MAX_D
 
 
 def shape_tuple(normalized_shape) -> tuple:

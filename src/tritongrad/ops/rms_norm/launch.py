@@ -186,7 +186,7 @@ def _llama_validate(x, weight, eps) -> None:
 
 def _llama_native(x, weight, eps):
     # Hugging Face's own sequence of ops; x and the weight share a dtype here (``_pattern``).
-    if x.shape[-1] > nc.NATIVE_MAX_D:
+    if x.shape[-1] > rt.NATIVE_MAX_D:
         return NotImplemented
     xf = x.to(rt.acc_dtype(x.dtype))
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

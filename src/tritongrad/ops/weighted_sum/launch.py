@@ -161,6 +161,14 @@ def _validate(x, w) -> None:
         )
 
 
+def _native(x, w):
+    # A matrix-vector product (cuBLAS, float32 accumulation): one kernel forward, two backward, one autograd
+    # node, against eager (x * w).sum(-1)'s five kernels and two nodes.
+    if x.shape[-1] > rt.NATIVE_MAX_D:
+        return NotImplemented
+    return torch.matmul(x, w)
+
+
 _OP = _pattern.Op(
     "weighted_sum",
     "Tensor x, Tensor w",
@@ -168,9 +176,7 @@ _OP = _pattern.Op(
     backward=_backward,
     reference=weighted_sum_reference,
     validate=_validate,
-    # A matrix-vector product (cuBLAS, float32 accumulation): one kernel forward, two backward, one
-    # autograd node, against eager (x * w).sum(-1)'s five kernels and two nodes.
-    native=torch.matmul,
+    native=_native,
 )
 
 
