@@ -68,20 +68,16 @@ SPLIT_PROGS_PER_SM = 4
 # twice, the second time from L2, instead of the row-sum pass and _norm_bwd_kernel, which read x and dy
 # twice from HBM. Its registers fill an SM (one program per SM). Warps by (layer_norm, 16-bit x, 16-bit
 # weight (or none), chunks per row): the best of 8/16/32 in sweeps on an H200 (benchmarks/NOTES.md, "Long
-# rows"). layer_norm rows of 4 chunks spill the dw and db accumulators together (no faster in 16-bit, up to
-# 1.3x slower in float32), so there the kernel keeps dw alone, as rms_norm's does, and db comes from a
-# read of dy apart (``DB_APART``: weighted_sum's read-only column pass, one more read of dy instead of a
-# second read of x and dy). The cases it lacks keep the two kernels: float32 x with a 16-bit weight (not
-# measured), and float64 accumulators.
+# rows"). The cases it lacks keep the two kernels: layer_norm rows of 4 chunks (they spill the dw and db
+# accumulators, and ran no faster in 16-bit and up to 1.3x slower in float32), float32 x with a 16-bit
+# weight (not measured), and float64 accumulators.
 LONG_BWD_CHUNK = 4096
 LONG_BWD_CHUNKS = 4
 LONG_BWD_WARPS = {
     (False, True, True, 3): 8, (False, True, False, 3): 32, (False, False, False, 3): 32,
     (False, True, True, 4): 32, (False, True, False, 4): 32, (False, False, False, 4): 32,
     (True, True, True, 3): 16, (True, True, False, 3): 16, (True, False, False, 3): 32,
-    (True, True, True, 4): 32, (True, True, False, 4): 32, (True, False, False, 4): 32,
 }
-DB_APART_CHUNKS = 4  # layer_norm rows of this many chunks: db from its own pass over dy
 
 
 class LongBwdPlan(NamedTuple):
@@ -90,7 +86,6 @@ class LongBwdPlan(NamedTuple):
     num_warps: int
     programs: int
     rows_per_prog: int
-    DB_APART: bool  # layer_norm: the kernel leaves db to a column pass over dy
 
 
 @functools.lru_cache(maxsize=1024)
@@ -149,7 +144,7 @@ def long_bwd_plan(
     if D <= BWD_MAX_BLOCK_D or nch > LONG_BWD_CHUNKS or N < sms or acc_itemsize > 4 or warps is None:
         return None
     programs, rows_per_prog = rt.row_split(N, 1, sms, 1, 1)
-    return LongBwdPlan(LONG_BWD_CHUNK, nch, warps, programs, rows_per_prog, centered and nch >= DB_APART_CHUNKS)
+    return LongBwdPlan(LONG_BWD_CHUNK, nch, warps, programs, rows_per_prog)
 
 
 @functools.lru_cache(maxsize=1024)

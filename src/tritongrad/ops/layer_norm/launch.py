@@ -23,7 +23,6 @@ from ... import _runtime as rt
 from .. import _norm_common as nc
 from .. import _norm_kernels
 from ..column_sum import column_sum
-from ..weighted_sum import column_sums
 from . import kernels
 from .reference import layer_norm_reference
 
@@ -89,25 +88,19 @@ def _backward(dy, args, residuals, needs):
     )
     if lp is not None:
         chunks = lp.programs
-    db_apart = need_b and lp is not None and lp.DB_APART
-    kernel_b = need_b and not db_apart  # db from the main kernel's partial rows
-    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if kernel_b else None)  # one chunk
+    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
     part = None
-    if chunks > 1 and (need_w or kernel_b):
+    if chunks > 1 and (need_w or need_b):
         # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
-        part = torch.empty((chunks, (need_w + kernel_b) * D), dtype=acc, device=x.device)
-        part_w, part_b = (part[:, :D] if need_w else None), (part[:, -D:] if kernel_b else None)
+        part = torch.empty((chunks, (need_w + need_b) * D), dtype=acc, device=x.device)
+        part_w, part_b = (part[:, :D] if need_w else None), (part[:, -D:] if need_b else None)
     stride_pw = part_w.stride(0) if (need_w and chunks > 1) else 0
-    stride_pb = part_b.stride(0) if (kernel_b and chunks > 1) else 0
-    if db_apart:
-        column_sums(dy2, db.view(-1))
-    if not (need_x or need_w or kernel_b):
-        pass  # db alone, from the column pass
-    elif lp is not None:
+    stride_pb = part_b.stride(0) if (need_b and chunks > 1) else 0
+    if lp is not None:
         _bwd_long_kernel[(lp.programs,)](
             x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
             dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, lp.rows_per_prog, CHUNK=lp.CHUNK, NCH=lp.NCH,
-            HAS_W=w is not None, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=kernel_b, CENTERED=True, ROUND_XHAT=False,
+            HAS_W=w is not None, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False,
             ACC=ACC, num_warps=lp.num_warps,
         )
     else:
@@ -129,12 +122,12 @@ def _backward(dy, args, residuals, needs):
             x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
             dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D, stride_pw, stride_pb,
             rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-            HAS_DX=need_x, HAS_DW=need_w, HAS_DB=kernel_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
+            HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
             STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device)),
             num_warps=t.num_warps,
         )
     if part is not None:
-        column_sum(part, *[g.view(-1) for g in (dw, db if kernel_b else None) if g is not None])
+        column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
     return dx, dw, db
 
 

@@ -134,37 +134,19 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
             BLOCK_N, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=True, HAS_GW=False, STAGES=1, ACC=acc,
             num_warps=_NUM_WARPS,
         )
-    if need_w:
-        _grad_w(x2, w, g, gx2 if fused else None, gw, acc)
-    return gx, gw
-
-
-def _grad_w(x2, w, g, gx2, gw, acc) -> None:
-    """``gw[d] = sum_n x2[n, d] * g[n]``, in one pass that also writes ``gx2 = g * w`` unless gx2 is None
-    (then it only reads x2 and g: w may be None), and ``column_sum`` over its partial rows."""
-    N, D = x2.shape
-    fused = gx2 is not None
-    BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages = _bwd_config(
-        N, D, x2.element_size(), rt.sm_count(x2.device), fused
-    )
-    part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x2.dtype), device=x2.device)
+    if not need_w:
+        return gx, gw
+    BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages = _bwd_config(N, D, elem, rt.sm_count(x.device), fused)
+    part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
     _bwd_kernel[(chunks, d_blocks)](
-        x2, w, g, gx2, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, g.stride(0),
+        x2, w, g, gx2 if fused else None, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
         gx2.stride(0) if fused else 0, part.stride(0) if chunks > 1 else 0, rows_per_prog,
         BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc,
         num_warps=_NUM_WARPS,
     )
     if chunks > 1:
         column_sum(part, gw)
-
-
-def column_sums(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[d] = sum_n x2[n, d]`` for a 2-D x2 (any strides): weighted_sum's read-only grad_w pass with
-    g = 1, bitwise reproducible; accumulated in float32 (float64 for float64). Returns ``out``."""
-    N = x2.shape[0]
-    ones = torch.ones(1, dtype=x2.dtype, device=x2.device).expand(N)  # stride 0: one value for every row
-    _grad_w(x2, None, ones, None, out, rt.tl_acc_dtype(x2.dtype))
-    return out
+    return gx, gw
 
 
 def _validate(x, w) -> None:
