@@ -151,6 +151,7 @@ def test_small_cuda_inputs_run_pytorch(name, shape, dtype):
         "mixed dtypes",          # bfloat16 x, float32 parameters: tritongrad's mixed-precision semantics
         "transposed x",          # not contiguous: the kernels read it in place, return a contiguous y
         "long rows",             # one row longer than NATIVE_MAX_D
+        "empty",                 # no rows: the kernels' launchers handle N = 0 themselves
     ],
 )
 @pytest.mark.parametrize("name", list(CASES))
@@ -164,6 +165,8 @@ def test_other_inputs_run_the_kernels(name, case):
         shape, pdtype = (4, 64), torch.float32
     if case == "long rows":
         shape = (1, rt.NATIVE_MAX_D * 2)
+    if case == "empty":
+        shape = (0, 64)
     x, params = _inputs(shape, n, dtype, "cuda")
     params = [p.to(pdtype) for p in params]
     if case == "transposed x":

@@ -179,7 +179,7 @@ class Op:
         x = tensors[0]
         if not rt.uses_triton(x.device):
             return self.reference(*args)
-        if self.native is not None and x.numel() <= _small[0] and self._native_fits(x, tensors):
+        if self.native is not None and 0 < x.numel() <= _small[0] and self._native_fits(x, tensors):
             out = self.native(*args)
             if out is not NotImplemented:
                 return out
