@@ -5,7 +5,6 @@ import torch
 from conftest import ATOL, DEVICE, run_without_interpreter
 
 import tritongrad
-from tritongrad import _runtime as rt
 from tritongrad.ops.weighted_sum import launch as ws_launch
 from tritongrad.ops.weighted_sum import weighted_sum_reference
 from tritongrad.testing import assert_close_earned, make_rows
@@ -156,37 +155,30 @@ def test_needs_input_grad(needs, monkeypatch):
     "shape,layout",
     [
         ((300, 24), "contiguous"),  # several row tiles, and grad_w through the partial rows
-        ((5, 37), "transposed"),    # masks on both axes; x read with column stride N; one partial row
+        ((5, 37), "transposed"),    # masks on both axes; x read with column stride N
         ((3, 1500), "row-sliced"),  # few rows: widened column blocks; row stride != D
-        ((100, 1100), "contiguous"),  # partial rows added by two column blocks of the write-only pass
     ],
     ids=str,
 )
 def test_two_pass_backward(shape, layout, dtype, monkeypatch):
-    # Large inputs of many rows take grad_w and grad_x in two launches (read-only, then write-only, which
-    # adds grad_w's partial rows when there are several: no column_sum launch); the thresholds are lowered
-    # so that small inputs take that path.
+    # Large inputs of many rows take grad_x and grad_w in two launches (write-only, then read-only); the
+    # thresholds are lowered so that small inputs take that path.
     monkeypatch.setattr(ws_launch, "_SPLIT_BWD_BYTES", 0)
     monkeypatch.setattr(ws_launch, "_SPLIT_BWD_ROWS", 0)
-    monkeypatch.setattr(rt, "sm_count", lambda device: 64)  # room for several partial rows of wide x
     launches = []
     kernel = ws_launch._bwd_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def run(*args, **kw):
-                launches.append((kw["HAS_GX"], kw["HAS_GW"], kw["REDUCE"]))
+                launches.append((kw["HAS_GX"], kw["HAS_GW"]))
                 return kernel[grid](*args, **kw)
             return run
 
     monkeypatch.setattr(ws_launch, "_bwd_kernel", Spy())
-    monkeypatch.setattr(ws_launch, "column_sum", None)  # never called on this path
     x = make_rows(shape, dtype, DEVICE, layout)
     check(x, torch.randn(shape[-1], device=DEVICE).to(dtype))
-    N, D = x.numel() // shape[-1], shape[-1]
-    partial_rows = ws_launch._bwd_config(N, D, x.element_size(), 64, False)[3]
-    assert partial_rows > 1 or shape[0] < 100
-    assert launches == [(False, True, False), (True, False, partial_rows > 1)]
+    assert launches == [(True, False), (False, True)]
 
 
 @pytest.mark.parametrize("N,D", [(64, 2**23 + 128), (1, 2**27), (2**20, 2**26)])

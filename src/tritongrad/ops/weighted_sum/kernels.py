@@ -22,8 +22,8 @@ fixed order). The split-D forward, used when there are too few rows to fill the 
 along D.
 
 The backward kernel computes either gradient or both (HAS_GX, HAS_GW): dL/dx needs no x and dL/dw writes
-no [N, D] output, so for large inputs the launcher runs them as two launches, a read-only stream and then
-a write-only one, which also adds dL/dw's partial rows (REDUCE) in place of ``column_sum``.
+no [N, D] output, so for large inputs the launcher runs them as two launches, a write-only stream and a
+read-only one.
 """
 
 import triton
@@ -80,10 +80,7 @@ def _weighted_sum_bwd_kernel(
     w_ptr,
     g_ptr,
     gx_ptr,  # grad_x: [N, D], written only when HAS_GX
-    gw_ptr,  # grad_w: [D] when one program covers all rows or REDUCE, else a [P, D] float partial buffer
-    part_ptr,  # REDUCE: the [P, D] partial rows of grad_w that an earlier HAS_GW launch wrote
-    P,
-    stride_part,
+    gw_ptr,  # grad_w: [D] when one program covers all rows, else a [P, D] float partial buffer
     N,
     D,
     stride_x_row,
@@ -97,7 +94,6 @@ def _weighted_sum_bwd_kernel(
     BLOCK_D: tl.constexpr,
     HAS_GX: tl.constexpr,
     HAS_GW: tl.constexpr,
-    REDUCE: tl.constexpr,
     STAGES: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -108,14 +104,6 @@ def _weighted_sum_bwd_kernel(
     o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     o_d64 = o_d.to(tl.int64)
-    if REDUCE:
-        # The second stage of grad_w folded into the grad_x pass (no launch of its own): the first row of
-        # programs adds the partial rows of its columns, in order.
-        if pid_p == 0:
-            s = tl.zeros([BLOCK_D], dtype=ACC)
-            for p in range(0, P):
-                s += tl.load(part_ptr + p * stride_part + o_d, mask=m_d, other=0.0).to(ACC)
-            tl.store(gw_ptr + o_d, round_to(s, gw_ptr.dtype.element_ty), mask=m_d)
     if HAS_GX:
         b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
     if HAS_GW:
