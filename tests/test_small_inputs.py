@@ -70,8 +70,7 @@ def test_threshold_argument_checks():
 def test_native_versions_compute_the_op(name):
     # The native versions are plain PyTorch, so float64 on CPU checks their formulas (and the default eps of
     # rms_norm) against the references, values and gradients, to float64 rounding.
-    fn, ref, n = CASES[name]
-    op = {"llama_rms_norm": _LLAMA_OP}.get(name)
+    _, ref, n = CASES[name]
     x, params = _inputs((3, 5, 48), n, torch.float64, "cpu")
     g = torch.randn((3, 5) if name == "weighted_sum" else (3, 5, 48), dtype=torch.float64)
     natives = {
@@ -79,7 +78,7 @@ def test_native_versions_compute_the_op(name):
         "rms_norm": lambda x, p: tritongrad.ops.rms_norm.launch._OP.native(x, [48], p[0], None),
         "rms_norm_no_weight": lambda x, p: tritongrad.ops.rms_norm.launch._OP.native(x, [48], None, None),
         "layer_norm": lambda x, p: tritongrad.ops.layer_norm.launch._OP.native(x, [48], p[0], p[1], 1e-5),
-        "llama_rms_norm": lambda x, p: op.native(x, p[0], 1e-6),
+        "llama_rms_norm": lambda x, p: _LLAMA_OP.native(x, p[0], 1e-6),
     }
     got, _ = _run(natives[name], x, params, g)
     want, _ = _run(ref, x, params, g)
