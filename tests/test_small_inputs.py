@@ -151,6 +151,7 @@ def test_small_cuda_inputs_run_pytorch(name, shape, dtype):
         "transposed x",          # not contiguous: the kernels read it in place, return a contiguous y
         "long rows",             # one row longer than NATIVE_MAX_D
         "empty",                 # no rows: the kernels' launchers handle N = 0 themselves
+        "autocast",              # PyTorch's ops would change dtypes under autocast; the kernels keep x's
     ],
 )
 @pytest.mark.parametrize("name", list(CASES))
@@ -164,15 +165,20 @@ def test_other_inputs_run_the_kernels(name, case):
         shape, pdtype = (4, 64), torch.float32
     if case == "long rows":
         shape = (1, rt.NATIVE_MAX_D * 2)
-    if case == "empty":
-        shape = (0, 64)
+    if case in ("empty", "autocast"):
+        shape = (0, 64) if case == "empty" else (4, 64)
     x, params = _inputs(shape, n, dtype, "cuda")
     params = [p.to(pdtype) for p in params]
     if case == "transposed x":
         x = torch.randn(64, 4, device="cuda", dtype=dtype).t()
     g = torch.randn(x.shape[:-1] if name == "weighted_sum" else x.shape, device="cuda", dtype=dtype)
-    _, kernels = _run(fn, x, params, g)
+    if case == "autocast":
+        x, params, g = x.float(), [p.float() for p in params], g.float()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case == "autocast"):
+        (y, *_), kernels = _run(fn, x, params, g)
     assert kernels
+    if case == "autocast":
+        assert y.dtype == torch.float32  # PyTorch's matmul would give bfloat16 here, its layer_norm float32
 
 
 @gpu

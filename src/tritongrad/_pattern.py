@@ -23,7 +23,7 @@ From that, :class:`Op` builds:
   ``tritongrad::<name>_backward``, with CPU/CUDA kernels, fake kernels and autograd. torch.compile and
   torch.export trace these ops (no graph break); ``torch.library.opcheck`` tests them.
 - small CUDA inputs (at most :func:`set_small_input_threshold` elements in x, every tensor in x's dtype,
-  x contiguous): ``native`` serves them. There the host decides the time per call, and a Python
+  x contiguous, autocast off): ``native`` serves them. There the host decides the time per call, and a Python
   autograd.Function plus Triton launches costs more host time than PyTorch's whole C++ forward+backward
   (benchmarks/NOTES.md). The choice depends on the inputs alone, so CUDA graph capture after a warm-up
   replays the ops the warm-up ran (no Triton kernel is loaded mid-capture). Tracers (torch.compile,
@@ -192,9 +192,12 @@ class Op:
     @staticmethod
     def _native_fits(x: torch.Tensor, tensors: list) -> bool:
         """The native version computes the same function (one dtype, so no mixed-precision semantics to
-        match), and returns what tritongrad's does (a contiguous output); torch.func transforms keep
-        tritongrad's refusal at every size."""
+        match), and returns what tritongrad's does (a contiguous output; under autocast PyTorch's ops would
+        change dtypes, tritongrad's kernels do not); torch.func transforms keep tritongrad's refusal at
+        every size."""
         if not x.is_cuda or not x.is_contiguous() or torch._C._are_functorch_transforms_active():
+            return False
+        if torch.is_autocast_enabled("cuda"):
             return False
         dtype = x.dtype
         for t in tensors:
