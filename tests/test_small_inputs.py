@@ -178,7 +178,7 @@ def test_other_inputs_run_the_kernels(name, case):
         (y, *_), kernels = _run(fn, x, params, g)
     assert kernels
     if case == "autocast":
-        assert y.dtype == torch.float32  # PyTorch's matmul would give bfloat16 here, its layer_norm float32
+        assert y.dtype == torch.float32  # PyTorch's matmul would give bfloat16 here
 
 
 @gpu
