@@ -22,8 +22,8 @@ fixed order). The split-D forward, used when there are too few rows to fill the 
 along D.
 
 The backward kernel computes either gradient or both (HAS_GX, HAS_GW): dL/dx needs no x and dL/dw writes
-no [N, D] output, so for large inputs the launcher runs them as two launches, a write-only stream and a
-read-only one.
+no [N, D] output, so for large inputs the launcher runs them as two launches, a read-only stream and a
+write-only one.
 """
 
 import triton

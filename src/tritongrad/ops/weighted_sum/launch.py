@@ -7,8 +7,9 @@ Bytes each pass must move (the bandwidth floor; ``tritongrad bench`` uses these)
 
 The backward's two gradients are independent streams: grad_x = g * w only writes, grad_w = sum_n x * g only
 reads. Small inputs, and inputs of few rows, take both in one launch; large inputs of many rows take two
-launches, a write-only pass and then a read-only pass: the same bytes, moved in 5-13% less time on an H200
-(benchmarks/NOTES.md, "weighted_sum backward in two passes").
+launches, a read-only pass and then a write-only pass: the same bytes, moved in 5-13% less time on an H200
+(benchmarks/NOTES.md, "weighted_sum backward in two passes"). Reading first lets the backward of an op that
+ran last in the forward find the tail of x still in L2 (benchmarks/NOTES.md, ninth session).
 """
 
 from __future__ import annotations
@@ -127,24 +128,25 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
     acc = rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype))
     gx2 = gx.view(N, D) if need_x else None
     fused = need_x and need_w and (N * D * elem < _SPLIT_BWD_BYTES or N < _SPLIT_BWD_ROWS)
-    if need_x and not fused:  # write-only pass; grad_w, if asked for, follows in its own launch
+    if need_w:  # grad_w's partial rows (and grad_x too when fused)
+        BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages = _bwd_config(
+            N, D, elem, rt.sm_count(x.device), fused
+        )
+        part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
+        _bwd_kernel[(chunks, d_blocks)](
+            x2, w, g, gx2 if fused else None, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
+            gx2.stride(0) if fused else 0, part.stride(0) if chunks > 1 else 0, rows_per_prog,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc,
+            num_warps=_NUM_WARPS,
+        )
+    if need_x and not fused:  # the write-only pass, after the read-only one
         BLOCK_N, BLOCK_D, d_blocks, row_tiles = _gx_config(N, D, elem)
         _bwd_kernel[(row_tiles, d_blocks)](
             x2, w, g, gx2, None, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0), gx2.stride(0), 0,
             BLOCK_N, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=True, HAS_GW=False, STAGES=1, ACC=acc,
             num_warps=_NUM_WARPS,
         )
-    if not need_w:
-        return gx, gw
-    BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages = _bwd_config(N, D, elem, rt.sm_count(x.device), fused)
-    part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
-    _bwd_kernel[(chunks, d_blocks)](
-        x2, w, g, gx2 if fused else None, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
-        gx2.stride(0) if fused else 0, part.stride(0) if chunks > 1 else 0, rows_per_prog,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc,
-        num_warps=_NUM_WARPS,
-    )
-    if chunks > 1:
+    if need_w and chunks > 1:
         column_sum(part, gw)
     return gx, gw
 
