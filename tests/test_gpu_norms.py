@@ -69,6 +69,9 @@ def params(norm, D, dtype, device="cuda"):
                                                                          # rows (rms_norm), row-sum pass (layer_norm)
         ((2048, 12288), torch.bfloat16, torch.bfloat16, "contiguous"),   # one-kernel long-row backward, 3 chunks
         ((1000, 10000), torch.float32, torch.float32, "contiguous"),     # the same, float32, ragged last chunk
+        ((264, 20480), torch.bfloat16, torch.bfloat16, "contiguous"),    # rms_norm: split long-row backward, 5
+                                                                         # chunks in 2 programs; 2 rows per group
+        ((300, 24576), torch.float32, torch.float32, "row-sliced"),      # the same, 6 chunks, groups of 2-3 rows
         ((700, 9000), torch.bfloat16, torch.float32, "row-sliced"),      # the same, mixed, row stride != D
         ((1024, 16384), torch.float16, torch.float16, "transposed"),     # long rows read with column stride N
         ((4, 65536), torch.bfloat16, torch.bfloat16, "contiguous"),      # few huge rows: column-split row passes

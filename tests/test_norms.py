@@ -169,7 +169,9 @@ def test_shape_comments_hold():
     assert not nc.fwd_plan(5, 16500).ONE_TILE and not nc.bwd_plan(5, 16500, 4)[0].ONE_TILE
     assert nc.column_split(5, 16500, nc.fwd_plan(5, 16500), 4)[0] == 1               # whole-row passes
     assert nc.column_split(5, 16500, nc.bwd_plan(5, 16500, 4)[0], 4)[0] == 1
-    assert all(nc.long_bwd_plan(5, 16500, 4, c, 4, 4, 4) is None for c in (False, True))  # over 4 chunks
+    assert nc.long_bwd_plan(5, 16500, 4, True, 4, 4, 4) is None     # layer_norm: over 4 chunks, two kernels
+    assert nc.long_bwd_plan(5, 16500, 4, False, 4, 4, 4) is None    # rms_norm: 5 chunks, but unaligned rows
+    assert nc.long_bwd_plan(5, 16512, 4, False, 4, 4, 4).SPLIT == 2  # ... aligned: split in two programs
     assert all(nc.long_bwd_plan(5, 9000, 4, c, s, s, 4).NCH == 3 for c in (False, True) for s in (2, 4))
     assert nc.long_bwd_plan(3, 9000, 4, False, 4, 4, 4) is None                     # fewer rows than SMs
     assert nc.long_bwd_plan(5, 9000, 4, False, 8, 8, 8) is None                     # float64
@@ -288,6 +290,31 @@ def test_long_rows_path(norm, lead, ns, dtype, case, long_rows):
     x = (2 * torch.randn(*lead, *ns, device=DEVICE) + (40.0 if norm == "layer_norm" else 0)).to(dtype)
     w, b = params(norm, ns, torch.float32 if case == "mixed" else dtype)
     check(norm, x, ns, *((None, None) if case == "no-affine" else (w, b)))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "N,D,want",  # want: (SPLIT, NCH, row groups, programs)
+    [
+        (12, 32, (2, 2, 2, 4)),  # 4 chunks in 2 programs of 2; 4 "SMs": 2 row groups, added by column_sum
+        (7, 48, (2, 3, 2, 4)),   # 6 chunks in 2 programs of 3; 7 rows: groups of unequal length
+        (9, 64, (3, 3, 1, 3)),   # 8 chunks in 3 programs of 24, 24 and 16 columns (the last one's third
+                                 # chunk lies past the row: masked); one group writes dw/db directly
+    ],
+    ids=str,
+)
+def test_long_rows_split(norm, N, D, want, dtype, long_rows, monkeypatch):
+    split = {4: (2, 4, 1), 6: (2, 4, 1), 8: (3, 4, 1)}
+    monkeypatch.setattr(nc, "LONG_BWD_SPLIT", {(c, n, n, k): v for c in (False, True) for n in (2, 4)
+                                               for k, v in split.items()})
+    monkeypatch.setattr(nc, "LONG_BWD_WARPS", {})
+    _clear_plans()
+    plan = _long_path_taken(norm, N, D, dtype)
+    assert (plan.SPLIT, plan.NCH, plan.groups, plan.programs) == want
+    assert _long_path_taken(norm, N, 29, dtype) is None  # not a multiple of 16 columns: unaligned rows
+    x = (2 * torch.randn(N, D, device=DEVICE) + (40.0 if norm == "layer_norm" else 0)).to(dtype)
+    check(norm, x, (D,), *params(norm, (D,), dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

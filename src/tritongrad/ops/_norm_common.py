@@ -2,7 +2,7 @@
 
 Bytes beyond each norm's floor (the formulas are in its launch.py): rows longer than one register tile
 (D > FWD_MAX_BLOCK_D in the forward, D > BWD_MAX_BLOCK_D in the backward) read x twice in the forward
-(the second read partly from L2). In the backward, rows of up to LONG_BWD_CHUNKS chunks with a row per SM
+(the second read partly from L2). In the backward, rows of 3-4 chunks (rms_norm: up to 6) with a row per SM
 read x and dy twice too, the second time from L2 (``long_bwd_plan``); other long rows read them twice from
 HBM (a row pass for the row sums first). With fewer row tiles than SMs those row passes also split the
 columns (``column_split``), adding S*N floats of partial statistics (S splits) to each pass."""
@@ -63,16 +63,14 @@ BWD_STAGES = 3
 # Rows walked in chunks, but fewer row tiles than SMs (e.g. 16 x 1M): the row passes (forward statistics,
 # normalisation, the backward's row sums) also split the columns, for about this many programs per SM.
 SPLIT_PROGS_PER_SM = 4
-# Backward of rows longer than BWD_MAX_BLOCK_D, at most LONG_BWD_CHUNKS chunks long, with at least one row
-# per SM: one kernel (_norm_bwd_long_kernel) that keeps its dw/db partials in registers and reads each row
-# twice, the second time from L2, instead of the row-sum pass and _norm_bwd_kernel, which read x and dy
-# twice from HBM. Its registers fill an SM (one program per SM). Warps by (layer_norm, 16-bit x, 16-bit
-# weight (or none), chunks per row): the best of 8/16/32 in sweeps on an H200 (benchmarks/NOTES.md, "Long
-# rows"). The cases it lacks keep the two kernels: layer_norm rows of 4 chunks (they spill the dw and db
-# accumulators, and ran no faster in 16-bit and up to 1.3x slower in float32), float32 x with a 16-bit
-# weight (not measured), and float64 accumulators.
+# Backward of rows longer than BWD_MAX_BLOCK_D, of 3 or 4 chunks, with at least one row per SM: one kernel
+# (_norm_bwd_long_kernel) that keeps its dw/db partials in registers and reads each row twice, the second time
+# from L2, instead of the row-sum pass and _norm_bwd_kernel, which read x and dy twice from HBM. Its registers
+# fill an SM (one program per SM). Warps by (layer_norm, 16-bit x, 16-bit weight (or none), chunks per row):
+# the best of 8/16/32 in sweeps on an H200 (benchmarks/NOTES.md, "Long rows"). The cases it lacks keep the two
+# kernels: layer_norm rows of 4 chunks (they spill the dw and db accumulators, and ran no faster in 16-bit and
+# up to 1.3x slower in float32), float32 x with a 16-bit weight (not measured), and float64 accumulators.
 LONG_BWD_CHUNK = 4096
-LONG_BWD_CHUNKS = 4
 LONG_BWD_WARPS = {
     (False, True, True, 3): 8, (False, True, False, 3): 32, (False, False, False, 3): 32,
     (False, True, True, 4): 32, (False, True, False, 4): 32, (False, False, False, 4): 32,
@@ -80,11 +78,31 @@ LONG_BWD_WARPS = {
 }
 
 
+# Rows too long for one program's accumulators: SPLIT programs share each group of rows, each with the
+# dw/db accumulators of an even share of the columns (every program still reads the whole row for the row
+# sums; its neighbours read it at the same time, so from L2). Keyed by (layer_norm, bytes per element of
+# x, of the weight (0: none), chunks of the whole row): (SPLIT, warps, programs per SM). Measured on an
+# H200 against the two kernels (backward launcher, device time; benchmarks/NOTES.md, ninth session):
+# rms_norm bf16 12800x20480 641.7 -> 528.2 us, 10240x24576 613.9 -> 461.2, 10240x24000 599.9 -> 466.4,
+# fp16 10240x24576 608.0 -> 455.7, fp32 6400x20480 629.7 -> 500.7, 5120x24576 600.5 -> 464.6. Left out,
+# slower there: rms_norm without a weight (bf16 24576: 595.5 -> 632.2) or with a float32 weight on bf16 x
+# (610.5 -> 681.8), and layer_norm at 4 chunks (3-9% faster at 16384 columns, 4-10% slower at 12800).
+# Only for D a multiple of 16: rows of other lengths start unaligned and their loads are not vectorised
+# (layer_norm bf16 20000x13000: 1229 us with the two kernels, 3113 us split).
+LONG_BWD_SPLIT = {
+    (False, 2, 2, 5): (2, 16, 1), (False, 2, 2, 6): (2, 16, 1),
+    (False, 4, 4, 5): (2, 16, 1), (False, 4, 4, 6): (2, 16, 1),
+}
+
+
 class LongBwdPlan(NamedTuple):
     CHUNK: int
-    NCH: int  # chunks per row
+    NCH: int  # chunks per program
+    SPLIT: int  # programs per row group, side by side over the columns
+    COLS: int  # columns per program (D when SPLIT is 1)
     num_warps: int
-    programs: int
+    programs: int  # groups * SPLIT
+    groups: int  # row groups: the rows of the dw/db partial buffers
     rows_per_prog: int
 
 
@@ -136,15 +154,22 @@ def long_bwd_plan(
     N: int, D: int, sms: int, centered: bool, x_itemsize: int, w_itemsize: int, acc_itemsize: int
 ) -> LongBwdPlan | None:
     """The one-kernel backward's plan for long rows (``w_itemsize`` 0: no weight), or None where the row-sum
-    pass + _norm_bwd_kernel serve: rows that fit one tile, rows of more than LONG_BWD_CHUNKS chunks, fewer
-    rows than SMs, float64 accumulators, and the cases LONG_BWD_WARPS leaves out."""
+    pass + _norm_bwd_kernel serve: rows that fit one tile, fewer rows than SMs, float64 accumulators, and
+    the cases LONG_BWD_WARPS and LONG_BWD_SPLIT leave out."""
     nch = rt.cdiv(D, LONG_BWD_CHUNK)
     narrow_x = x_itemsize <= 2
-    warps = LONG_BWD_WARPS.get((centered, narrow_x, w_itemsize <= 2 if w_itemsize else narrow_x, nch))
-    if D <= BWD_MAX_BLOCK_D or nch > LONG_BWD_CHUNKS or N < sms or acc_itemsize > 4 or warps is None:
+    key = (centered, narrow_x, w_itemsize <= 2 if w_itemsize else narrow_x, nch)
+    split, warps, per_sm = 1, LONG_BWD_WARPS.get(key), 1
+    if warps is None and D % 16 == 0:
+        split, warps, per_sm = LONG_BWD_SPLIT.get((centered, x_itemsize, w_itemsize, nch), (1, None, 1))
+    if D <= BWD_MAX_BLOCK_D or N < sms or acc_itemsize > 4 or warps is None:
         return None
-    programs, rows_per_prog = rt.row_split(N, 1, sms, 1, 1)
-    return LongBwdPlan(LONG_BWD_CHUNK, nch, warps, programs, rows_per_prog)
+    groups, rows_per_prog = rt.row_split(N, 1, sms, split, per_sm)
+    # Even shares of the row, in multiples of 64 columns (aligned loads): no program idles on a short chunk.
+    unit = min(64, LONG_BWD_CHUNK)
+    cols = D if split == 1 else rt.cdiv(rt.cdiv(D, split), unit) * unit
+    return LongBwdPlan(LONG_BWD_CHUNK, rt.cdiv(cols, LONG_BWD_CHUNK), split, cols, warps, groups * split, groups,
+                       rows_per_prog)
 
 
 @functools.lru_cache(maxsize=1024)

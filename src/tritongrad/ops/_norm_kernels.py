@@ -17,8 +17,9 @@ float partial buffer that ``column_sum`` reduces in a fixed order (deterministic
 fits one tile (``ONE_TILE``) the row sums come from the tile itself; otherwise
 ``_norm_bwd_rowsum_kernel`` computes them first, so that columns can be split across programs (with few
 rows it splits the columns too, and ``column_sum`` adds the splits' parts). Rows of a few chunks, with a
-row per SM, take ``_norm_bwd_long_kernel`` instead: programs own rows and all columns, and read each row
-twice, the second time from L2.
+row per SM, take ``_norm_bwd_long_kernel`` instead: programs own rows and all columns (or, with SPLIT,
+a few adjacent programs share rows and split the columns), and read each row twice, the second time from
+L2.
 
 Precision: loads are cast to ACC (float32, float64 for float64) before any arithmetic; results are
 rounded once, on store. Masked lanes load 0 and have xhat = 0, so they add nothing to any sum.
@@ -273,8 +274,10 @@ def _norm_bwd_long_kernel(
     stride_dw_part,
     stride_db_part,
     ROWS_PER_PROG,
+    COLS,  # columns per program with SPLIT > 1 (the last one's may be fewer), else D
     CHUNK: tl.constexpr,
-    NCH: tl.constexpr,  # chunks per row, 2 to 4: D <= NCH * CHUNK
+    NCH: tl.constexpr,  # chunks of a program's columns, 2 to 4: COLS <= NCH * CHUNK
+    SPLIT: tl.constexpr,  # programs per row group, each owning NCH chunks of columns
     HAS_W: tl.constexpr,
     HAS_DX: tl.constexpr,
     HAS_DW: tl.constexpr,
@@ -290,10 +293,16 @@ def _norm_bwd_long_kernel(
     # so it comes from L2: HBM sees x and dy once, where the row-sum kernel plus _norm_bwd_kernel read them
     # twice. Chunks are unrolled with one accumulator each, because a register tensor cannot be indexed
     # by a loop variable.
+    # SPLIT > 1 (rows whose dw and db accumulators would spill): SPLIT adjacent programs share a group of
+    # rows; each computes the row sums over the whole row, but dL/dx and the partials for its own NCH
+    # chunks only. They run side by side, so the row is read from HBM once and the rest from L2.
     pid = tl.program_id(0).to(tl.int64)
+    group = pid // SPLIT
+    c0 = (pid % SPLIT) * COLS  # this program's columns: [c0, c_end)
+    c_end = tl.minimum(D, c0 + COLS)
     zero = tl.zeros([CHUNK], dtype=ACC)
     dw0, db0, dw1, db1, dw2, db2, dw3, db3 = zero, zero, zero, zero, zero, zero, zero, zero
-    row_start = pid * ROWS_PER_PROG
+    row_start = group * ROWS_PER_PROG
     row_end = tl.minimum(N, row_start + ROWS_PER_PROG)
     for row in range(row_start, row_end):
         x_row = x_ptr + row * stride_x_row
@@ -308,37 +317,31 @@ def _norm_bwd_long_kernel(
         c1 = 0.0
         c2 = 0.0
         if HAS_DX:
-            s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 0, D, mean,
-                                    zero, zero, CHUNK, HAS_W, CENTERED, ACC)
-            s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, CHUNK, D, mean,
-                                    s1, s2, CHUNK, HAS_W, CENTERED, ACC)
-            if NCH > 2:
-                s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 2 * CHUNK, D,
-                                        mean, s1, s2, CHUNK, HAS_W, CENTERED, ACC)
-            if NCH > 3:
-                s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 3 * CHUNK, D,
+            s1, s2 = zero, zero
+            for k in tl.static_range(SPLIT * NCH):  # SPLIT * NCH * CHUNK >= D
+                s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, k * CHUNK, D,
                                         mean, s1, s2, CHUNK, HAS_W, CENTERED, ACC)
             c1 = tl.sum(s1, axis=0) * rstd / D
             if CENTERED:
                 c2 = tl.sum(s2, axis=0) / D
-        dw0, db0 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 0, D, mean,
-                                   rstd, c1, c2, dw0, db0, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
+        dw0, db0 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, c0, c_end,
+                                   mean, rstd, c1, c2, dw0, db0, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
                                    ROUND_XHAT, ACC)
-        dw1, db1 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, CHUNK, D,
-                                   mean, rstd, c1, c2, dw1, db1, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
+        dw1, db1 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, c0 + CHUNK,
+                                   c_end, mean, rstd, c1, c2, dw1, db1, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
                                    ROUND_XHAT, ACC)
         if NCH > 2:
             dw2, db2 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w,
-                                       2 * CHUNK, D, mean, rstd, c1, c2, dw2, db2, CHUNK, HAS_W, HAS_DX, HAS_DW,
-                                       HAS_DB, CENTERED, ROUND_XHAT, ACC)
+                                       c0 + 2 * CHUNK, c_end, mean, rstd, c1, c2, dw2, db2, CHUNK, HAS_W, HAS_DX,
+                                       HAS_DW, HAS_DB, CENTERED, ROUND_XHAT, ACC)
         if NCH > 3:
             dw3, db3 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w,
-                                       3 * CHUNK, D, mean, rstd, c1, c2, dw3, db3, CHUNK, HAS_W, HAS_DX, HAS_DW,
-                                       HAS_DB, CENTERED, ROUND_XHAT, ACC)
+                                       c0 + 3 * CHUNK, c_end, mean, rstd, c1, c2, dw3, db3, CHUNK, HAS_W, HAS_DX,
+                                       HAS_DW, HAS_DB, CENTERED, ROUND_XHAT, ACC)
     if HAS_DW:
-        _long_store_part(dw_ptr + pid * stride_dw_part, D, dw0, dw1, dw2, dw3, CHUNK, NCH)
+        _long_store_part(dw_ptr + group * stride_dw_part + c0, c_end - c0, dw0, dw1, dw2, dw3, CHUNK, NCH)
     if HAS_DB:
-        _long_store_part(db_ptr + pid * stride_db_part, D, db0, db1, db2, db3, CHUNK, NCH)
+        _long_store_part(db_ptr + group * stride_db_part + c0, c_end - c0, db0, db1, db2, db3, CHUNK, NCH)
 
 
 @triton.jit

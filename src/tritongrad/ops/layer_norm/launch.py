@@ -87,7 +87,7 @@ def _backward(dy, args, residuals, needs):
         N, D, sms, True, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
     )
     if lp is not None:
-        chunks = lp.programs
+        chunks = lp.groups
     part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
     part = None
     if chunks > 1 and (need_w or need_b):
@@ -99,7 +99,8 @@ def _backward(dy, args, residuals, needs):
     if lp is not None:
         _bwd_long_kernel[(lp.programs,)](
             x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, lp.rows_per_prog, CHUNK=lp.CHUNK, NCH=lp.NCH,
+            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, lp.rows_per_prog, lp.COLS,
+            CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT,
             HAS_W=w is not None, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False,
             ACC=ACC, num_warps=lp.num_warps,
         )

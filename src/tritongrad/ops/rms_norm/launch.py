@@ -75,7 +75,7 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
         N, D, sms, False, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
     )
     if lp is not None:
-        chunks = lp.programs
+        chunks = lp.groups
     part = None
     if need_w:
         part = dw.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
@@ -83,7 +83,8 @@ def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, ll
     if lp is not None:
         _bwd_long_kernel[(lp.programs,)](
             x2, w, dy2, None, rstd, dx, part, None, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
-            dy2.stride(1), D, stride_part, 0, lp.rows_per_prog, CHUNK=lp.CHUNK, NCH=lp.NCH, HAS_W=w is not None,
+            dy2.stride(1), D, stride_part, 0, lp.rows_per_prog, lp.COLS,
+            CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, HAS_W=w is not None,
             HAS_DX=need_x, HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
             num_warps=lp.num_warps,
         )
