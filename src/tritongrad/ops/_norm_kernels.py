@@ -298,8 +298,12 @@ def _norm_bwd_long_kernel(
     # chunks only. They run side by side, so the row is read from HBM once and the rest from L2.
     pid = tl.program_id(0).to(tl.int64)
     group = pid // SPLIT
-    c0 = (pid % SPLIT) * COLS  # this program's columns: [c0, c_end)
-    c_end = tl.minimum(D, c0 + COLS)
+    if SPLIT == 1:  # all columns (known at compile time: the masks stay those of a plain row)
+        c0 = 0
+        c_end = D
+    else:  # this program's columns: [c0, c_end)
+        c0 = (pid % SPLIT) * COLS
+        c_end = tl.minimum(D, c0 + COLS)
     zero = tl.zeros([CHUNK], dtype=ACC)
     dw0, db0, dw1, db1, dw2, db2, dw3, db3 = zero, zero, zero, zero, zero, zero, zero, zero
     row_start = group * ROWS_PER_PROG
