@@ -6,9 +6,14 @@ failure and a final count. Used by tests/test_sm90_compile.py.
     python tests/sm90_compile.py --resources
 
 also prints each specialization's registers, stack and shared memory per thread block (from the cubin, by
-the cuobjdump that Triton ships): spills and occupancy, read without a GPU."""
+the cuobjdump that Triton ships): spills and occupancy, read without a GPU.
+
+Rows whose length and strides are multiples of 8 elements but not of 16 are checked for vector loads: Triton
+itself marks only integers divisible by 16, so without the kernels' ALIGN hint every load of such a row is
+scalar (2-byte loads for bfloat16), about half the bandwidth on an H200 (benchmarks/NOTES.md)."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,6 +33,9 @@ from tritongrad.ops.weighted_sum import launch as ws_launch  # noqa: E402
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 _seen: set = set()
 _failures: list = []
+_want_vectors = [False]  # the current case's rows are 8-element aligned: every row kernel must vectorise
+# A vector load from global memory: ld.global.v2/v4/v8, or an asynchronous copy of 8 or 16 bytes.
+_VECTOR_LOAD = re.compile(r"ld\.global[\w:.]*\.v[248]\.|cp\.async\.c[ag]\.shared\.global[\w:.]* \[[^\]]*\], \[[^\]]*\], (0x8|0x10)")
 _RESOURCES = "--resources" in sys.argv
 
 
@@ -72,6 +80,9 @@ def _compile(self, grid, *args, num_warps=4, **constexprs):
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": num_warps},
         )
+        # column_sum's partial rows are L2-resident and unhinted: not a row kernel.
+        if _want_vectors[0] and self.fn.__name__ != "_column_sum_kernel" and not _VECTOR_LOAD.search(compiled.asm["ptx"]):
+            _failures.append(f"{self.fn.__name__} {constants}: no vector load for 8-element aligned rows")
         if _RESOURCES:
             shown = {k: v for k, v in constants.items() if k.isupper()}
             print(f"{self.fn.__name__:32s} warps={num_warps} {_resources(compiled.asm['cubin'])} {shown}")
@@ -84,6 +95,7 @@ def main(cases) -> int:
     _runtime.uses_triton = _pattern.rt.uses_triton = lambda device: True
     _runtime.sm_count = lambda device: 132
     for xdt, pdt, N, D in cases:
+        _want_vectors[0] = D % 8 == 0 and D % 16 != 0
         x = torch.randn(N, D, dtype=xdt, requires_grad=True)
         w = torch.randn(D, dtype=pdt, requires_grad=True)
         b = torch.randn(D, dtype=pdt, requires_grad=True)
@@ -113,5 +125,8 @@ if __name__ == "__main__":
     # accumulation stored to bfloat16; the norms' one-kernel long-row backward (3 and 4 chunks, 16/32-bit,
     # mixed).
     cases = [(bf, bf, 4096, 1024), (bf, bf, 64, 4096), (f32, f32, 300, 20000), (bf, f32, 16, 70000), (bf, f64, 64, 512),
-             (bf, bf, 300, 12288), (f32, f32, 300, 16384), (bf, f32, 200, 10000), (bf, f32, 200, 16384)]
+             (bf, bf, 300, 12288), (f32, f32, 300, 16384), (bf, f32, 200, 10000), (bf, f32, 200, 16384),
+             # 8-element aligned rows, not 16 (vector loads asserted): rows in registers, 3 chunks (the
+             # long-row backward), 5 chunks (row-sum pass and column blocks); float32 and bfloat16.
+             (bf, bf, 4096, 1000), (bf, bf, 300, 13000), (f32, f32, 300, 13000), (bf, bf, 300, 20008)]
     sys.exit(main(cases))

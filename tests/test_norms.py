@@ -8,6 +8,7 @@ from conftest import ATOL, DEVICE, run_without_interpreter
 
 import tritongrad
 from tritongrad import _runtime as rt
+from tritongrad.ops import _norm_backward as nb
 from tritongrad.ops import _norm_common as nc
 from tritongrad.ops.layer_norm import launch as ln_launch
 from tritongrad.ops.layer_norm import layer_norm_reference
@@ -25,7 +26,7 @@ SHAPES = [
     ((1,), (64,)),          # one row
     ((5,), (37,)),          # D not a power of two, N not a multiple of the row tile: both masks active
     ((3,), (20000,)),       # D > FWD/BWD_MAX_BLOCK_D, few rows: chunks, row passes split across columns
-    ((5,), (16500,)),       # D > FWD/BWD_MAX_BLOCK_D, a row tile per "SM": chunks, whole-row passes
+    ((5,), (16502,)),       # D > FWD/BWD_MAX_BLOCK_D, a row tile per "SM": chunks, whole-row passes
     ((5,), (9000,)),        # BWD_MAX_BLOCK_D < D <= 3 LONG_BWD_CHUNKs, a row per "SM": one-kernel backward
     ((300,), (24,)),        # several row chunks: dw/db go through the partial buffer and column_sum
     ((2, 3), (20,)),        # 3-D input
@@ -144,7 +145,7 @@ def long_rows(monkeypatch):
 
 def _long_path_taken(norm, N, D, dtype=torch.float32, wdtype=None):
     return nc.long_bwd_plan(N, D, rt.sm_count(torch.device(DEVICE)), norm == "layer_norm", dtype.itemsize,
-                            (wdtype or dtype).itemsize, 4)
+                            (wdtype or dtype).itemsize, 4, rt.align(D))
 
 
 def _clear_plans():
@@ -166,16 +167,18 @@ def test_shape_comments_hold():
     assert not nc.fwd_plan(3, 20000).ONE_TILE and nc.bwd_plan(3, 20000, 4)[1] > 1   # chunked, column split
     assert nc.column_split(3, 20000, nc.fwd_plan(3, 20000), 4)[0] > 1                # split row passes
     assert nc.column_split(3, 20000, nc.bwd_plan(3, 20000, 4)[0], 4)[0] > 1
-    assert not nc.fwd_plan(5, 16500).ONE_TILE and not nc.bwd_plan(5, 16500, 4)[0].ONE_TILE
-    assert nc.column_split(5, 16500, nc.fwd_plan(5, 16500), 4)[0] == 1               # whole-row passes
-    assert nc.column_split(5, 16500, nc.bwd_plan(5, 16500, 4)[0], 4)[0] == 1
-    assert nc.long_bwd_plan(5, 16500, 4, True, 4, 4, 4) is None     # layer_norm: over 4 chunks, two kernels
-    assert nc.long_bwd_plan(5, 16500, 4, False, 4, 4, 4) is None    # rms_norm: 5 chunks, but unaligned rows
-    assert nc.long_bwd_plan(5, 16512, 4, False, 4, 4, 4).SPLIT == 2  # ... aligned: split in two programs
-    assert all(nc.long_bwd_plan(5, 9000, 4, c, s, s, 4).NCH == 3 for c in (False, True) for s in (2, 4))
-    assert nc.long_bwd_plan(3, 9000, 4, False, 4, 4, 4) is None                     # fewer rows than SMs
-    assert nc.long_bwd_plan(5, 9000, 4, False, 8, 8, 8) is None                     # float64
-    assert nc.long_bwd_plan(5, 9000, 4, True, 4, 2, 4) is None                      # float32 x, 16-bit w
+    assert not nc.fwd_plan(5, 16502).ONE_TILE and not nc.bwd_plan(5, 16502, 4)[0].ONE_TILE
+    assert nc.column_split(5, 16502, nc.fwd_plan(5, 16502), 4)[0] == 1               # whole-row passes
+    assert nc.column_split(5, 16502, nc.bwd_plan(5, 16502, 4)[0], 4)[0] == 1
+    assert nc.long_bwd_plan(5, 16502, 4, True, 4, 4, 4, 2) is None     # layer_norm: over 4 chunks, two kernels
+    assert nc.long_bwd_plan(5, 16502, 4, False, 4, 4, 4, 2) is None    # rms_norm: 5 chunks, but rows of 8 bytes
+    assert nc.long_bwd_plan(5, 16500, 4, False, 4, 4, 4, 4).SPLIT == 2  # ... of 16 bytes: two programs
+    assert nc.long_bwd_plan(5, 16500, 4, False, 2, 2, 4, 4) is None    # ... in bf16, rows of 8 bytes again
+    assert nc.long_bwd_plan(5, 16512, 4, False, 2, 2, 4, 16).SPLIT == 2
+    assert all(nc.long_bwd_plan(5, 9000, 4, c, s, s, 4, 8).NCH == 3 for c in (False, True) for s in (2, 4))
+    assert nc.long_bwd_plan(3, 9000, 4, False, 4, 4, 4, 8) is None                  # fewer rows than SMs
+    assert nc.long_bwd_plan(5, 9000, 4, False, 8, 8, 8, 8) is None                  # float64
+    assert nc.long_bwd_plan(5, 9000, 4, True, 4, 2, 4, 8) is None                   # float32 x, 16-bit w
     assert nc.bwd_plan(300, 24, 4)[2] > 1                                            # several partial rows
     assert nc.bwd_plan(1000, 8, 4)[2] > 1                                            # determinism test
     assert 5 % nc.fwd_plan(5, 37).BLOCK_N and 5 % nc.bwd_plan(5, 37, 4)[0].BLOCK_N   # ragged row tile
@@ -301,18 +304,19 @@ def test_long_rows_path(norm, lead, ns, dtype, case, long_rows):
         (7, 48, (2, 3, 2, 4)),   # 6 chunks in 2 programs of 3; 7 rows: groups of unequal length
         (9, 64, (3, 3, 1, 3)),   # 8 chunks in 3 programs of 24, 24 and 16 columns (the last one's third
                                  # chunk lies past the row: masked); one group writes dw/db directly
+        (10, 40, (2, 3, 2, 4)),  # 5 chunks, 8-element (16-byte) aligned rows that are not multiples of 16
     ],
     ids=str,
 )
 def test_long_rows_split(norm, N, D, want, dtype, long_rows, monkeypatch):
-    split = {4: (2, 4, 1), 6: (2, 4, 1), 8: (3, 4, 1)}
+    split = {4: (2, 4, 1), 5: (2, 4, 1), 6: (2, 4, 1), 8: (3, 4, 1)}
     monkeypatch.setattr(nc, "LONG_BWD_SPLIT", {(c, n, n, k): v for c in (False, True) for n in (2, 4)
                                                for k, v in split.items()})
     monkeypatch.setattr(nc, "LONG_BWD_WARPS", {})
     _clear_plans()
     plan = _long_path_taken(norm, N, D, dtype)
     assert (plan.SPLIT, plan.NCH, plan.groups, plan.programs) == want
-    assert _long_path_taken(norm, N, 29, dtype) is None  # not a multiple of 16 columns: unaligned rows
+    assert _long_path_taken(norm, N, 29, dtype) is None  # rows of 29 elements: not 16-byte aligned
     x = (2 * torch.randn(N, D, device=DEVICE) + (40.0 if norm == "layer_norm" else 0)).to(dtype)
     check(norm, x, (D,), *params(norm, (D,), dtype))
 
@@ -326,6 +330,42 @@ def test_long_rows_four_chunks(D, dtype, long_rows):
     x = torch.randn(12, D, device=DEVICE).to(dtype)
     check("rms_norm", x, (D,), *params("rms_norm", (D,), dtype))
     check("layer_norm", x, (D,), *params("layer_norm", (D,), dtype))
+
+
+@pytest.mark.parametrize("path", ["registers", "small_tiles", "long_rows"])
+@pytest.mark.parametrize(
+    "D,sx,sdy,fwd,bwd",  # row length, row strides of x and dy; the largest power of two dividing D and
+    # x's row stride (the forward's rows), and that dividing all three (the backward's)
+    [(24, 24, 24, 8, 8), (24, 28, 24, 4, 4), (24, 24, 26, 8, 2), (20, 36, 20, 4, 4)],
+    ids=str,
+)
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_aligned_below_16(norm, D, sx, sdy, fwd, bwd, path, request, monkeypatch):
+    # Row lengths and strides that are multiples of 8, 4 or 2 elements but not of 16: each kernel is told
+    # the largest power of two that divides the ones it reads (ALIGN, so that its loads vectorise on a
+    # GPU; ops/_tl.aligned). A hint that one of them does not honour rounds it down in the kernel and
+    # misplaces rows: x and dy get different alignments, so each must be counted.
+    if path != "registers":
+        request.getfixturevalue(path)
+    N = 12
+    assert (_long_path_taken(norm, N, D) is not None) == (path == "long_rows")
+    seen = {}
+    launch = rt.Kernel._launch
+
+    def spy(self, grid, *args, **kw):
+        seen.setdefault(self.fn.__name__, set()).add(kw.get("ALIGN"))
+        return launch(self, grid, *args, **kw)
+
+    monkeypatch.setattr(rt.Kernel, "_launch", spy)
+    x = (2 * torch.randn(N, sx, device=DEVICE) + (3.0 if norm == "layer_norm" else 0))[:, :D]
+    g = torch.randn(N, sdy, device=DEVICE)[:, :D]
+    check(norm, x, (D,), *params(norm, (D,), torch.float32), g=g)
+    main = seen.get("_norm_bwd_kernel", set()) | seen.get("_norm_bwd_long_kernel", set())
+    assert main == {bwd}
+    # Column splits (small tiles) are multiples of 4 columns: ALIGN 4 where rows allow more.
+    assert max(seen.get("_norm_bwd_rowsum_kernel", {bwd})) <= bwd
+    fwd_seen = seen[f"_{norm}_fwd_kernel"]
+    assert max(fwd_seen) <= fwd and (path == "small_tiles" or fwd_seen == {fwd})
 
 
 def _tol(dtype, N):
@@ -384,7 +424,7 @@ def test_strided_x_is_not_copied(norm, layout, monkeypatch):
     x = make_rows((33, 16), torch.float32, DEVICE, layout).requires_grad_()
     w = torch.randn(16, device=DEVICE, requires_grad=True)
     seen = []
-    for name in ("_fwd_kernel", "_bwd_kernel"):
+    for launch, name in ((launch, "_fwd_kernel"), (nb, "_kernel")):
         kernel = getattr(launch, name)
 
         class Spy:

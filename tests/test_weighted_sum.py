@@ -5,6 +5,7 @@ import torch
 from conftest import ATOL, DEVICE, run_without_interpreter
 
 import tritongrad
+from tritongrad import _runtime as rt
 from tritongrad.ops.weighted_sum import launch as ws_launch
 from tritongrad.ops.weighted_sum import weighted_sum_reference
 from tritongrad.testing import assert_close_earned, make_rows
@@ -179,6 +180,28 @@ def test_two_pass_backward(shape, layout, dtype, monkeypatch):
     x = make_rows(shape, dtype, DEVICE, layout)
     check(x, torch.randn(shape[-1], device=DEVICE).to(dtype))
     assert launches == [(False, True), (True, False)]
+
+
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("D,sx,want", [(24, 24, 8), (24, 28, 4), (20, 22, 2)], ids=str)
+def test_rows_aligned_below_16(D, sx, want, two_pass, monkeypatch):
+    # Row lengths and strides that are multiples of 8, 4 or 2 elements but not of 16: the kernels are told
+    # the largest power of two dividing D and x's row stride (ALIGN, ops/_tl.aligned); one that does not
+    # divide both would round it down in the kernel and misplace rows.
+    if two_pass:
+        monkeypatch.setattr(ws_launch, "_SPLIT_BWD_BYTES", 0)
+        monkeypatch.setattr(ws_launch, "_SPLIT_BWD_ROWS", 0)
+    seen = set()
+    launch = rt.Kernel._launch
+
+    def spy(self, grid, *args, **kw):
+        seen.add(kw.get("ALIGN"))
+        return launch(self, grid, *args, **kw)
+
+    monkeypatch.setattr(rt.Kernel, "_launch", spy)
+    x = torch.randn(300, sx, device=DEVICE)[:, :D]
+    check(x, torch.randn(D, device=DEVICE))
+    assert seen - {None} == {want}  # None: column_sum
 
 
 @pytest.mark.parametrize("N,D", [(64, 2**23 + 128), (1, 2**27), (2**20, 2**26)])

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -138,6 +139,14 @@ def row_tile(N: int, D: int, max_block_d: int = 8192, chunk_d: int = 4096, tile:
     elems = BLOCK_N * BLOCK_D
     num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
     return RowTile(BLOCK_N, BLOCK_D, one_tile, num_warps)
+
+
+def align(*values: int) -> int:
+    """The largest power of two, at most 16, that divides every value (0 is divisible by anything): the
+    ``ALIGN`` hint of kernels whose row strides and row length may be aligned to 8 elements without being
+    multiples of 16 (``ops/_tl.aligned``)."""
+    g = math.gcd(*values)
+    return 16 if g == 0 else min(16, g & -g)
 
 
 def _spec(a):

@@ -87,8 +87,10 @@ LONG_BWD_WARPS = {
 # fp16 10240x24576 608.0 -> 455.7, fp32 6400x20480 629.7 -> 500.7, 5120x24576 600.5 -> 464.6. Left out,
 # slower there: rms_norm without a weight (bf16 24576: 595.5 -> 632.2) or with a float32 weight on bf16 x
 # (610.5 -> 681.8), and layer_norm at 4 chunks (3-9% faster at 16384 columns, 4-10% slower at 12800).
-# Only for D a multiple of 16: rows of other lengths start unaligned and their loads are not vectorised
-# (layer_norm bf16 20000x13000: 1229 us with the two kernels, 3113 us split).
+# Only for rows (length and strides) aligned to 16 bytes: their loads are vectorised (ops/_tl.aligned).
+# Others are slower split (layer_norm bf16 20000x13000 before the ALIGN hint: 1229 us with the two kernels,
+# 3113 us split). With the hint, 16-byte aligned rows that are not multiples of 16 elements gain as much
+# (rms_norm bf16 10240x24008 611.4 -> 482.0 us, fp32 5120x24004 608.4 -> 476.5).
 LONG_BWD_SPLIT = {
     (False, 2, 2, 5): (2, 16, 1), (False, 2, 2, 6): (2, 16, 1),
     (False, 4, 4, 5): (2, 16, 1), (False, 4, 4, 6): (2, 16, 1),
@@ -151,16 +153,17 @@ def bwd_stages(t: rt.RowTile, elem_bytes: int, shared_mem: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def long_bwd_plan(
-    N: int, D: int, sms: int, centered: bool, x_itemsize: int, w_itemsize: int, acc_itemsize: int
+    N: int, D: int, sms: int, centered: bool, x_itemsize: int, w_itemsize: int, acc_itemsize: int, align: int
 ) -> LongBwdPlan | None:
-    """The one-kernel backward's plan for long rows (``w_itemsize`` 0: no weight), or None where the row-sum
-    pass + _norm_bwd_kernel serve: rows that fit one tile, fewer rows than SMs, float64 accumulators, and
-    the cases LONG_BWD_WARPS and LONG_BWD_SPLIT leave out."""
+    """The one-kernel backward's plan for long rows (``w_itemsize`` 0: no weight; ``align``: elements that
+    divide D and the row strides of x and dy, ``rt.align``), or None where the row-sum pass + _norm_bwd_kernel
+    serve: rows that fit one tile, fewer rows than SMs, float64 accumulators, and the cases LONG_BWD_WARPS
+    and LONG_BWD_SPLIT leave out."""
     nch = rt.cdiv(D, LONG_BWD_CHUNK)
     narrow_x = x_itemsize <= 2
     key = (centered, narrow_x, w_itemsize <= 2 if w_itemsize else narrow_x, nch)
     split, warps, per_sm = 1, LONG_BWD_WARPS.get(key), 1
-    if warps is None and D % 16 == 0:
+    if warps is None and align * x_itemsize >= 16:
         split, warps, per_sm = LONG_BWD_SPLIT.get((centered, x_itemsize, w_itemsize, nch), (1, None, 1))
     if D <= BWD_MAX_BLOCK_D or N < sms or acc_itemsize > 4 or warps is None:
         return None

@@ -28,7 +28,7 @@ rounded once, on store. Masked lanes load 0 and have xhat = 0, so they add nothi
 import triton
 import triton.language as tl
 
-from ._tl import round_to
+from ._tl import aligned, round_to
 
 
 @triton.jit
@@ -73,7 +73,12 @@ def _norm_bwd_rowsum_kernel(
     HAS_W: tl.constexpr,
     CENTERED: tl.constexpr,
     ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_dy_row = aligned(stride_dy_row, ALIGN)
+    D_SPLIT = aligned(D_SPLIT, ALIGN)
     # Only for rows longer than one tile: the row sums dL/dx needs, so that the main backward kernel can
     # split columns across programs. With few rows the columns are split here too; the splits' partial
     # sums are then added by column_sum.
@@ -146,7 +151,14 @@ def _norm_bwd_kernel(
     ROUND_XHAT: tl.constexpr,  # rms_norm's Llama variant: dw sums dy * xhat rounded to x's dtype
     ACC: tl.constexpr,
     STAGES: tl.constexpr,  # pipelining depth of the row loop (1: none)
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_dy_row = aligned(stride_dy_row, ALIGN)
+    stride_dx_row = aligned(stride_dx_row, ALIGN)
+    stride_dw_part = aligned(stride_dw_part, ALIGN)
+    stride_db_part = aligned(stride_db_part, ALIGN)
     # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw/db
     # partials of the program's rows stay in registers until the single store at the end.
     pid_p = tl.program_id(0).to(tl.int64)
@@ -285,7 +297,14 @@ def _norm_bwd_long_kernel(
     CENTERED: tl.constexpr,
     ROUND_XHAT: tl.constexpr,
     ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_dy_row = aligned(stride_dy_row, ALIGN)
+    stride_dx_row = aligned(stride_dx_row, ALIGN)
+    stride_dw_part = aligned(stride_dw_part, ALIGN)
+    stride_db_part = aligned(stride_db_part, ALIGN)
     # Rows too long for one register tile, but short enough for their dw/db partials to stay in registers
     # (NCH chunk accumulators per program). Each program walks its rows one at a time: a first pass over
     # the row's chunks for the row sums, a second over the same chunks for dL/dx and the partials. The

@@ -16,3 +16,18 @@ def round_to(v, dtype: tl.constexpr):
     if dtype.primitive_bitwidth == 16:
         return v.to(tl.float32).to(dtype)
     return v.to(dtype)
+
+
+@triton.jit
+def aligned(v, ALIGN: tl.constexpr):
+    """``v`` (an integer argument the host found divisible by ALIGN), with that divisibility known to the
+    compiler.
+
+    Triton specializes an integer argument only on divisibility by 16, and ``tl.multiple_of`` does not mark
+    a kernel argument. A row of 13000 bfloat16 elements starts on a 16-byte boundary, but without this the
+    row strides and the mask ``cols < D`` look unaligned and every load and store is split into 2-byte ones.
+    ``v // ALIGN * ALIGN`` equals v and carries the divisibility. ALIGN 16 is Triton's own specialization.
+    """
+    if ALIGN > 1 and ALIGN < 16:
+        v = v // ALIGN * ALIGN
+    return v

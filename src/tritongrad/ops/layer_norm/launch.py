@@ -21,16 +21,12 @@ import torch
 from ... import _pattern
 from ... import _runtime as rt
 from .. import _norm_common as nc
-from .. import _norm_kernels
-from ..column_sum import column_sum
+from .._norm_backward import norm_backward
 from . import kernels
 from .reference import layer_norm_reference
 
 _fwd_kernel = rt.Kernel(kernels._layer_norm_fwd_kernel)
-# The backward kernels are shared with rms_norm (ops/_norm_kernels.py); CENTERED adds the mean terms.
-_bwd_rowsum_kernel = rt.Kernel(_norm_kernels._norm_bwd_rowsum_kernel)
-_bwd_kernel = rt.Kernel(_norm_kernels._norm_bwd_kernel)
-_bwd_long_kernel = rt.Kernel(_norm_kernels._norm_bwd_long_kernel)
+# The backward is shared with rms_norm (ops/_norm_backward.py); centered adds the mean terms.
 
 
 def _stride(t) -> int:
@@ -54,11 +50,12 @@ def _forward(x, normalized_shape, weight, bias, eps):
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: each split's (mean, M2) first (PHASE 1), then the merge and normalisation (PHASE 2).
     part = rstd if splits == 1 else torch.empty((2, splits, N), dtype=acc, device=x.device)
+    align = rt.align(D, x2.stride(0), d_split)  # y is contiguous: its row stride is D
     for phase in (0,) if splits == 1 else (1, 2):
         _fwd_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
             x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps,
             d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-            HAS_B=b is not None, PHASE=phase, ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
+            HAS_B=b is not None, PHASE=phase, ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=t.num_warps,
         )
     return y, mean, rstd
 
@@ -66,70 +63,10 @@ def _forward(x, normalized_shape, weight, bias, eps):
 def _backward(dy, args, residuals, needs):
     x, normalized_shape, weight, bias, _eps = args
     mean, rstd = residuals
-    need_x, need_w, need_b = needs
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
-    db = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if need_b else None
-    if rt.is_fake(x) or not (need_x or need_w or need_b):
-        return dx, dw, db
-    x2 = _pattern.as_rows(x, len(normalized_shape))
-    N, D = x2.shape
-    if N == 0 or D == 0:
-        return dx, (dw.zero_() if need_w else None), (db.zero_() if need_b else None)
-    dy2 = _pattern.as_rows(dy, len(normalized_shape))  # a view for contiguous or expanded (stride 0) dy
-    w = nc.flat(weight)
-    acc = rstd.dtype
-    ACC = rt.tl_acc_dtype(acc)
-    sms = rt.sm_count(x.device)
+    # layer_norm's backward with 32- and 64-bit x steps over fewer elements (LN_BWD_TILE_32BIT).
     tile = nc.LN_BWD_TILE_32BIT if x.element_size() >= 4 else nc.BWD_TILE
-    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms, tile)
-    lp = None if t.ONE_TILE else nc.long_bwd_plan(
-        N, D, sms, True, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
-    )
-    if lp is not None:
-        chunks = lp.groups
-    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
-    part = None
-    if chunks > 1 and (need_w or need_b):
-        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
-        part = torch.empty((chunks, (need_w + need_b) * D), dtype=acc, device=x.device)
-        part_w, part_b = (part[:, :D] if need_w else None), (part[:, -D:] if need_b else None)
-    stride_pw = part_w.stride(0) if (need_w and chunks > 1) else 0
-    stride_pb = part_b.stride(0) if (need_b and chunks > 1) else 0
-    if lp is not None:
-        _bwd_long_kernel[(lp.programs,)](
-            x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, lp.rows_per_prog, lp.COLS,
-            CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT,
-            HAS_W=w is not None, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False,
-            ACC=ACC, num_warps=lp.num_warps,
-        )
-    else:
-        c = None
-        if need_x and not t.ONE_TILE:
-            c = torch.empty((2, N), dtype=acc, device=x.device)
-            splits, d_split = nc.column_split(N, D, t, sms)
-            # Column-split rows: partial [c1; c2] blocks per split, added by column_sum.
-            c_part = c if splits == 1 else torch.empty((splits, 2 * N), dtype=acc, device=x.device)
-            _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-                x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
-                dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
-                BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=True, ACC=ACC,
-                num_warps=t.num_warps,
-            )
-            if splits > 1:
-                column_sum(c_part, c.view(-1))
-        _bwd_kernel[(chunks, d_blocks)](
-            x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), c.stride(0) if c is not None else 0, D, stride_pw, stride_pb,
-            rows_per_prog, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-            HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, CENTERED=True, ROUND_XHAT=False, ACC=ACC,
-            STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device)),
-            num_warps=t.num_warps,
-        )
-    if part is not None:
-        column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
-    return dx, dw, db
+    return norm_backward(dy, x, len(normalized_shape), weight, bias, mean, rstd, needs, centered=True,
+                         round_xhat=False, tile=tile)
 
 
 def _validate(x, normalized_shape, weight, bias, eps) -> None:

@@ -49,7 +49,7 @@ row sums are additive over columns, so the split changes only the order of float
 import triton
 import triton.language as tl
 
-from .._tl import round_to
+from .._tl import aligned, round_to
 
 
 @triton.jit
@@ -90,7 +90,12 @@ def _rms_norm_fwd_kernel(
     ROUND_XHAT: tl.constexpr,
     PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
     ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_y_row = aligned(stride_y_row, ALIGN)
+    D_SPLIT = aligned(D_SPLIT, ALIGN)
     # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)

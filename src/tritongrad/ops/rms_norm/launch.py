@@ -19,16 +19,12 @@ import torch
 from ... import _pattern
 from ... import _runtime as rt
 from .. import _norm_common as nc
-from .. import _norm_kernels
-from ..column_sum import column_sum
+from .._norm_backward import norm_backward
 from . import kernels
 from .reference import default_eps, llama_rms_norm_reference, rms_norm_reference
 
 _fwd_kernel = rt.Kernel(kernels._rms_norm_fwd_kernel)
-# The backward is layer_norm's without the mean terms (ops/_norm_kernels.py, CENTERED=False).
-_bwd_rowsum_kernel = rt.Kernel(_norm_kernels._norm_bwd_rowsum_kernel)
-_bwd_kernel = rt.Kernel(_norm_kernels._norm_bwd_kernel)
-_bwd_long_kernel = rt.Kernel(_norm_kernels._norm_bwd_long_kernel)
+# The backward is layer_norm's without the mean terms (ops/_norm_backward.py, centered=False).
 
 
 def _launch_forward(x, k: int, weight, eps: float, llama: bool):
@@ -47,71 +43,19 @@ def _launch_forward(x, k: int, weight, eps: float, llama: bool):
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: partial sums of squares first (PHASE 1), then normalisation (PHASE 2).
     part = rstd if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
+    align = rt.align(D, x2.stride(0), d_split)  # y is contiguous: its row stride is D
     for phase in (0,) if splits == 1 else (1, 2):
         _fwd_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
             x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, D, eps,
             d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-            ROUND_XHAT=llama, PHASE=phase, ACC=rt.tl_acc_dtype(acc), num_warps=t.num_warps,
+            ROUND_XHAT=llama, PHASE=phase, ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=t.num_warps,
         )
     return y, rstd
 
 
 def _launch_backward(dy, x, k: int, weight, rstd, need_x: bool, need_w: bool, llama: bool):
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
-    if rt.is_fake(x) or not (need_x or need_w):
-        return dx, dw
-    x2 = _pattern.as_rows(x, k)
-    N, D = x2.shape
-    if N == 0 or D == 0:
-        return dx, (dw.zero_() if need_w else None)
-    dy2 = _pattern.as_rows(dy, k)  # a view for contiguous or expanded (stride 0) dy
-    w = nc.flat(weight)
-    acc = rstd.dtype
-    ACC = rt.tl_acc_dtype(acc)
-    sms = rt.sm_count(x.device)
-    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms)
-    lp = None if t.ONE_TILE else nc.long_bwd_plan(
-        N, D, sms, False, x.element_size(), w.element_size() if w is not None else 0, rstd.element_size()
-    )
-    if lp is not None:
-        chunks = lp.groups
-    part = None
-    if need_w:
-        part = dw.view(-1) if chunks == 1 else torch.empty((chunks, D), dtype=acc, device=x.device)
-    stride_w, stride_part = (w.stride(0) if w is not None else 0), (part.stride(0) if (need_w and chunks > 1) else 0)
-    if lp is not None:
-        _bwd_long_kernel[(lp.programs,)](
-            x2, w, dy2, None, rstd, dx, part, None, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
-            dy2.stride(1), D, stride_part, 0, lp.rows_per_prog, lp.COLS,
-            CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, HAS_W=w is not None,
-            HAS_DX=need_x, HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
-            num_warps=lp.num_warps,
-        )
-    else:
-        c = None
-        if need_x and not t.ONE_TILE:
-            c = torch.empty(N, dtype=acc, device=x.device)
-            splits, d_split = nc.column_split(N, D, t, sms)
-            c_part = c if splits == 1 else torch.empty((splits, N), dtype=acc, device=x.device)
-            _bwd_rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-                x2, w, dy2, None, rstd, c_part, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
-                dy2.stride(1), 0, d_split, c_part.stride(0) if splits > 1 else 0,
-                BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_W=w is not None, CENTERED=False, ACC=ACC,
-                num_warps=t.num_warps,
-            )
-            if splits > 1:
-                column_sum(c_part, c)
-        _bwd_kernel[(chunks, d_blocks)](
-            x2, w, dy2, None, rstd, c, dx, part, None, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
-            dy2.stride(1), 0, D, stride_part, 0, rows_per_prog,
-            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None, HAS_DX=need_x,
-            HAS_DW=need_w, HAS_DB=False, CENTERED=False, ROUND_XHAT=llama, ACC=ACC,
-            STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device)),
-            num_warps=t.num_warps,
-        )
-    if need_w and chunks > 1:
-        column_sum(part, dw.view(-1))
+    dx, dw, _ = norm_backward(dy, x, k, weight, None, None, rstd, (need_x, need_w, False), centered=False,
+                              round_xhat=llama, tile=nc.BWD_TILE)
     return dx, dw
 
 

@@ -29,7 +29,7 @@ write-only one.
 import triton
 import triton.language as tl
 
-from .._tl import round_to
+from .._tl import aligned, round_to
 
 
 @triton.jit
@@ -48,7 +48,10 @@ def _weighted_sum_fwd_kernel(
     BLOCK_D: tl.constexpr,
     STAGES: tl.constexpr,
     ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,7 +99,12 @@ def _weighted_sum_bwd_kernel(
     HAS_GW: tl.constexpr,
     STAGES: tl.constexpr,
     ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_gx_row = aligned(stride_gx_row, ALIGN)
+    stride_gw_part = aligned(stride_gw_part, ALIGN)
     # Grid: (row chunks, column blocks). A program owns ROWS_PER_PROG consecutive rows and BLOCK_D columns,
     # so its grad_w partial stays in registers for the whole chunk.
     pid_p = tl.program_id(0)

@@ -105,7 +105,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor):
     _fwd_kernel[(row_tiles, split)](
         x2, w, out, N, D, x2.stride(0), x2.stride(1), w.stride(0), out.stride(0) if split > 1 else 0,
         d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, STAGES=stages, ACC=rt.tl_acc_dtype(out_dtype),
-        num_warps=warps,
+        ALIGN=rt.align(D, x2.stride(0)), num_warps=warps,
     )
     if split > 1:
         column_sum(out, y.view(-1))
@@ -128,6 +128,7 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
     acc = rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype))
     gx2 = gx.view(N, D) if need_x else None
     fused = need_x and need_w and (N * D * elem < _SPLIT_BWD_BYTES or N < _SPLIT_BWD_ROWS)
+    align = rt.align(D, x2.stride(0))  # grad_x and the partial buffer have rows of D
     if need_w:  # grad_w's partial rows (and grad_x too when fused)
         BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages = _bwd_config(
             N, D, elem, rt.sm_count(x.device), fused
@@ -136,14 +137,14 @@ def _backward(grad_y: torch.Tensor, args, residuals, needs):
         _bwd_kernel[(chunks, d_blocks)](
             x2, w, g, gx2 if fused else None, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
             gx2.stride(0) if fused else 0, part.stride(0) if chunks > 1 else 0, rows_per_prog,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc, ALIGN=align,
             num_warps=_NUM_WARPS,
         )
     if need_x and not fused:  # the write-only pass, after the read-only one
         BLOCK_N, BLOCK_D, d_blocks, row_tiles = _gx_config(N, D, elem)
         _bwd_kernel[(row_tiles, d_blocks)](
             x2, w, g, gx2, None, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0), gx2.stride(0), 0,
-            BLOCK_N, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=True, HAS_GW=False, STAGES=1, ACC=acc,
+            BLOCK_N, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=True, HAS_GW=False, STAGES=1, ACC=acc, ALIGN=align,
             num_warps=_NUM_WARPS,
         )
     if need_w and chunks > 1:
