@@ -80,6 +80,11 @@ def params(norm, D, dtype, device="cuda"):
         ((262144, 64), torch.bfloat16, torch.bfloat16, "contiguous"),    # many short rows per program step
         ((3, 999, 3001), torch.bfloat16, torch.float32, "row-sliced"),   # odd sizes, 3-D, row stride != D
         ((2048, 2048), torch.bfloat16, torch.bfloat16, "transposed"),    # column-major x read in place
+        ((512, 13000), torch.bfloat16, torch.bfloat16, "contiguous"),    # rows of 8-element alignment (ALIGN hint):
+                                                                         # long-row backward / row-sum pass
+        ((1000, 6500), torch.float32, torch.float32, "contiguous"),      # 4-element alignment, register tiles
+        ((264, 24008), torch.bfloat16, torch.bfloat16, "contiguous"),    # rms_norm: split long-row backward on
+                                                                         # 16-byte aligned rows
     ],
     ids=str,
 )

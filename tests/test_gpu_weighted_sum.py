@@ -34,6 +34,8 @@ def eager(x, w):
         ((4, 999, 3001), "row-sliced"),   # odd sizes, 3-D, row stride != D
         ((2048, 2048), "transposed"),     # column-major x read in place
         ((64, 2**23 + 128), "contiguous"),  # more 128-column blocks than the grid's second axis holds
+        ((2048, 13000), "contiguous"),    # rows of 8-element alignment (ALIGN hint)
+        ((65536, 4100), "contiguous"),    # 4-element alignment; two-pass backward
     ],
     ids=str,
 )
