@@ -204,6 +204,16 @@ def test_rows_aligned_below_16(D, sx, want, two_pass, monkeypatch):
     assert seen - {None} == {want}  # None: column_sum
 
 
+@pytest.mark.parametrize("D,step", [(5120, 1024), (2560, 512), (3072, 4096), (5000, 8192)])
+def test_forward_steps_over_exact_chunks(D, step):
+    # A row that one power-of-two step would cover with many lanes masked (5120 in 8192) is walked in
+    # steps of a power of two dividing it; 3072 (a quarter masked) and 5000 (no divisor of 512 or more)
+    # keep the one step. 3 rows: the interpreter walks 5 steps of 1024 quickly.
+    for elem in (2, 4):
+        assert ws_launch._fwd_config(1 << 16, D, elem, 132)[1] == step
+    check(torch.randn(3, D, device=DEVICE), torch.randn(D, device=DEVICE))
+
+
 @pytest.mark.parametrize("N,D", [(64, 2**23 + 128), (1, 2**27), (2**20, 2**26)])
 def test_column_blocks_fit_the_grid(N, D):
     # Column blocks sit on the grid's second axis, which CUDA limits to 65535 blocks: the first shape needs
