@@ -206,7 +206,9 @@ def test_layer_norm_16bit_forward_tiles(D, dtype, monkeypatch):
     if entry is None:
         assert t == nc.fwd_plan(big, D, 2)
     else:
-        assert t.ONE_TILE and (t.BLOCK_N * t.BLOCK_D, t.num_warps) == entry
+        # bf16 rows that mask a quarter or more of a tile of at most 2048 lanes: twice the table's elements.
+        doubled = dtype == torch.bfloat16 and D in (300, 700, 1500)
+        assert t.ONE_TILE and (t.BLOCK_N * t.BLOCK_D, t.num_warps) == ((1 + doubled) * entry[0], entry[1])
     assert nc.fwd_plan(big, D, 2) == nc.fwd_plan(big, D, 4, torch.float32) == nc.fwd_plan(big, D, 4)
     # The launcher asks for the table with x's dtype (float32 statistics) and without it for float64 ones.
     asked = []
@@ -239,7 +241,7 @@ def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
     # 16-bit x and rms_norm keep BWD_TILE. The spy sees which tile each launcher asks for.
     asked = []
     plan = nc.bwd_plan
-    monkeypatch.setattr(nc, "bwd_plan", lambda N, D, sms, tile=nc.BWD_TILE: asked.append(tile) or plan(N, D, sms, tile))
+    monkeypatch.setattr(nc, "bwd_plan", lambda N, D, sms, tile, x_itemsize: asked.append(tile) or plan(N, D, sms, tile, x_itemsize))
     for norm, dtype in (("layer_norm", torch.float32), ("layer_norm", torch.float64), ("layer_norm", torch.bfloat16),
                         ("rms_norm", torch.float32)):
         x = torch.randn(6, 16, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -249,6 +251,40 @@ def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
         out.sum().backward()
     assert asked == [nc.LN_BWD_TILE_32BIT] * 2 + [nc.BWD_TILE] * 2 and nc.LN_BWD_TILE_32BIT < nc.BWD_TILE
     assert plan(4096, 32, 4, nc.LN_BWD_TILE_32BIT)[0].BLOCK_N < plan(4096, 32, 4)[0].BLOCK_N
+
+
+def test_layer_norm_float32_forward_warps_for_masked_8192_tiles():
+    # float32 rows in a tile of 8192 lanes with a quarter or more masked: 8 warps for layer_norm's two
+    # reductions (LN_FWD_MASKED_FP32_WARPS); a full or nearly full tile, and rms_norm, keep row_tile's 16.
+    big = 1 << 20
+    for D, warps in ((5120, 8), (6144, 8), (7168, 16), (8192, 16)):
+        assert nc.fwd_plan(big, D, 4, torch.float32).num_warps == warps
+        assert nc.fwd_plan(big, D, 4).num_warps == 16
+
+
+def test_backward_of_masked_16bit_rows_pipelines_deeper(monkeypatch):
+    # Whole 16-bit rows that mask a quarter or more of their tile (5120 in 8192, 2560 in 4096, 1536 in
+    # 2048) take programs of at most 8 warps and one pipelining stage more; an eighth masked (7168), full
+    # tiles, float32 and tiles under 2048 columns keep the plan (BWD_MASKED_16BIT).
+    h200 = 228 * 1024
+    for D in (5120, 6144, 2560, 1536, 1280, 3072):
+        t = nc.bwd_plan(65536, D, 132, nc.BWD_TILE, 2)[0]
+        assert nc.masked_16bit(t, D, 2) and t.num_warps <= nc.BWD_MASKED_16BIT[0]
+        assert nc.bwd_stages(t, 4, h200, nc.BWD_MASKED_16BIT[1]) == nc.BWD_MASKED_16BIT[1] == nc.BWD_STAGES + 1
+    assert nc.bwd_plan(65536, 5120, 132, nc.BWD_TILE, 4)[0].num_warps == 16     # float32: as before
+    for D, elem in ((4096, 2), (8192, 2), (7168, 2), (3584, 2), (5120, 4), (1000, 2)):
+        t = nc.bwd_plan(65536, D, 132, nc.BWD_TILE, elem)[0]
+        assert not nc.masked_16bit(t, D, elem) and t == nc.bwd_plan(65536, D, 132, nc.BWD_TILE, 4)[0]
+    # The launcher asks for that depth: the spy sees STAGES of the main backward kernel.
+    seen = []
+    launch = rt.Kernel._launch
+    monkeypatch.setattr(rt.Kernel, "_launch", lambda self, grid, *a, **kw: seen.append(kw.get("STAGES")) or
+                        launch(self, grid, *a, **kw))
+    monkeypatch.setattr(rt, "shared_mem_per_sm", lambda device: h200)
+    for D in (2560, 2048):
+        x = torch.randn(3, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        tritongrad.rms_norm(x, (D,)).sum().backward()
+    assert [s for s in seen if s is not None] == [nc.BWD_MASKED_16BIT[1], nc.BWD_STAGES]
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["column-split", "whole-rows"])

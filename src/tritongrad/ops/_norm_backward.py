@@ -48,7 +48,7 @@ def norm_backward(dy, x, k: int, weight, bias, mean, rstd, needs, centered: bool
     acc = rstd.dtype
     ACC = rt.tl_acc_dtype(acc)
     sms = rt.sm_count(x.device)
-    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms, tile)
+    t, d_blocks, chunks, rows_per_prog = nc.bwd_plan(N, D, sms, tile, x.element_size())
     # dx is contiguous (row stride D); the dw/db partial rows are D or 2D apart.
     align = rt.align(D, x2.stride(0), dy2.stride(0))
     lp = None if t.ONE_TILE else nc.long_bwd_plan(
@@ -66,6 +66,7 @@ def norm_backward(dy, x, k: int, weight, bias, mean, rstd, needs, centered: bool
     stride_pw = part_w.stride(0) if (need_w and chunks > 1) else 0
     stride_pb = part_b.stride(0) if (need_b and chunks > 1) else 0
     align = rt.align(align, stride_pw, stride_pb)
+    depth = nc.BWD_MASKED_16BIT[1] if nc.masked_16bit(t, D, x.element_size()) else nc.BWD_STAGES
     flags = dict(HAS_W=w is not None, CENTERED=centered, ACC=ACC, ALIGN=align)
     if lp is not None:
         _long_kernel[(lp.programs,)](
@@ -95,7 +96,7 @@ def norm_backward(dy, x, k: int, weight, bias, mean, rstd, needs, centered: bool
             dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, rows_per_prog,
             BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_DX=need_x, HAS_DW=need_w,
             HAS_DB=need_b, ROUND_XHAT=round_xhat,
-            STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device)),
+            STAGES=nc.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device), depth),
             num_warps=t.num_warps, **flags,
         )
     if part is not None:

@@ -48,6 +48,15 @@ LN_FWD_16BIT = {
     torch.bfloat16: _LN_FWD_BF16,
     torch.float16: {d: _LN_FWD_BF16[d] for d in (256, 1024, 4096)},
 }
+# layer_norm's forward over rows that leave a quarter or more of their tile's lanes masked (D at most 3/4 of
+# its power of two). bf16 rows of up to 2048 columns: twice the elements per program of _LN_FWD_BF16
+# (H200, x of 256 MB, forward launcher: 1536 columns 152.8 -> 134.1 us, 1280 171.0 -> 150.3, 768 162.1 ->
+# 145.5; 2560 and 3072, in tiles of 4096, gained at most 3% from any rows/warps tried and keep the table).
+# float32 rows in a tile of 8192: 8 warps instead of 16 (5120 158.3 -> 132.7, 6144 144.3 -> 134.0; a full
+# 8192 keeps 16: 133.0 against 134.9). rms_norm's one reduction was level with either (5120 float32: 131.1
+# against 132.6).
+LN_FWD_MASKED_BF16_MAX_D = 2048
+LN_FWD_MASKED_FP32_WARPS = 8
 # Backward programs per SM (each loops over its chunk of rows); also bounds the height of the dw/db
 # partial buffers. Measured on an H200 at bf16: 2 for tiles of <= 8 warps (32768x4096: 1 -> 70%, 2 -> 88%
 # of copy bandwidth, RMSNorm), 1 for 16-warp tiles (16384x8192: 83% -> 89%), whose registers fill an SM.
@@ -60,6 +69,17 @@ BWD_PROGS_PER_SM_WIDE = 1
 # rms_norm fp32 1048576x128 426.4 -> 407.0. 2 was up to 39% slower in 16-bit, 4 no better than 3.
 # Lowered where the tiles would not fit the programs of an SM.
 BWD_STAGES = 3
+# The backward over whole rows of 16-bit x with a quarter or more of the tile's lanes masked (D at most 3/4
+# of the power of two of its tile, tiles of 2048-8192 columns): the pipeline copies whole tiles, masked lanes
+# zero-filled, so a stage carries only D / BLOCK_D useful bytes. One stage more, and programs of at most 8
+# warps (two per SM). Measured on an H200 (bf16, x of 256 MB, backward launcher, device time;
+# benchmarks/NOTES.md, tenth session), rms_norm / layer_norm: 5120 columns 237.2 -> 209.4 / 249.5 -> 221.8
+# us, 2560 222.7 -> 206.0 / 240.2 -> 224.6, 1280 228.7 -> 204.9 / 257.4 -> 256.5, 6144 220.9 -> 209.6 /
+# 232.3 -> 212.1, 3072 209.0 -> 209.7 / 218.7 -> 211.3, 1536 211.1 -> 211.5 / 225.5 -> 220.0. Rows with an
+# eighth masked were 1-2% slower with it (7168: 208.4 -> 211.1 / 216.9 -> 217.6, 3584: 207.4 -> 211.4 /
+# 210.9 -> 213.8), full tiles too (4096: 211.5 -> 212.2 / 213.3 -> 216.7), and float32 gains nothing
+# (5120: 206.9 -> 208.8 / 210.3 -> 212.6).
+BWD_MASKED_16BIT = (8, 4)  # (most warps, pipelining depth)
 # Rows walked in chunks, but fewer row tiles than SMs (e.g. 16 x 1M): the row passes (forward statistics,
 # normalisation, the backward's row sums) also split the columns, for about this many programs per SM.
 SPLIT_PROGS_PER_SM = 4
@@ -112,25 +132,40 @@ class LongBwdPlan(NamedTuple):
 def fwd_plan(N: int, D: int, itemsize: int = 4, ln_dtype: torch.dtype | None = None) -> rt.RowTile:
     """Forward: one program per BLOCK_N rows (``itemsize``: bytes per element of x). ``ln_dtype``: x's dtype
     for layer_norm with float32 statistics (LN_FWD_16BIT), else None."""
-    ln16 = LN_FWD_16BIT.get(ln_dtype, {}).get(rt.next_pow2(D))
+    p2 = rt.next_pow2(D)
+    masked = 4 * D <= 3 * p2
+    ln16 = LN_FWD_16BIT.get(ln_dtype, {}).get(p2)
     if ln16 is not None:
-        t = rt.row_tile(N, D, FWD_MAX_BLOCK_D, CHUNK_D, ln16[0])
+        tile = ln16[0]
+        if masked and ln_dtype == torch.bfloat16 and p2 <= LN_FWD_MASKED_BF16_MAX_D:
+            tile *= 2
+        t = rt.row_tile(N, D, FWD_MAX_BLOCK_D, CHUNK_D, tile)
         return t._replace(num_warps=min(t.num_warps, ln16[1]))  # no more warps than a small tile has rows for
     t = rt.row_tile(N, D, FWD_MAX_BLOCK_D, CHUNK_D, FWD_TILE)
+    if ln_dtype == torch.float32 and masked and t.ONE_TILE and t.BLOCK_D == 8192:
+        return t._replace(num_warps=LN_FWD_MASKED_FP32_WARPS)
     if t.ONE_TILE and itemsize <= 2 and t.num_warps > FWD_WARPS_WIDE_16BIT:
         t = t._replace(num_warps=FWD_WARPS_WIDE_16BIT)
     return t
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_plan(N: int, D: int, sms: int, tile: int = BWD_TILE) -> tuple[rt.RowTile, int, int, int]:
+def bwd_plan(N: int, D: int, sms: int, tile: int = BWD_TILE, x_itemsize: int = 4) -> tuple[rt.RowTile, int, int, int]:
     """Backward: ``(tile, column blocks, row chunks, rows per program)``; grid (row chunks, column blocks),
     each program reducing its contiguous rows into one row of the partial buffers. ``tile``: elements a
-    program handles per step when rows are short."""
+    program handles per step when rows are short; ``x_itemsize``: bytes per element of x."""
     t = rt.row_tile(N, D, BWD_MAX_BLOCK_D, CHUNK_D, tile)
+    if masked_16bit(t, D, x_itemsize):
+        t = t._replace(num_warps=min(t.num_warps, BWD_MASKED_16BIT[0]))
     d_blocks = rt.cdiv(D, t.BLOCK_D)
     chunks, rows_per_prog = rt.row_split(N, t.BLOCK_N, sms, d_blocks, bwd_per_sm(t))
     return t, d_blocks, chunks, rows_per_prog
+
+
+def masked_16bit(t: rt.RowTile, D: int, x_itemsize: int) -> bool:
+    """Whole rows of 16-bit x in a tile of 2048 or more columns, a quarter or more of them masked
+    (BWD_MASKED_16BIT)."""
+    return x_itemsize <= 2 and t.ONE_TILE and t.BLOCK_D >= 2048 and 4 * D <= 3 * t.BLOCK_D
 
 
 def bwd_per_sm(t: rt.RowTile) -> int:
@@ -139,13 +174,14 @@ def bwd_per_sm(t: rt.RowTile) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_stages(t: rt.RowTile, elem_bytes: int, shared_mem: int) -> int:
-    """Pipelining depth of the backward's row loop: BWD_STAGES, or less where STAGES - 1 tiles of x and dy
-    (``elem_bytes`` per column: x's element size plus dy's) for each resident program would not fit the
-    SM's ``shared_mem`` bytes (2 KiB per program kept for the row reductions)."""
+def bwd_stages(t: rt.RowTile, elem_bytes: int, shared_mem: int, depth: int = BWD_STAGES) -> int:
+    """Pipelining depth of the backward's row loop: ``depth`` (BWD_STAGES, or BWD_MASKED_16BIT's), or less
+    where STAGES - 1 tiles of x and dy (``elem_bytes`` per column: x's element size plus dy's) for each
+    resident program would not fit the SM's ``shared_mem`` bytes (2 KiB per program kept for the row
+    reductions)."""
     per_prog = shared_mem // bwd_per_sm(t) - 2048
     tile = t.BLOCK_N * t.BLOCK_D * elem_bytes
-    stages = BWD_STAGES
+    stages = depth
     while stages > 1 and (stages - 1) * tile > per_prog:
         stages -= 1
     return stages
