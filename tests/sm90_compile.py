@@ -35,7 +35,10 @@ _seen: set = set()
 _failures: list = []
 _want_vectors = [False]  # the current case's rows are 8-element aligned: every row kernel must vectorise
 # A vector load from global memory: ld.global.v2/v4/v8, or an asynchronous copy of 8 or 16 bytes.
-_VECTOR_LOAD = re.compile(r"ld\.global[\w:.]*\.v[248]\.|cp\.async\.c[ag]\.shared\.global[\w:.]* \[[^\]]*\], \[[^\]]*\], (0x8|0x10)")
+_VECTOR_LOAD = re.compile(
+    r"ld\.global[\w:.]*\.v[248]\."
+    r"|cp\.async\.c[ag]\.shared\.global[\w:.]* \[[^\]]*\], \[[^\]]*\], (0x8|0x10)"
+)
 _RESOURCES = "--resources" in sys.argv
 
 
@@ -81,7 +84,8 @@ def _compile(self, grid, *args, num_warps=4, **constexprs):
             options={"num_warps": num_warps},
         )
         # column_sum's partial rows are L2-resident and unhinted: not a row kernel.
-        if _want_vectors[0] and self.fn.__name__ != "_column_sum_kernel" and not _VECTOR_LOAD.search(compiled.asm["ptx"]):
+        row_kernel = self.fn.__name__ != "_column_sum_kernel"
+        if _want_vectors[0] and row_kernel and not _VECTOR_LOAD.search(compiled.asm["ptx"]):
             _failures.append(f"{self.fn.__name__} {constants}: no vector load for 8-element aligned rows")
         if _RESOURCES:
             shown = {k: v for k, v in constants.items() if k.isupper()}

@@ -241,7 +241,8 @@ def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
     # 16-bit x and rms_norm keep BWD_TILE. The spy sees which tile each launcher asks for.
     asked = []
     plan = nc.bwd_plan
-    monkeypatch.setattr(nc, "bwd_plan", lambda N, D, sms, tile, x_itemsize: asked.append(tile) or plan(N, D, sms, tile, x_itemsize))
+    monkeypatch.setattr(nc, "bwd_plan",
+                        lambda N, D, sms, tile, itemsize: asked.append(tile) or plan(N, D, sms, tile, itemsize))
     for norm, dtype in (("layer_norm", torch.float32), ("layer_norm", torch.float64), ("layer_norm", torch.bfloat16),
                         ("rms_norm", torch.float32)):
         x = torch.randn(6, 16, device=DEVICE, dtype=dtype, requires_grad=True)

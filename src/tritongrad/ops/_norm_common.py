@@ -150,7 +150,9 @@ def fwd_plan(N: int, D: int, itemsize: int = 4, ln_dtype: torch.dtype | None = N
 
 
 @functools.lru_cache(maxsize=1024)
-def bwd_plan(N: int, D: int, sms: int, tile: int = BWD_TILE, x_itemsize: int = 4) -> tuple[rt.RowTile, int, int, int]:
+def bwd_plan(
+    N: int, D: int, sms: int, tile: int = BWD_TILE, x_itemsize: int = 4
+) -> tuple[rt.RowTile, int, int, int]:
     """Backward: ``(tile, column blocks, row chunks, rows per program)``; grid (row chunks, column blocks),
     each program reducing its contiguous rows into one row of the partial buffers. ``tile``: elements a
     program handles per step when rows are short; ``x_itemsize``: bytes per element of x."""
