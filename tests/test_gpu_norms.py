@@ -85,6 +85,10 @@ def params(norm, D, dtype, device="cuda"):
         ((1000, 6500), torch.float32, torch.float32, "contiguous"),      # 4-element alignment, register tiles
         ((264, 24008), torch.bfloat16, torch.bfloat16, "contiguous"),    # rms_norm: split long-row backward on
                                                                          # 16-byte aligned rows
+        ((3000, 1536), torch.bfloat16, torch.bfloat16, "contiguous"),    # a quarter of the tile masked: deeper
+                                                                         # backward pipeline, layer_norm fwd tiles
+        ((2000, 5120), torch.float32, torch.float32, "contiguous"),      # layer_norm fwd: 8 warps, tile of 8192
+        ((2000, 5120), torch.bfloat16, torch.float32, "contiguous"),     # the same, mixed, 16-bit backward
     ],
     ids=str,
 )
