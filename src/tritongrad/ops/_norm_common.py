@@ -72,7 +72,8 @@ BWD_STAGES = 3
 # The backward over whole rows of 16-bit x with a quarter or more of the tile's lanes masked (D at most 3/4
 # of the power of two of its tile, tiles of 2048-8192 columns): the pipeline copies whole tiles, masked lanes
 # zero-filled, so a stage carries only D / BLOCK_D useful bytes. One stage more, and programs of at most 8
-# warps (two per SM). Measured on an H200 (bf16, x of 256 MB, backward launcher, device time;
+# warps (a grid of two per SM; at 8192 columns their ~200 registers a thread leave one resident at a time,
+# read from the sm_90 cubin). Measured on an H200 (bf16, x of 256 MB, backward launcher, device time;
 # benchmarks/NOTES.md, tenth session), rms_norm / layer_norm: 5120 columns 237.2 -> 209.4 / 249.5 -> 221.8
 # us, 2560 222.7 -> 206.0 / 240.2 -> 224.6, 1280 228.7 -> 204.9 / 257.4 -> 256.5, 6144 220.9 -> 209.6 /
 # 232.3 -> 212.1, 3072 209.0 -> 209.7 / 218.7 -> 211.3, 1536 211.1 -> 211.5 / 225.5 -> 220.0. Rows with an
