@@ -32,6 +32,13 @@ from ._tl import aligned, round_to
 
 
 @triton.jit
+def _aligned_rows(D, sx, sdy, sdx, sdw, sdb, ALIGN: tl.constexpr):
+    # The row length and the row strides of x, dy, dx and the dw/db partial buffers, hinted (ops/_tl.aligned).
+    return (aligned(D, ALIGN), aligned(sx, ALIGN), aligned(sdy, ALIGN), aligned(sdx, ALIGN), aligned(sdw, ALIGN),
+            aligned(sdb, ALIGN))
+
+
+@triton.jit
 def _add_pair(a1, a2, b1, b2):
     return a1 + b1, a2 + b2
 
@@ -153,12 +160,8 @@ def _norm_bwd_kernel(
     STAGES: tl.constexpr,  # pipelining depth of the row loop (1: none)
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
-    D = aligned(D, ALIGN)
-    stride_x_row = aligned(stride_x_row, ALIGN)
-    stride_dy_row = aligned(stride_dy_row, ALIGN)
-    stride_dx_row = aligned(stride_dx_row, ALIGN)
-    stride_dw_part = aligned(stride_dw_part, ALIGN)
-    stride_db_part = aligned(stride_db_part, ALIGN)
+    D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part = _aligned_rows(
+        D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part, ALIGN)
     # Grid: (row chunks, column blocks). One pass: x and dy are read once, dx written once, and the dw/db
     # partials of the program's rows stay in registers until the single store at the end.
     pid_p = tl.program_id(0).to(tl.int64)
@@ -299,12 +302,8 @@ def _norm_bwd_long_kernel(
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
-    D = aligned(D, ALIGN)
-    stride_x_row = aligned(stride_x_row, ALIGN)
-    stride_dy_row = aligned(stride_dy_row, ALIGN)
-    stride_dx_row = aligned(stride_dx_row, ALIGN)
-    stride_dw_part = aligned(stride_dw_part, ALIGN)
-    stride_db_part = aligned(stride_db_part, ALIGN)
+    D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part = _aligned_rows(
+        D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part, ALIGN)
     # Rows too long for one register tile, but short enough for their dw/db partials to stay in registers
     # (NCH chunk accumulators per program). Each program walks its rows one at a time: a first pass over
     # the row's chunks for the row sums, a second over the same chunks for dL/dx and the partials. The
