@@ -132,5 +132,7 @@ if __name__ == "__main__":
              (bf, bf, 300, 12288), (f32, f32, 300, 16384), (bf, f32, 200, 10000), (bf, f32, 200, 16384),
              # 8-element aligned rows, not 16 (vector loads asserted): rows in registers, 3 chunks (the
              # long-row backward), 5 chunks (row-sum pass and column blocks); float32 and bfloat16.
-             (bf, bf, 4096, 1000), (bf, bf, 300, 13000), (f32, f32, 300, 13000), (bf, bf, 300, 20008)]
+             (bf, bf, 4096, 1000), (bf, bf, 300, 13000), (f32, f32, 300, 13000), (bf, bf, 300, 20008),
+             # the norms' parted forward: 7 power-of-two chunks in three parts, mixed (12288 above: 3 chunks)
+             (bf, f32, 64, 7168)]
     sys.exit(main(cases))

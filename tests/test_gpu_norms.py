@@ -85,10 +85,12 @@ def params(norm, D, dtype, device="cuda"):
         ((1000, 6500), torch.float32, torch.float32, "contiguous"),      # 4-element alignment, register tiles
         ((264, 24008), torch.bfloat16, torch.bfloat16, "contiguous"),    # rms_norm: split long-row backward on
                                                                          # 16-byte aligned rows
-        ((3000, 1536), torch.bfloat16, torch.bfloat16, "contiguous"),    # a quarter of the tile masked: deeper
-                                                                         # backward pipeline, layer_norm fwd tiles
-        ((2000, 5120), torch.float32, torch.float32, "contiguous"),      # layer_norm fwd: 8 warps, tile of 8192
+        ((3000, 1536), torch.bfloat16, torch.bfloat16, "contiguous"),    # fwd: 3 chunks of 512 in parts; bwd: a
+                                                                         # quarter of the tile masked, deeper pipeline
+        ((2000, 5120), torch.float32, torch.float32, "contiguous"),      # fwd: 5 chunks of 1024 in parts, 8 warps
         ((2000, 5120), torch.bfloat16, torch.float32, "contiguous"),     # the same, mixed, 16-bit backward
+        ((1000, 7168), torch.bfloat16, torch.bfloat16, "row-sliced"),    # fwd: 7 chunks in 3 parts, unaligned rows
+        ((700, 5000), torch.float32, torch.float32, "contiguous"),       # layer_norm fwd: 8 warps, tile of 8192
     ],
     ids=str,
 )

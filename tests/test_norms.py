@@ -257,10 +257,58 @@ def test_layer_norm_backward_tile_for_32bit_rows(monkeypatch):
 def test_layer_norm_float32_forward_warps_for_masked_8192_tiles():
     # float32 rows in a tile of 8192 lanes with a quarter or more masked: 8 warps for layer_norm's two
     # reductions (LN_FWD_MASKED_FP32_WARPS); a full or nearly full tile, and rms_norm, keep row_tile's 16.
+    # (5120 and 6144 themselves take the parted forward: test_forward_parts_plan.)
     big = 1 << 20
-    for D, warps in ((5120, 8), (6144, 8), (7168, 16), (8192, 16)):
+    for D, warps in ((5000, 8), (6000, 8), (7000, 16), (8192, 16)):
         assert nc.fwd_plan(big, D, 4, torch.float32).num_warps == warps
         assert nc.fwd_plan(big, D, 4).num_warps == 16
+
+
+def test_forward_parts_plan():
+    # Rows of 3, 5 or 7 power-of-two chunks, up to FWD_MAX_BLOCK_D, take the parted forward, with warps that
+    # give each thread one 16-byte vector of every chunk (16-bit rows: at most 8 warps).
+    assert nc.fwd_parts(5120, 2) == (1024, 5, 4, 4) and nc.fwd_parts(5120, 4) == (1024, 5, 4, 8)
+    assert nc.fwd_parts(1536, 2) == (512, 3, 2, 2) and nc.fwd_parts(7168, 2) == (1024, 7, 4, 4)
+    assert nc.fwd_parts(12288, 2) == (4096, 3, 2, 8) and nc.fwd_parts(12288, 4) == (4096, 3, 2, 16)
+    # A power of two, 9 chunks, chunks of 8 columns, a row longer than one tile, a chunk narrower than a
+    # 16-byte vector per thread of one warp: the tile plans.
+    for D, elem in ((4096, 2), (9216, 2), (13000, 2), (20480, 2), (24, 4), (384, 2)):
+        assert nc.fwd_parts(D, elem) is None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "row-sliced", "transposed"])
+@pytest.mark.parametrize(
+    "D,dtype,wdtype",
+    [
+        (384, torch.float32, torch.float32),    # 3 chunks of 128: parts of 2 and 1 chunks
+        (640, torch.float64, torch.float64),    # 5 chunks of 128, float64 statistics: parts of 4 and 1
+        (1280, torch.bfloat16, torch.bfloat16),  # 5 chunks of 256, 16-bit
+        (1792, torch.float16, torch.float32),   # 7 chunks of 256: parts of 4, 2 and 1; float32 parameters
+        (896, torch.float32, None),             # 7 chunks of 128, no weight or bias
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("norm", NORMS)
+def test_forward_in_parts(norm, D, dtype, wdtype, layout, monkeypatch):
+    # The parted forward (ops/_norm_forward.py) on every layout (row-sliced: ALIGN 1; transposed: column
+    # stride N), with a constant row and a zero row among random ones, then the backward from its outputs.
+    seen = set()
+    launch = rt.Kernel._launch
+    monkeypatch.setattr(rt.Kernel, "_launch", lambda self, *a, **kw: seen.add(self.fn.__name__) or launch(self, *a, **kw))
+    x = make_rows((6, D), dtype, DEVICE, layout, scale=2.0)
+    if norm == "layer_norm":
+        x.add_(3)
+    x[1] = 0.7
+    x[2] = 0.0
+    w, b = params(norm, (D,), wdtype) if wdtype is not None else (None, None)
+    check(norm, x, (D,), w, b)
+    assert "_norm_fwd_parts_kernel" in seen and f"_{norm}_fwd_kernel" not in seen
+    y = tritongrad.rms_norm(x, (D,), w) if norm == "rms_norm" else tritongrad.layer_norm(x, (D,), w, b)
+    if norm == "rms_norm":
+        assert (y[2] == 0).all()
+    else:  # x - mean is exactly 0 on a constant row
+        want = (b if b is not None else torch.zeros(D, device=DEVICE)).to(y.dtype)
+        torch.testing.assert_close(y[1], want, atol=0, rtol=0)
 
 
 def test_backward_of_masked_16bit_rows_pipelines_deeper(monkeypatch):
@@ -812,9 +860,11 @@ def test_patch_module_itself():
 def test_llama_rms_norm_semantics():
     # Hugging Face's LlamaRMSNorm: normalise in float32, round to x's dtype, then weight * that; the
     # output dtype is promoted with the weight's (float32 weight and bfloat16 x give float32).
-    for xdt, wdt in ((torch.float16, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
-        x = torch.randn(6, 40, device=DEVICE).to(xdt).requires_grad_()
-        w = (1 + 0.3 * torch.randn(40, device=DEVICE)).to(wdt).requires_grad_()
+    # 1280 columns: the parted forward (5 chunks of 256).
+    combos = ((torch.float16, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32))
+    for D, (xdt, wdt) in [(D, c) for D in (40, 1280) for c in combos]:
+        x = torch.randn(6, D, device=DEVICE).to(xdt).requires_grad_()
+        w = (1 + 0.3 * torch.randn(D, device=DEVICE)).to(wdt).requires_grad_()
         y = llama_rms_norm(x, w, 1e-6)
         want = llama_rms_norm_reference(x, w, 1e-6)
         assert y.dtype == want.dtype == torch.promote_types(xdt, wdt)

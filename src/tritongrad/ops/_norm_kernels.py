@@ -1,4 +1,5 @@
-r"""The backward kernels of both norms: layer_norm's, and rms_norm's as its special case.
+r"""The kernels both norms share: the backward (layer_norm's, and rms_norm's as its special case), and the
+forward over rows of 3, 5 or 7 power-of-two chunks (``_norm_fwd_parts_kernel``, at the end).
 
 With xhat the normalised input, g = dy * w the gradient reaching it (g = dy without a weight), r = rstd
 and D the row length (derivations in ops/layer_norm/kernels.py and ops/rms_norm/kernels.py):
@@ -376,3 +377,97 @@ def _long_store_part(p, D, a0, a1, a2, a3, CHUNK: tl.constexpr, NCH: tl.constexp
         tl.store(p + 2 * CHUNK + o_d, round_to(a2, ty), mask=2 * CHUNK + o_d < D)
     if NCH > 3:
         tl.store(p + 3 * CHUNK + o_d, round_to(a3, ty), mask=3 * CHUNK + o_d < D)
+
+
+@triton.jit
+def _parts_offsets(c0, R: tl.constexpr, CHUNK: tl.constexpr):
+    # Columns of chunks c0 .. c0 + R - 1 of a row as an [R, CHUNK] tile, one chunk per tile row.
+    return (c0 + tl.arange(0, R))[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+
+
+@triton.jit
+def _parts_load(x_row, stride_x_col, c0, R: tl.constexpr, CHUNK: tl.constexpr, ACC: tl.constexpr):
+    return tl.load(x_row + _parts_offsets(c0, R, CHUNK).to(tl.int64) * stride_x_col).to(ACC)
+
+
+@triton.jit
+def _parts_store(y_row, w_ptr, b_ptr, b_xhat, c0, stride_w, stride_b, R: tl.constexpr, CHUNK: tl.constexpr,
+                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr,
+                 ACC: tl.constexpr):
+    # y = xhat * w + b over one part of the row (w, b optional), rounded once on store.
+    o = _parts_offsets(c0, R, CHUNK)
+    if ROUND_XHAT:
+        b_xhat = round_to(b_xhat, X_DTYPE).to(ACC)
+    if HAS_W:
+        b_xhat = b_xhat * tl.load(w_ptr + o * stride_w).to(ACC)
+    if HAS_B:
+        b_xhat = b_xhat + tl.load(b_ptr + o * stride_b).to(ACC)
+    tl.store(y_row + o, round_to(b_xhat, y_row.dtype.element_ty))
+
+
+@triton.jit
+def _norm_fwd_parts_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,  # None unless HAS_B
+    y_ptr,  # [N, D], unit column stride
+    mean_ptr,  # [N], ACC; None unless CENTERED
+    rstd_ptr,  # [N], ACC
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_b,
+    stride_y_row,
+    eps,
+    CHUNK: tl.constexpr,  # a power of two
+    NCH: tl.constexpr,  # 3, 5 or 7: D = NCH * CHUNK
+    PART_A: tl.constexpr,  # chunks in the first part: 2 for NCH = 3, else 4 (then 2 more for NCH = 7, then 1)
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    CENTERED: tl.constexpr,  # layer_norm: subtract the mean (and save it)
+    ROUND_XHAT: tl.constexpr,
+    ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides the row strides (ops/_tl.aligned)
+):
+    # The forward of either norm over one row per program, for rows of an odd number of power-of-two chunks
+    # (5120 = 5 x 1024). One register tile of next_pow2(D) lanes would leave 3/8 of them masked there, and
+    # the masked lanes take registers too (layer_norm bf16 at 5120: 80 a thread, three programs per SM).
+    # Here the row is held in two or three parts of 4, 2 and 1 chunks, [R, CHUNK] tiles that lay out the
+    # columns alike (each thread holds the same columns of every chunk), so no lane is masked; the parts are
+    # summed lane-wise first, then reduced across the program once per statistic, as one tile would be.
+    D: tl.constexpr = NCH * CHUNK
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_y_row = aligned(stride_y_row, ALIGN)
+    X_DTYPE = x_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x_row
+    y_row = y_ptr + row * stride_y_row
+    C_LAST: tl.constexpr = NCH - 1
+    xa = _parts_load(x_row, stride_x_col, 0, PART_A, CHUNK, ACC)
+    xc = _parts_load(x_row, stride_x_col, C_LAST, 1, CHUNK, ACC)
+    xb = xc  # the middle part, only for NCH = 7
+    if NCH == 7:
+        xb = _parts_load(x_row, stride_x_col, PART_A, 2, CHUNK, ACC)
+    if CENTERED:
+        # Statistics of x - K, K the row's first element (shifted data, as layer_norm's own kernel).
+        b_k = tl.load(x_row).to(ACC)
+        xa, xb, xc = xa - b_k, xb - b_k, xc - b_k
+        s = tl.sum(xa, axis=0) + tl.sum(xc, axis=0)
+        if NCH == 7:
+            s += tl.sum(xb, axis=0)
+        b_mean = tl.sum(s, axis=0) / D
+        xa, xb, xc = xa - b_mean, xb - b_mean, xc - b_mean
+    q = tl.sum(xa * xa, axis=0) + tl.sum(xc * xc, axis=0)
+    if NCH == 7:
+        q += tl.sum(xb * xb, axis=0)
+    b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + eps)
+    _parts_store(y_row, w_ptr, b_ptr, xa * b_rstd, 0, stride_w, stride_b, PART_A, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+                 X_DTYPE, ACC)
+    if NCH == 7:
+        _parts_store(y_row, w_ptr, b_ptr, xb * b_rstd, PART_A, stride_w, stride_b, 2, CHUNK, HAS_W, HAS_B,
+                     ROUND_XHAT, X_DTYPE, ACC)
+    _parts_store(y_row, w_ptr, b_ptr, xc * b_rstd, C_LAST, stride_w, stride_b, 1, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+                 X_DTYPE, ACC)
+    if CENTERED:
+        tl.store(mean_ptr + row, b_mean + b_k)
+    tl.store(rstd_ptr + row, b_rstd)

@@ -22,6 +22,7 @@ from ... import _pattern
 from ... import _runtime as rt
 from .. import _norm_common as nc
 from .._norm_backward import norm_backward
+from .._norm_forward import forward_parts
 from . import kernels
 from .reference import layer_norm_reference
 
@@ -46,6 +47,10 @@ def _forward(x, normalized_shape, weight, bias, eps):
     if N == 0 or D == 0:
         return y, mean.fill_(0.0), rstd.fill_(0.0)
     w, b = nc.flat(weight), nc.flat(bias)
+    parts = nc.fwd_parts(D, x.element_size())
+    if parts is not None:  # rows of 3, 5 or 7 power-of-two chunks
+        forward_parts(x2, w, b, y, mean, rstd, eps, parts, centered=True, round_xhat=False, acc=acc)
+        return y, mean, rstd
     t = nc.fwd_plan(N, D, x.element_size(), x.dtype if acc == torch.float32 else None)
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: each split's (mean, M2) first (PHASE 1), then the merge and normalisation (PHASE 2).

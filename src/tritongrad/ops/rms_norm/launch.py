@@ -20,6 +20,7 @@ from ... import _pattern
 from ... import _runtime as rt
 from .. import _norm_common as nc
 from .._norm_backward import norm_backward
+from .._norm_forward import forward_parts
 from . import kernels
 from .reference import default_eps, llama_rms_norm_reference, rms_norm_reference
 
@@ -39,6 +40,10 @@ def _launch_forward(x, k: int, weight, eps: float, llama: bool):
     if N == 0 or D == 0:
         return y, rstd.fill_(0.0)
     w = nc.flat(weight)
+    parts = nc.fwd_parts(D, x.element_size())
+    if parts is not None:  # rows of 3, 5 or 7 power-of-two chunks
+        forward_parts(x2, w, None, y, None, rstd, eps, parts, centered=False, round_xhat=llama, acc=acc)
+        return y, rstd
     t = nc.fwd_plan(N, D, x.element_size())
     splits, d_split = nc.column_split(N, D, t, rt.sm_count(x.device))
     # Column-split rows: partial sums of squares first (PHASE 1), then normalisation (PHASE 2).
