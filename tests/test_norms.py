@@ -575,11 +575,12 @@ def test_weight_bias_none(norm, has_w, has_b):
 
 
 @pytest.mark.parametrize("path", ["registers", "small_tiles", "long_rows"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("norm", NORMS)
 def test_zero_variance_rows(norm, dtype, path, request):
     # Constant rows (a mean that is not exactly representable, so the deviations are rounding noise) and
-    # all-zero rows: outputs and gradients finite and as accurate as eager PyTorch's.
+    # all-zero rows: outputs and gradients finite and as accurate as eager PyTorch's. In float64 their
+    # r = 1/sqrt(eps) shows an eps rounded to float32, Triton's type for a float argument (rt.split_float).
     if path != "registers":
         request.getfixturevalue(path)
     assert (_long_path_taken(norm, 6, 21) is not None) == (path == "long_rows")
@@ -604,6 +605,13 @@ def test_eps_is_used(norm):
     # eps dominates the variance for a small-valued row: a dropped or misplaced eps fails this.
     x = 1e-3 * torch.randn(4, 16, device=DEVICE)
     check(norm, x, (16,), *params(norm, (16,), torch.float32), eps=1e-4)
+
+
+def test_split_float():
+    # Triton passes a float argument as float32; kernels add hi + lo and get eps to float64 accuracy.
+    for v in (1e-5, 1e-6, 1 / 3, 0.0, 1e-12):
+        hi, lo = rt.split_float(v)
+        assert float(torch.tensor(hi, dtype=torch.float32)) == hi and hi + lo == v
 
 
 def test_rms_norm_default_eps():

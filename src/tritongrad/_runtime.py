@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -147,6 +148,15 @@ def align(*values: int) -> int:
     multiples of 16 (``ops/_tl.aligned``)."""
     g = math.gcd(*values)
     return 16 if g == 0 else min(16, g & -g)
+
+
+@functools.lru_cache(maxsize=64)
+def split_float(v: float) -> tuple[float, float]:
+    """``(hi, lo)``: v rounded to float32, and the rest. Triton passes a Python float to a kernel as float32;
+    a kernel that adds ``hi + lo`` in float64 gets v to about 48 bits instead of 24 (an eps of 1e-5 is 2.5e-8
+    off in float32, which a float64 norm's constant rows, r = 1/sqrt(eps), would show)."""
+    hi = struct.unpack("f", struct.pack("f", v))[0] if math.isfinite(v) and abs(v) < 3e38 else v
+    return hi, v - hi if math.isfinite(v) else 0.0
 
 
 def _spec(a):

@@ -20,7 +20,7 @@ def forward_parts(x2, w, b, y2, mean, rstd, eps: float, plan, centered: bool, ro
     N, D = x2.shape
     _parts_kernel[(N,)](
         x2, w, b, y2, mean, rstd, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0,
-        b.stride(0) if b is not None else 0, D, eps, CHUNK=chunk, NCH=nch, PART_A=part_a, HAS_W=w is not None,
+        b.stride(0) if b is not None else 0, D, *rt.split_float(eps), CHUNK=chunk, NCH=nch, PART_A=part_a, HAS_W=w is not None,
         HAS_B=b is not None, CENTERED=centered, ROUND_XHAT=round_xhat, ACC=rt.tl_acc_dtype(acc),
         ALIGN=rt.align(D, x2.stride(0)), num_warps=warps,
     )

@@ -418,7 +418,8 @@ def _norm_fwd_parts_kernel(
     stride_w,
     stride_b,
     stride_y_row,
-    eps,
+    eps,  # float32 (Triton passes a Python float so) ...
+    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
     CHUNK: tl.constexpr,  # a power of two
     NCH: tl.constexpr,  # 3, 5 or 7: D = NCH * CHUNK
     PART_A: tl.constexpr,  # chunks in the first part: 2 for NCH = 3, else 4 (then 2 more for NCH = 7, then 1)
@@ -460,7 +461,7 @@ def _norm_fwd_parts_kernel(
     q = tl.sum(xa * xa, axis=0) + tl.sum(xc * xc, axis=0)
     if NCH == 7:
         q += tl.sum(xb * xb, axis=0)
-    b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + eps)
+    b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + eps + eps_lo)
     _parts_store(y_row, w_ptr, b_ptr, xa * b_rstd, 0, stride_w, stride_b, PART_A, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
                  X_DTYPE, ACC)
     if NCH == 7:

@@ -80,7 +80,8 @@ def _layer_norm_fwd_kernel(
     stride_w,
     stride_b,
     stride_y_row,
-    eps,
+    eps,  # float32 (Triton passes a Python float so) ...
+    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
     D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
     NUM_SPLITS,
     BLOCK_N: tl.constexpr,
@@ -117,7 +118,7 @@ def _layer_norm_fwd_kernel(
         b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
         b_mean = tl.sum(b_x, axis=1) / D
         b_xc = tl.where(mask, b_x - b_mean[:, None], 0.0)
-        b_rstd = tl.rsqrt(tl.sum(b_xc * b_xc, axis=1) / D + eps)
+        b_rstd = tl.rsqrt(tl.sum(b_xc * b_xc, axis=1) / D + eps + eps_lo)
         b_mean += b_k
         b_y = _affine(b_xc * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
@@ -160,7 +161,7 @@ def _layer_norm_fwd_kernel(
             tl.store(part_ptr + pid_s * N + o_n, b_mean, mask=m_n)
             tl.store(part_ptr + (NUM_SPLITS + pid_s) * N + o_n, b_m2, mask=m_n)
         else:
-            b_rstd = tl.rsqrt(b_m2 / D + eps)
+            b_rstd = tl.rsqrt(b_m2 / D + eps + eps_lo)
             for d0 in range(d_lo, d_hi, BLOCK_D):
                 o_d = d0 + tl.arange(0, BLOCK_D)
                 m_d = o_d < d_hi

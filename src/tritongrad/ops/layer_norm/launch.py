@@ -58,9 +58,10 @@ def _forward(x, normalized_shape, weight, bias, eps):
     align = rt.align(D, x2.stride(0), d_split)  # y is contiguous: its row stride is D
     for phase in (0,) if splits == 1 else (1, 2):
         _fwd_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-            x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps,
-            d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-            HAS_B=b is not None, PHASE=phase, ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=t.num_warps,
+            x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D,
+            *rt.split_float(eps), d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE,
+            HAS_W=w is not None, HAS_B=b is not None, PHASE=phase, ACC=rt.tl_acc_dtype(acc), ALIGN=align,
+            num_warps=t.num_warps,
         )
     return y, mean, rstd
 

@@ -82,7 +82,8 @@ def _rms_norm_fwd_kernel(
     stride_x_col,
     stride_w,
     stride_y_row,
-    eps,
+    eps,  # float32 (Triton passes a Python float so) ...
+    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
     D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
     NUM_SPLITS,
     BLOCK_N: tl.constexpr,
@@ -113,7 +114,7 @@ def _rms_norm_fwd_kernel(
         mask = m_n[:, None] & m_d[None, :]
         # Masked lanes load 0, which adds nothing to the sum of squares.
         b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps + eps_lo)
         b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -138,7 +139,7 @@ def _rms_norm_fwd_kernel(
         if PHASE == 1:
             tl.store(part_ptr + pid_s * N + o_n, b_ss, mask=m_n)
         else:
-            b_rstd = tl.rsqrt(b_ss / D + eps)
+            b_rstd = tl.rsqrt(b_ss / D + eps + eps_lo)
             for d0 in range(d_lo, d_hi, BLOCK_D):
                 o_d = d0 + tl.arange(0, BLOCK_D)
                 m_d = o_d < d_hi

@@ -51,9 +51,10 @@ def _launch_forward(x, k: int, weight, eps: float, llama: bool):
     align = rt.align(D, x2.stride(0), d_split)  # y is contiguous: its row stride is D
     for phase in (0,) if splits == 1 else (1, 2):
         _fwd_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-            x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, D, eps,
-            d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-            ROUND_XHAT=llama, PHASE=phase, ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=t.num_warps,
+            x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), w.stride(0) if w is not None else 0, D,
+            *rt.split_float(eps), d_split, splits, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE,
+            HAS_W=w is not None, ROUND_XHAT=llama, PHASE=phase, ACC=rt.tl_acc_dtype(acc), ALIGN=align,
+            num_warps=t.num_warps,
         )
     return y, rstd
 
