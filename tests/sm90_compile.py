@@ -133,6 +133,7 @@ if __name__ == "__main__":
              # 8-element aligned rows, not 16 (vector loads asserted): rows in registers, 3 chunks (the
              # long-row backward), 5 chunks (row-sum pass and column blocks); float32 and bfloat16.
              (bf, bf, 4096, 1000), (bf, bf, 300, 13000), (f32, f32, 300, 13000), (bf, bf, 300, 20008),
-             # the norms' parted forward: 7 power-of-two chunks in three parts, mixed (12288 above: 3 chunks)
-             (bf, f32, 64, 7168)]
+             # the norms' parted forward: 7 and 11 power-of-two chunks in three parts, mixed and bf16 (12288
+             # above: 3 chunks in two parts)
+             (bf, f32, 64, 7168), (bf, bf, 64, 11264)]
     sys.exit(main(cases))

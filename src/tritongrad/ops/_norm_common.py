@@ -59,17 +59,19 @@ LN_FWD_16BIT = {
 LN_FWD_MASKED_BF16_MAX_D = 2048
 LN_FWD_MASKED_FP32_WARPS = 8
 # Rows of an odd number of power-of-two chunks, NCH in FWD_PARTS_NCH (5120 = 5 x 1024), up to
-# FWD_MAX_BLOCK_D: the forward holds them in parts of 4, 2 and 1 chunks, no lane masked (ops/_norm_forward.py),
-# one row per program, warps such that each thread loads FWD_PARTS_VECTORS 16-byte vectors of every chunk (16-bit
-# rows: at most FWD_WARPS_WIDE_16BIT warps). Measured on an H200 (x of 256 MB, forward launcher, device time;
-# benchmarks/NOTES.md, eleventh session) against one tile of next_pow2(D) lanes, bf16 layer_norm / rms_norm:
-# 5120 160.7 -> 133.5 / 140.8 -> 131.7 us, 2560 158.3 -> 131.8 / 135.7 -> 130.2, 10240 176.0 -> 134.7 /
-# 146.9 -> 132.9, 12288 159.1 -> 133.6 (8 warps; 16: 146.7) / 137.5 -> 133.2, 6144 148.1 -> 132.3 / 132.9 ->
-# 132.4, 1280 153.0 -> 134.3 / 147.7 -> 132.6, 768 148.0 -> 135.1 / 143.7 -> 132.9; float32 layer_norm 12288
-# 169.6 -> 133.6. Within 1.5 us of the tile elsewhere (rms_norm bf16 3072 129.1 -> 130.6 and 7168 131.2 ->
-# 132.7 the largest losses); 2 vectors a thread was no better overall.
-FWD_PARTS_NCH = (3, 5, 7)
-FWD_PARTS_VECTORS = 1
+# FWD_MAX_BLOCK_D: the forward holds them in parts of 8, 4, 2 and 1 chunks, no lane masked
+# (ops/_norm_forward.py), one row per program, warps such that each thread loads one 16-byte vector of every
+# chunk (16-bit rows: at most FWD_WARPS_WIDE_16BIT warps). Measured on an H200 (x of 256 MB, forward launcher,
+# device time; benchmarks/NOTES.md, eleventh session) against one tile of next_pow2(D) lanes, bf16 layer_norm /
+# rms_norm: 5120 160.7 -> 133.5 / 140.8 -> 131.7 us, 2560 158.3 -> 131.8 / 135.7 -> 130.2, 10240 176.0 ->
+# 134.7 / 146.9 -> 132.9, 12288 159.1 -> 133.6 (8 warps; 16: 146.7) / 137.5 -> 133.2, 6144 148.1 -> 132.3 /
+# 132.9 -> 132.4, 1280 153.0 -> 134.3 / 147.7 -> 132.6, 768 148.0 -> 135.1 / 143.7 -> 132.9, 4608 172.8 ->
+# 131.9 / 145.5 -> 131.5, 9216 186.9 -> 133.5 / 152.8 -> 132.1, 11264 172.2 -> 133.9 / 139.1 -> 132.6; float32
+# layer_norm 12288 169.6 -> 133.6, 9216 199.1 -> 135.8. Elsewhere within 2.3 us of the tile (rms_norm float32
+# 4608 131.3 -> 133.6 the largest loss). Rows of 15 chunks, a sixteenth of the tile masked, lose (layer_norm
+# bf16 15360 143.4 -> 179.0 us, 7680 134.8 -> 166.3) and keep the tile; half a vector per thread was slower
+# everywhere (up to 5x).
+FWD_PARTS_NCH = (3, 5, 7, 9, 11, 13)
 # Backward programs per SM (each loops over its chunk of rows); also bounds the height of the dw/db
 # partial buffers. Measured on an H200 at bf16: 2 for tiles of <= 8 warps (32768x4096: 1 -> 70%, 2 -> 88%
 # of copy bandwidth, RMSNorm), 1 for 16-warp tiles (16384x8192: 83% -> 89%), whose registers fill an SM.
@@ -164,15 +166,15 @@ def fwd_plan(N: int, D: int, itemsize: int = 4, ln_dtype: torch.dtype | None = N
 
 
 @functools.lru_cache(maxsize=1024)
-def fwd_parts(D: int, itemsize: int) -> tuple[int, int, int, int] | None:
-    """``(CHUNK, NCH, PART_A, warps)`` of the parted forward for rows of D elements of ``itemsize`` bytes
+def fwd_parts(D: int, itemsize: int) -> tuple[int, int, int] | None:
+    """``(CHUNK, NCH, warps)`` of the parted forward for rows of D elements of ``itemsize`` bytes
     (FWD_PARTS_NCH), or None: rows of a power of two, of other chunk counts, or longer than one tile."""
     chunk = D & -D
     nch = D // chunk if D else 0
-    warps = chunk * itemsize // (512 * FWD_PARTS_VECTORS)  # 32 threads x 16 bytes x vectors per warp
+    warps = chunk * itemsize // 512  # a warp: 32 threads x 16 bytes
     if nch not in FWD_PARTS_NCH or D > FWD_MAX_BLOCK_D or warps < 1:
         return None
-    return chunk, nch, 2 if nch == 3 else 4, min(warps, FWD_WARPS_WIDE_16BIT if itemsize <= 2 else 16)
+    return chunk, nch, min(warps, FWD_WARPS_WIDE_16BIT if itemsize <= 2 else 16)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,5 +1,5 @@
 r"""The kernels both norms share: the backward (layer_norm's, and rms_norm's as its special case), and the
-forward over rows of 3, 5 or 7 power-of-two chunks (``_norm_fwd_parts_kernel``, at the end).
+forward over rows of 3 to 13 (odd) power-of-two chunks (``_norm_fwd_parts_kernel``, at the end).
 
 With xhat the normalised input, g = dy * w the gradient reaching it (g = dy without a weight), r = rstd
 and D the row length (derivations in ops/layer_norm/kernels.py and ops/rms_norm/kernels.py):
@@ -406,6 +406,19 @@ def _parts_store(y_row, w_ptr, b_ptr, b_xhat, c0, stride_w, stride_b, R: tl.cons
 
 
 @triton.jit
+def _parts_lanes(a8, a4, a2, a1, NCH: tl.constexpr):
+    # The parts present (NCH's bits) summed over their chunks, lane by lane: one [CHUNK] vector.
+    s = tl.sum(a1, axis=0)
+    if NCH & 8:
+        s += tl.sum(a8, axis=0)
+    if NCH & 4:
+        s += tl.sum(a4, axis=0)
+    if NCH & 2:
+        s += tl.sum(a2, axis=0)
+    return s
+
+
+@triton.jit
 def _norm_fwd_parts_kernel(
     x_ptr,
     w_ptr,
@@ -421,8 +434,7 @@ def _norm_fwd_parts_kernel(
     eps,  # float32 (Triton passes a Python float so) ...
     eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
     CHUNK: tl.constexpr,  # a power of two
-    NCH: tl.constexpr,  # 3, 5 or 7: D = NCH * CHUNK
-    PART_A: tl.constexpr,  # chunks in the first part: 2 for NCH = 3, else 4 (then 2 more for NCH = 7, then 1)
+    NCH: tl.constexpr,  # odd, 3 to 15: D = NCH * CHUNK
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     CENTERED: tl.constexpr,  # layer_norm: subtract the mean (and save it)
@@ -431,43 +443,48 @@ def _norm_fwd_parts_kernel(
     ALIGN: tl.constexpr,  # divides the row strides (ops/_tl.aligned)
 ):
     # The forward of either norm over one row per program, for rows of an odd number of power-of-two chunks
-    # (5120 = 5 x 1024). One register tile of next_pow2(D) lanes would leave 3/8 of them masked there, and
-    # the masked lanes take registers too (layer_norm bf16 at 5120: 80 a thread, three programs per SM).
-    # Here the row is held in two or three parts of 4, 2 and 1 chunks, [R, CHUNK] tiles that lay out the
-    # columns alike (each thread holds the same columns of every chunk), so no lane is masked; the parts are
-    # summed lane-wise first, then reduced across the program once per statistic, as one tile would be.
+    # (5120 = 5 x 1024). One register tile of next_pow2(D) lanes would leave up to half of them masked there,
+    # and the masked lanes take registers too (layer_norm bf16 at 5120: 80 a thread, three programs per SM).
+    # Here the row is held in parts of 8, 4, 2 and 1 chunks, one for each bit of NCH, in that order:
+    # [R, CHUNK] tiles that lay out the columns alike (each thread holds the same columns of every chunk),
+    # so no lane is masked; the parts are summed lane-wise first, then reduced across the program once per
+    # statistic, as one tile would be.
     D: tl.constexpr = NCH * CHUNK
+    O4: tl.constexpr = NCH & 8  # chunks before the part of 4, of 2, of 1
+    O2: tl.constexpr = NCH & 12
+    O1: tl.constexpr = NCH & 14
     stride_x_row = aligned(stride_x_row, ALIGN)
     stride_y_row = aligned(stride_y_row, ALIGN)
     X_DTYPE = x_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x_row
     y_row = y_ptr + row * stride_y_row
-    C_LAST: tl.constexpr = NCH - 1
-    xa = _parts_load(x_row, stride_x_col, 0, PART_A, CHUNK, ACC)
-    xc = _parts_load(x_row, stride_x_col, C_LAST, 1, CHUNK, ACC)
-    xb = xc  # the middle part, only for NCH = 7
-    if NCH == 7:
-        xb = _parts_load(x_row, stride_x_col, PART_A, 2, CHUNK, ACC)
+    x1 = _parts_load(x_row, stride_x_col, O1, 1, CHUNK, ACC)
+    x8, x4, x2 = x1, x1, x1  # stand-ins for the parts NCH lacks (never used)
+    if NCH & 8:
+        x8 = _parts_load(x_row, stride_x_col, 0, 8, CHUNK, ACC)
+    if NCH & 4:
+        x4 = _parts_load(x_row, stride_x_col, O4, 4, CHUNK, ACC)
+    if NCH & 2:
+        x2 = _parts_load(x_row, stride_x_col, O2, 2, CHUNK, ACC)
     if CENTERED:
         # Statistics of x - K, K the row's first element (shifted data, as layer_norm's own kernel).
         b_k = tl.load(x_row).to(ACC)
-        xa, xb, xc = xa - b_k, xb - b_k, xc - b_k
-        s = tl.sum(xa, axis=0) + tl.sum(xc, axis=0)
-        if NCH == 7:
-            s += tl.sum(xb, axis=0)
-        b_mean = tl.sum(s, axis=0) / D
-        xa, xb, xc = xa - b_mean, xb - b_mean, xc - b_mean
-    q = tl.sum(xa * xa, axis=0) + tl.sum(xc * xc, axis=0)
-    if NCH == 7:
-        q += tl.sum(xb * xb, axis=0)
+        x8, x4, x2, x1 = x8 - b_k, x4 - b_k, x2 - b_k, x1 - b_k
+        b_mean = tl.sum(_parts_lanes(x8, x4, x2, x1, NCH), axis=0) / D
+        x8, x4, x2, x1 = x8 - b_mean, x4 - b_mean, x2 - b_mean, x1 - b_mean
+    q = _parts_lanes(x8 * x8, x4 * x4, x2 * x2, x1 * x1, NCH)
     b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + eps + eps_lo)
-    _parts_store(y_row, w_ptr, b_ptr, xa * b_rstd, 0, stride_w, stride_b, PART_A, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
-                 X_DTYPE, ACC)
-    if NCH == 7:
-        _parts_store(y_row, w_ptr, b_ptr, xb * b_rstd, PART_A, stride_w, stride_b, 2, CHUNK, HAS_W, HAS_B,
-                     ROUND_XHAT, X_DTYPE, ACC)
-    _parts_store(y_row, w_ptr, b_ptr, xc * b_rstd, C_LAST, stride_w, stride_b, 1, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+    if NCH & 8:
+        _parts_store(y_row, w_ptr, b_ptr, x8 * b_rstd, 0, stride_w, stride_b, 8, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+                     X_DTYPE, ACC)
+    if NCH & 4:
+        _parts_store(y_row, w_ptr, b_ptr, x4 * b_rstd, O4, stride_w, stride_b, 4, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+                     X_DTYPE, ACC)
+    if NCH & 2:
+        _parts_store(y_row, w_ptr, b_ptr, x2 * b_rstd, O2, stride_w, stride_b, 2, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+                     X_DTYPE, ACC)
+    _parts_store(y_row, w_ptr, b_ptr, x1 * b_rstd, O1, stride_w, stride_b, 1, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
                  X_DTYPE, ACC)
     if CENTERED:
         tl.store(mean_ptr + row, b_mean + b_k)

@@ -48,7 +48,7 @@ def _forward(x, normalized_shape, weight, bias, eps):
         return y, mean.fill_(0.0), rstd.fill_(0.0)
     w, b = nc.flat(weight), nc.flat(bias)
     parts = nc.fwd_parts(D, x.element_size())
-    if parts is not None:  # rows of 3, 5 or 7 power-of-two chunks
+    if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
         forward_parts(x2, w, b, y, mean, rstd, eps, parts, centered=True, round_xhat=False, acc=acc)
         return y, mean, rstd
     t = nc.fwd_plan(N, D, x.element_size(), x.dtype if acc == torch.float32 else None)

@@ -41,7 +41,7 @@ def _launch_forward(x, k: int, weight, eps: float, llama: bool):
         return y, rstd.fill_(0.0)
     w = nc.flat(weight)
     parts = nc.fwd_parts(D, x.element_size())
-    if parts is not None:  # rows of 3, 5 or 7 power-of-two chunks
+    if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
         forward_parts(x2, w, None, y, None, rstd, eps, parts, centered=False, round_xhat=llama, acc=acc)
         return y, rstd
     t = nc.fwd_plan(N, D, x.element_size())
