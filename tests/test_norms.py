@@ -297,7 +297,8 @@ def test_forward_in_parts(norm, D, dtype, wdtype, layout, monkeypatch):
     # stride N), with a constant row and a zero row among random ones, then the backward from its outputs.
     seen = set()
     launch = rt.Kernel._launch
-    monkeypatch.setattr(rt.Kernel, "_launch", lambda self, *a, **kw: seen.add(self.fn.__name__) or launch(self, *a, **kw))
+    monkeypatch.setattr(rt.Kernel, "_launch",
+                        lambda self, *a, **kw: seen.add(self.fn.__name__) or launch(self, *a, **kw))
     x = make_rows((6, D), dtype, DEVICE, layout, scale=2.0)
     if norm == "layer_norm":
         x.add_(3)

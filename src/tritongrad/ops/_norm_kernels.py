@@ -434,7 +434,7 @@ def _norm_fwd_parts_kernel(
     eps,  # float32 (Triton passes a Python float so) ...
     eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
     CHUNK: tl.constexpr,  # a power of two
-    NCH: tl.constexpr,  # odd, 3 to 15: D = NCH * CHUNK
+    NCH: tl.constexpr,  # odd, 3 to 15 (the plan takes up to 13): D = NCH * CHUNK
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     CENTERED: tl.constexpr,  # layer_norm: subtract the mean (and save it)

@@ -35,11 +35,11 @@ Shapes of the launch: the forward gives each program BLOCK_N rows; when a row fi
 (``ONE_TILE``) it is loaded once and kept in registers, otherwise the program walks it in BLOCK_D-column
 chunks twice (sum of squares, then normalise). Rows of an odd number (3 to 13) of power-of-two chunks
 (5120 = 5 x 1024) take the parted forward that both norms share instead (``_norm_fwd_parts_kernel`` in
-ops/_norm_kernels.py): one row per program, held without masked lanes. The backward kernels are layer_norm's without its mean
-terms (ops/_norm_kernels.py): programs over (row chunk, column block), each writing dL/dx for its rows
-and columns and summing its dL/dw partial in registers into one row of a float partial buffer, which
-``column_sum`` then reduces in a fixed order (deterministic, no atomics). When a row does not fit one
-tile, c[n] comes from a separate row pass so that columns can be split across programs.
+ops/_norm_kernels.py): one row per program, held without masked lanes. The backward kernels are
+layer_norm's without its mean terms (ops/_norm_kernels.py): programs over (row chunk, column block), each
+writing dL/dx for its rows and columns and summing its dL/dw partial in registers into one row of a float
+partial buffer, which ``column_sum`` then reduces in a fixed order (deterministic, no atomics). When a row
+does not fit one tile, c[n] comes from a separate row pass so that columns can be split across programs.
 
 Few long rows (fewer row tiles than SMs, e.g. 16 x 1M): one program per row would leave most SMs idle, so
 the row passes split the columns too. Forward: PHASE 1 programs write the sum of squares of their column
