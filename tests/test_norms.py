@@ -769,6 +769,11 @@ BAD_INPUTS = [
     (lambda: tritongrad.layer_norm(torch.randn(3, 4), (4,), eps=None), TypeError, "eps"),
     (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), eps="1e-5"), TypeError, "eps"),
     (lambda: llama_rms_norm(torch.randn(3, 4), torch.randn(2, 2)), ValueError, r"weight.*\(2, 2\).*\(4,\)"),
+    # A weight that PyTorch's ops would broadcast, and a missing weight that is not optional.
+    (lambda: llama_rms_norm(torch.randn(3, 4), torch.randn(1)), ValueError, r"weight.*\(1,\).*\(4,\)"),
+    (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), torch.randn(1)), ValueError, r"weight.*\(1,\).*\(4,\)"),
+    (lambda: llama_rms_norm(torch.randn(3, 4), None), TypeError, "weight must be a Tensor, got NoneType"),
+    (lambda: tritongrad.layer_norm(torch.randn(3, 4), (True,)), TypeError, "list of ints"),
 ]
 
 

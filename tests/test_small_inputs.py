@@ -102,6 +102,39 @@ def test_native_versions_decline_long_rows(name):
         assert (out is NotImplemented) == declined, D
 
 
+def _bad_calls():
+    from test_norms import BAD_INPUTS as norm_bad
+    from test_weighted_sum import BAD_INPUTS as ws_bad
+
+    calls = [pytest.param(make, exc, match, id=f"norms-{i}") for i, (make, exc, match) in enumerate(norm_bad)]
+    calls += [pytest.param(lambda make=make: tritongrad.weighted_sum(*make()), exc, match, id=f"weighted_sum-{i}")
+              for i, (make, exc, match) in enumerate(ws_bad)]
+    return calls
+
+
+@pytest.fixture
+def small_path_on_cpu(monkeypatch):
+    # The small-input path runs before tritongrad's argument checks and leaves most of them to PyTorch's
+    # ops (_pattern, ``native``). Opened to CPU tensors, every bad input of the other test modules must still
+    # get tritongrad's error, not PyTorch's and not a result.
+    monkeypatch.setattr(_pattern, "_serve_cpu", [True])
+    tritongrad.set_small_input_threshold(DEFAULT)
+
+
+def test_small_path_serves_cpu_tensors_when_opened(small_path_on_cpu):
+    # What makes the next test meaningful: good inputs of the same kinds do take the path here.
+    for name, (fn, _, n) in CASES.items():
+        x, params = _inputs((3, 4), n, torch.float32, "cpu")
+        _, kernels = _run(fn, x, params, torch.randn((3,) if name == "weighted_sum" else (3, 4)))
+        assert not kernels, name
+
+
+@pytest.mark.parametrize("make,exc,match", _bad_calls())
+def test_small_path_gives_tritongrads_errors(small_path_on_cpu, make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter runs on CPU")
 def test_interpreter_runs_the_kernels_at_every_size():
     # The threshold applies to CUDA tensors only: the CPU suite tests the kernels whatever it is set to.
@@ -218,6 +251,19 @@ def test_cuda_graph_after_warmup(name):
     torch.testing.assert_close(y.detach(), fresh[0])
     for t, want in zip(leaves, fresh[1:]):
         torch.testing.assert_close(t.grad, want)
+
+
+@gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_small_cuda_inputs_on_two_devices(name):
+    # A parameter on the CPU with a small CUDA x: tritongrad's device message, from either path.
+    tritongrad.set_small_input_threshold(DEFAULT)
+    fn, _, n = CASES[name]
+    if n == 0:
+        pytest.skip("no parameter tensor")
+    x, params = _inputs((4, 64), n, torch.float32, "cuda")
+    with pytest.raises(ValueError, match="all tensors must be on one device.*cuda:0.*cpu"):
+        fn(x, [params[0].cpu(), *params[1:]])
 
 
 @gpu

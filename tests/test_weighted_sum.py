@@ -302,6 +302,9 @@ BAD_INPUTS = [
     (lambda: (torch.randn(3, 4, dtype=torch.complex64), torch.randn(4)), TypeError, "complex64"),
     (lambda: (torch.randn(3, 4), torch.randn(4, device="meta")), ValueError, "cpu.*meta"),
     (lambda: (torch.randn(3, 4), [1.0, 2.0, 3.0, 4.0]), TypeError, "w must be a Tensor"),
+    (lambda: (torch.randn(3, 4), None), TypeError, "w must be a Tensor, got NoneType"),
+    (lambda: (None, torch.randn(4)), TypeError, "x must be a Tensor, got NoneType"),
+    (lambda: (torch.randn(3, 4), torch.randn(4, 1)), ValueError, r"w must be 1-D.*\(4, 1\)"),  # matmul would take it
 ]
 
 

@@ -13,6 +13,10 @@ An operator supplies four things:
   ops (floating dtypes only, every tensor on one device) are done here.
 - optionally ``native(*args) -> out``: the same function in PyTorch's own CUDA ops (C++ autograd), or
   ``NotImplemented`` where those ops would be slow (e.g. very long rows). It serves small inputs (below).
+  It runs before ``validate``, so it must return a result only for arguments ``validate`` accepts: it
+  declines what its PyTorch ops would take but ``validate`` refuses (e.g. a 2-D w that ``torch.matmul``
+  would broadcast), and may raise on the rest (PyTorch's own shape checks); on any exception the op runs
+  ``validate``, which raises tritongrad's message where the arguments are at fault.
 
 From that, :class:`Op` builds:
 
@@ -25,7 +29,8 @@ From that, :class:`Op` builds:
 - small CUDA inputs (at most :func:`set_small_input_threshold` elements in x, every tensor in x's dtype,
   x contiguous, autocast off): ``native`` serves them. There the host decides the time per call, and a Python
   autograd.Function plus Triton launches costs more host time than PyTorch's whole C++ forward+backward
-  (benchmarks/NOTES.md). The choice depends on the inputs alone, so CUDA graph capture after a warm-up
+  (benchmarks/NOTES.md). So that path is tried first, decided by a few attribute reads, and leaves the
+  argument checks to PyTorch's ops (see ``native`` above). The choice depends on the inputs alone, so CUDA graph capture after a warm-up
   replays the ops the warm-up ran (no Triton kernel is loaded mid-capture). Tracers (torch.compile,
   export) always record the registered op.
 - CPU behaviour: with ``TRITON_INTERPRET=1`` the Triton kernels run on CPU tensors in the interpreter;
@@ -42,11 +47,22 @@ from . import _runtime as rt
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 _LIB = torch.library.Library("tritongrad", "DEF")
 
 # Inputs with at most this many elements in x go to the op's ``native`` PyTorch version (see above).
 SMALL_INPUT_THRESHOLD = 1 << 20
 _small = [SMALL_INPUT_THRESHOLD]
+
+
+# The small-input path serves CUDA tensors; tests set this to serve CPU tensors too, to check its handling of
+# bad arguments without a GPU.
+_serve_cpu = [False]
+_is_compiling = torch.compiler.is_compiling
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def set_small_input_threshold(numel: int) -> int:
@@ -136,7 +152,9 @@ class Op:
             types.append(typ)
             self.arg_names.append(arg_name)
         self.tensor_positions = tuple(i for i, t in enumerate(types) if t.startswith("Tensor"))
+        self._optional = frozenset(i for i, t in enumerate(types) if t == "Tensor?")
         self._tensor_set = frozenset(self.tensor_positions)
+        self._param_positions = self.tensor_positions[1:]
         self._n_args = len(types)
         # A subclass per op, so that y.grad_fn reads e.g. <WeightedSumBackward>.
         self._function = type("".join(p.title() for p in name.split("_")), (_Function,), {})
@@ -151,7 +169,7 @@ class Op:
         for i in self.tensor_positions:
             t = args[i]
             name = self.arg_names[i]
-            if t is None:
+            if t is None and i in self._optional:
                 continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tritongrad.{self.name}: {name} must be a Tensor, got {type(t).__name__}")
@@ -171,6 +189,19 @@ class Op:
 
     # ---------------------------------------------------------------- public entry point
     def __call__(self, *args):
+        # Small inputs first (module docstring): a few attribute reads decide, and the argument checks are
+        # left to PyTorch's ops and ``native``; whatever does not fit takes the checked path below.
+        x = args[0]
+        if (
+            self.native is not None
+            and type(x) in _PLAIN
+            and not _is_compiling()  # before reading sizes: a traced size comparison would be a guard
+            and 0 < x.numel() <= _small[0]
+            and (x.is_cuda or _serve_cpu[0] and x.is_cpu)
+        ):
+            out = self._native_call(args, x)
+            if out is not NotImplemented:
+                return out
         self.validate(*args)
         tensors = [args[i] for i in self.tensor_positions if args[i] is not None]
         if _tracing(tensors):
@@ -179,31 +210,37 @@ class Op:
         x = tensors[0]
         if not rt.uses_triton(x.device):
             return self.reference(*args)
-        if self.native is not None and 0 < x.numel() <= _small[0] and self._native_fits(x, tensors):
-            out = self.native(*args)
-            if out is not NotImplemented:
-                return out
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             if torch._C._are_functorch_transforms_active():
                 return self._function.apply(self, *args)  # raises torch's own clear error for vmap/grad
             return self._apply(self, *args)
         return self.forward(*args)[0]
 
-    @staticmethod
-    def _native_fits(x: torch.Tensor, tensors: list) -> bool:
-        """The native version computes the same function (one dtype, so no mixed-precision semantics to
-        match), and returns what tritongrad's does (a contiguous output; under autocast PyTorch's ops would
-        change dtypes, tritongrad's kernels do not); torch.func transforms keep tritongrad's refusal at
-        every size."""
-        if not x.is_cuda or not x.is_contiguous() or torch._C._are_functorch_transforms_active():
-            return False
-        if torch.is_autocast_enabled("cuda"):
-            return False
+    def _native_call(self, args, x):
+        """``native(*args)`` where it computes what tritongrad's kernels would return, else NotImplemented:
+        x contiguous (the kernels return a contiguous y), every tensor plain (tracers, dispatch modes and
+        torch.func transforms record or refuse tritongrad's op) and of x's floating dtype on x's kind of
+        device (no mixed-precision semantics to match), autocast off (PyTorch's ops would change dtypes
+        under it, tritongrad's kernels do not)."""
         dtype = x.dtype
-        for t in tensors:
-            if t.dtype != dtype:
-                return False
-        return True
+        if dtype not in _FLOAT_SET or not x.is_contiguous():
+            return NotImplemented
+        for i in self._param_positions:
+            t = args[i]
+            if t is not None and (
+                type(t) not in _PLAIN or t.dtype is not dtype or not (t.is_cuda or _serve_cpu[0] and t.is_cpu)
+            ):
+                return NotImplemented
+        # torch.is_autocast_enabled() is CUDA's autocast, and half the host time of the device-type form.
+        if _dispatch_depth() or _functorch_active() or torch.is_autocast_enabled():
+            return NotImplemented
+        try:
+            return self.native(*args)
+        except Exception as e:
+            error = e
+        # Outside the handler, so that tritongrad's message is not shown as raised while handling PyTorch's.
+        self.validate(*args)
+        raise error
 
     def _save(self, ctx, args, residuals) -> None:
         """Keep what the backward needs: tensor inputs and residuals as saved tensors, the rest on ctx."""

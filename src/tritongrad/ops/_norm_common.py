@@ -253,19 +253,29 @@ def column_split(N: int, D: int, t: rt.RowTile, sms: int) -> tuple[int, int]:
     return rt.cdiv(D, per_split), per_split
 
 
-def native_row_fits(normalized_shape) -> bool:
-    """Whether a small input's rows are short enough for PyTorch's own norm (``rt.NATIVE_MAX_D``)."""
+def native_args_fit(normalized_shape, eps) -> bool:
+    """Whether PyTorch's own norm may serve these unvalidated arguments: a non-empty list of ints (PyTorch
+    checks x's and the parameters' shapes against it), rows short enough for it (``rt.NATIVE_MAX_D``), and a
+    float or None eps. Anything else takes the checked path (``_pattern``'s ``native`` contract)."""
+    if type(normalized_shape) is not list or not normalized_shape or not (eps is None or type(eps) is float):
+        return False
     d = 1
     for s in normalized_shape:
+        if type(s) is not int:
+            return False
         d *= s
     return d <= rt.NATIVE_MAX_D
 
 
-def shape_tuple(normalized_shape) -> tuple:
-    """``normalized_shape`` as torch.nn.functional accepts it (an int, a list/tuple, a torch.Size)."""
-    if type(normalized_shape) is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):
-        return (normalized_shape,)
-    return tuple(normalized_shape)
+def shape_list(normalized_shape) -> list:
+    """``normalized_shape`` as torch.nn.functional accepts it (an int, a list/tuple, a torch.Size), as a list.
+    Exact type checks first: the ABC check behind isinstance(s, numbers.Integral) is slow on the hot path."""
+    kind = type(normalized_shape)
+    if kind is tuple or kind is list or kind is torch.Size:
+        return list(normalized_shape)
+    if kind is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):
+        return [normalized_shape]
+    return list(normalized_shape)
 
 
 def _is_dim(s) -> bool:

@@ -82,7 +82,7 @@ def _validate(x, normalized_shape, weight, bias, eps) -> None:
 
 
 def _native(x, normalized_shape, weight, bias, eps):
-    if not nc.native_row_fits(normalized_shape):
+    if eps is None or not nc.native_args_fit(normalized_shape, eps):
         return NotImplemented
     return torch.layer_norm(x, normalized_shape, weight, bias, eps)  # F.layer_norm minus its Python checks
 
@@ -124,4 +124,4 @@ def layer_norm(
         gradient comes back in its input's dtype, and the weight and bias gradients are bitwise
         reproducible.
     """
-    return _OP(x, list(nc.shape_tuple(normalized_shape)), weight, bias, eps)
+    return _OP(x, nc.shape_list(normalized_shape), weight, bias, eps)

@@ -80,10 +80,11 @@ def _validate(x, normalized_shape, weight, eps) -> None:
 
 
 def _native(x, normalized_shape, weight, eps):
-    if not nc.native_row_fits(normalized_shape):
+    if not nc.native_args_fit(normalized_shape, eps):
         return NotImplemented
-    # torch.rms_norm: F.rms_norm minus its Python checks (the plain tensors here need none).
-    return torch.rms_norm(x, normalized_shape, weight, default_eps(x.dtype) if eps is None else eps)
+    # torch.rms_norm: F.rms_norm minus its Python checks (the plain tensors here need none). Its eps=None is
+    # default_eps(x.dtype), the float32 epsilon for 16-bit x.
+    return torch.rms_norm(x, normalized_shape, weight, eps)
 
 
 _OP = _pattern.Op(
@@ -118,7 +119,7 @@ def rms_norm(
         float64) and rounded once. Differentiable in x and weight; each gradient comes back in its input's
         dtype, and the weight gradient is bitwise reproducible.
     """
-    return _OP(x, list(nc.shape_tuple(normalized_shape)), weight, eps)
+    return _OP(x, nc.shape_list(normalized_shape), weight, eps)
 
 
 # ---------------------------------------------------------------- Hugging Face's LlamaRMSNorm
@@ -136,8 +137,10 @@ def _llama_validate(x, weight, eps) -> None:
 
 
 def _llama_native(x, weight, eps):
-    # Hugging Face's own sequence of ops; x and the weight share a dtype here (``_pattern``).
-    if x.shape[-1] > rt.NATIVE_MAX_D:
+    # Hugging Face's own sequence of ops; x and the weight share a dtype here (``_pattern``). Its product
+    # would broadcast a weight of another shape, so the shape is checked here.
+    if (weight is None or x.dim() == 0 or weight.dim() != 1 or weight.numel() != x.size(-1)
+            or x.size(-1) > rt.NATIVE_MAX_D or type(eps) is not float):
         return NotImplemented
     xf = x.to(rt.acc_dtype(x.dtype))
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -176,7 +176,8 @@ def _validate(x, w) -> None:
 def _native(x, w):
     # A matrix-vector product (cuBLAS, float32 accumulation): one kernel forward, two backward, one autograd
     # node, against eager (x * w).sum(-1)'s five kernels and two nodes.
-    if x.shape[-1] > rt.NATIVE_MAX_D:
+    # matmul would take a 2-D w (a matrix product); it raises on a 0-d x and on mismatched lengths itself.
+    if w.dim() != 1 or w.numel() > rt.NATIVE_MAX_D:
         return NotImplemented
     return torch.matmul(x, w)
 
