@@ -6,7 +6,7 @@ seconds, more than the difference measured here. So the two are interleaved: per
 each (in alternating order), synchronised at the end of the batch; per case, the medians over rounds of the
 time per call and of the per-round ratio, with its 20th/80th percentiles.
 
-    PYTHONPATH=src python3 benchmarks/host_ab.py LABEL OUT.json     (on a GPU machine)
+    PYTHONPATH=src python3 benchmarks/host_ab.py LABEL OUT.json [NxD,NxD,...]     (on a GPU machine)
 """
 
 import datetime
@@ -68,13 +68,14 @@ def measure(n, eager, ours, N, D, dtype, weighted_sum):
                 ratio=statistics.median(ratios), ratio_p20=ratios[ROUNDS // 5], ratio_p80=ratios[-1 - ROUNDS // 5])
 
 
-def main(label, out):
+def main(label, out, shapes=None):
+    shapes = [tuple(map(int, s.split("x"))) for s in shapes.split(",")] if shapes else SHAPES
     meta = dict(label=label, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     rows = []
     for name, (n, eager, ours) in OPS.items():
         for dtype in DTYPES:
-            for N, D in SHAPES:
+            for N, D in shapes:
                 row = dict(op=name, dtype=str(dtype).removeprefix("torch."), N=N, D=D,
                            **measure(n, eager, ours, N, D, dtype, name == "weighted_sum"))
                 rows.append(row)
@@ -86,4 +87,4 @@ def main(label, out):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
