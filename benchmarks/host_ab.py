@@ -29,7 +29,7 @@ OPS = {
     "layer_norm": (2, lambda x, p: F.layer_norm(x, (x.shape[-1],), p[0], p[1], EPS),
                    lambda x, p: tg.layer_norm(x, (x.shape[-1],), p[0], p[1], EPS)),
 }
-# hidden sizes <= 2048: a decode step, a small batch, and the small-input threshold (2**20 elements)
+# hidden sizes <= 2048: a decode step, a small batch, and 2**20 elements
 SHAPES = [(4, 64), (16, 2048), (512, 2048)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ROUNDS, CALLS = 21, 100

@@ -52,8 +52,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _LIB = torch.library.Library("tritongrad", "DEF")
 
-# Inputs with at most this many elements in x go to the op's ``native`` PyTorch version (see above).
-SMALL_INPUT_THRESHOLD = 1 << 20
+# Inputs with at most this many elements in x go to the op's ``native`` PyTorch version (see above). Up to
+# 2**22 elements the kernels save at most ~11 us of GPU time per forward+backward and cost hundreds of
+# microseconds more host time per call than PyTorch's C++ autograd (benchmarks/NOTES.md, twelfth session).
+SMALL_INPUT_THRESHOLD = 1 << 22
 _small = [SMALL_INPUT_THRESHOLD]
 
 
