@@ -30,9 +30,9 @@ From that, :class:`Op` builds:
   x contiguous, autocast off): ``native`` serves them. There the host decides the time per call, and a Python
   autograd.Function plus Triton launches costs more host time than PyTorch's whole C++ forward+backward
   (benchmarks/NOTES.md). So that path is tried first, decided by a few attribute reads, and leaves the
-  argument checks to PyTorch's ops (see ``native`` above). The choice depends on the inputs alone, so CUDA graph capture after a warm-up
-  replays the ops the warm-up ran (no Triton kernel is loaded mid-capture). Tracers (torch.compile,
-  export) always record the registered op.
+  argument checks to PyTorch's ops (see ``native`` above). The choice depends on the inputs alone, so CUDA
+  graph capture after a warm-up replays the ops the warm-up ran (no Triton kernel is loaded mid-capture).
+  Tracers (torch.compile, export) always record the registered op.
 - CPU behaviour: with ``TRITON_INTERPRET=1`` the Triton kernels run on CPU tensors in the interpreter;
   without it the reference serves CPU tensors, and its backward is the reference's autograd.
 """
