@@ -774,6 +774,7 @@ BAD_INPUTS = [
     (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), torch.randn(1)), ValueError, r"weight.*\(1,\).*\(4,\)"),
     (lambda: llama_rms_norm(torch.randn(3, 4), None), TypeError, "weight must be a Tensor, got NoneType"),
     (lambda: tritongrad.layer_norm(torch.randn(3, 4), (True,)), TypeError, "list of ints"),
+    (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), eps=True), TypeError, "eps"),  # PyTorch takes a bool
 ]
 
 

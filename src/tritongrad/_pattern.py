@@ -359,6 +359,6 @@ def _tracing(tensors: list[torch.Tensor]) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
     for t in tensors:
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if type(t) not in _PLAIN:
             return True
     return False
