@@ -1,11 +1,49 @@
-"""tritongrad: differentiable Triton operators for PyTorch."""
+"""tritongrad: differentiable Triton operators for PyTorch.
 
-from . import nn
-from ._pattern import set_small_input_threshold
-from .ops.layer_norm import layer_norm
-from .ops.rms_norm import rms_norm
-from .ops.weighted_sum import weighted_sum
-from .patch import patch
+- ops: :func:`weighted_sum`, :func:`rms_norm`, :func:`llama_rms_norm`, :func:`layer_norm`, with modules in
+  :mod:`tritongrad.nn` and :func:`patch` for existing models;
+- the pattern they are built on, public: :func:`op` declares a differentiable operator from a forward
+  launcher, a backward launcher and a PyTorch reference; :func:`kernel` launches a ``@triton.jit`` function
+  from a launcher; :mod:`tritongrad.testing` is the test kit for such ops.
+
+Names are imported on first use, so that ``tritongrad.testing.use_interpreter()`` can still switch Triton to
+its interpreter (a choice Triton reads once, when it is imported).
+"""
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["layer_norm", "nn", "patch", "rms_norm", "set_small_input_threshold", "weighted_sum"]
+
+_WHERE = {
+    "op": "._pattern",
+    "Op": "._pattern",
+    "BackwardContext": "._pattern",
+    "kernel": "._pattern",
+    "set_small_input_threshold": "._pattern",
+    "weighted_sum": ".ops.weighted_sum",
+    "rms_norm": ".ops.norm",
+    "llama_rms_norm": ".ops.norm",
+    "layer_norm": ".ops.norm",
+    "cross_entropy": ".ops.cross_entropy",
+    "linear_cross_entropy": ".ops.cross_entropy",
+    "swiglu": ".ops.swiglu",
+    "apply_rotary_pos_emb": ".ops.rope",
+    "patch": ".patch",
+    "nn": ".nn",
+    "testing": ".testing",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'tritongrad' has no attribute {name!r}")
+    module = importlib.import_module(where, __name__)
+    value = module if name in ("nn", "testing") else getattr(module, name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,44 +1,55 @@
-"""The pattern every tritongrad operator follows, written once.
+"""The pattern every tritongrad operator follows, written once and public: :func:`op` and :func:`kernel`.
 
-An operator supplies four things:
+An operator is three plain functions and a declaration::
 
-- ``forward(*args) -> (out, *residuals)``: the host launcher. It allocates its outputs and launches its
-  Triton kernels; given fake/meta tensors it only allocates (``_runtime.is_fake``), which makes the same
-  function the op's fake (shape) implementation for torch.compile and torch.export.
-- ``backward(grad_out, args, residuals, needs) -> grads``: the backward launcher; ``needs`` has one bool
-  per tensor input (``ctx.needs_input_grad``), and ``grads`` one tensor or None per tensor input.
-- ``reference(*args) -> out``: plain, differentiable PyTorch that accumulates in float32 (float64 for
-  float64). Tests compare against it in float64; CPU tensors use it when Triton's interpreter is off.
-- ``validate(*args)``: shape checks that name the shapes involved. Dtype and device checks shared by all
-  ops (floating dtypes only, every tensor on one device) are done here.
-- optionally ``native(*args) -> out``: the same function in PyTorch's own CUDA ops (C++ autograd), or
-  ``NotImplemented`` where those ops would be slow (e.g. very long rows). It serves small inputs (below).
-  It runs before ``validate``, so it must return a result only for arguments ``validate`` accepts: it
-  declines what its PyTorch ops would take but ``validate`` refuses (e.g. a 2-D w that ``torch.matmul``
-  would broadcast), and may raise on the rest (PyTorch's own shape checks); on any exception the op runs
-  ``validate``, which raises tritongrad's message where the arguments are at fault.
+    @tritongrad.op("mylib::softcap", reference=softcap_reference, save=("out",))
+    def softcap(x: Tensor, cap: float = 30.0) -> Tensor:        # the forward launcher
+        ...allocate, launch Triton kernels through tritongrad.kernel, return the output(s)...
 
-From that, :class:`Op` builds:
+    @softcap.backward
+    def _(ctx, grad_out):                                        # the backward launcher
+        ...ctx.out, ctx.cap, ctx.needs_input_grad...; return grad_x
 
-- the public callable. In eager mode it skips the dispatcher (a custom op's dispatch costs more than a
-  small kernel) and runs a ``torch.autograd.Function`` that calls the launchers directly; under
-  ``torch.no_grad()`` or when no input requires grad it calls the forward launcher alone, saving nothing.
-- the ``torch.library`` registration ``tritongrad::<name>`` (forward, returns ``(out, *residuals)``) and
-  ``tritongrad::<name>_backward``, with CPU/CUDA kernels, fake kernels and autograd. torch.compile and
-  torch.export trace these ops (no graph break); ``torch.library.opcheck`` tests them.
-- small CUDA inputs (at most :func:`set_small_input_threshold` elements in x, every tensor in x's dtype,
-  x contiguous, autocast off): ``native`` serves them. There the host decides the time per call, and a Python
-  autograd.Function plus Triton launches costs more host time than PyTorch's whole C++ forward+backward
-  (benchmarks/NOTES.md). So that path is tried first, decided by a few attribute reads, and leaves the
-  argument checks to PyTorch's ops (see ``native`` above). The choice depends on the inputs alone, so CUDA
-  graph capture after a warm-up replays the ops the warm-up ran (no Triton kernel is loaded mid-capture).
-  Tracers (torch.compile, export) always record the registered op.
-- CPU behaviour: with ``TRITON_INTERPRET=1`` the Triton kernels run on CPU tensors in the interpreter;
-  without it the reference serves CPU tensors, and its backward is the reference's autograd.
+- The forward launcher's annotated signature is the op's schema (as ``torch.library.custom_op`` infers it:
+  keyword-only arguments and defaults allowed). It returns its outputs, then its ``residuals`` (extra tensors
+  for the backward only, e.g. a norm's inverse standard deviation), as one tensor or a tuple.
+- The backward launcher gets ``ctx`` (every argument of the forward by name, the saved tensors by name,
+  ``ctx.needs_input_grad`` with one bool per forward argument) and one gradient per output. It returns one
+  gradient per tensor input (or per argument, as ``torch.autograd.Function`` does); only those asked for
+  are used.
+- ``reference``: the same function in plain PyTorch, float64-capable. Tests compare against it; CPU tensors
+  use it when Triton's interpreter is off.
+- Launchers never check for fake tensors: the launch helper (:func:`kernel`) records a launch while
+  torch.compile or torch.export trace the op, and skips it where only shapes exist.
+
+From that the pattern builds:
+
+- the public callable. In eager mode it skips the dispatcher and runs a ``torch.autograd.Function`` that
+  calls the launchers directly (a dispatcher round trip costs more host time than a small kernel); under
+  ``torch.no_grad()`` or when no input requires grad it calls the forward launcher alone, saving nothing;
+- the ``torch.library`` ops ``ns::name`` (outputs and residuals) and ``ns::name_backward``, registered with
+  ``torch.library.triton_op``: torch.compile and torch.export trace through them, so Inductor sees the Triton
+  kernels and launches them itself (no Python launcher per call in compiled code). Under Triton's
+  interpreter the kernels cannot be traced, and the ops are opaque custom ops instead. Autograd, fake
+  tensors, vmap (a loop over the batch) and, where declared, autocast are registered too;
+- checks every op shares: each tensor argument a Tensor (or None where optional), of a floating dtype (index
+  arguments: an integer dtype), all on one device; then the op's own ``validate``. Messages name the op,
+  the argument, its shape, dtype and device;
+- small CUDA inputs (at most :func:`set_small_input_threshold` elements in the first tensor, every tensor in
+  its dtype, contiguous, autocast off) go to the op's ``native`` PyTorch version where it has one: there the
+  host decides the time per call, and PyTorch's C++ autograd costs less host time than a Python
+  autograd.Function (docs/host-path.md). ``native`` may return ``NotImplemented`` to decline, and may raise
+  (PyTorch's own shape checks); then the op's checks run and raise tritongrad's message.
+
+Re-declaring an op in the same process (a notebook cell run twice) replaces its launchers, reference and
+checks in place; a new signature for the same name is refused with a message that says what to do.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
 from typing import Callable, Sequence
 
 import torch
@@ -46,18 +57,15 @@ import torch
 from . import _runtime as rt
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = rt.PLAIN_TENSORS
 
-_LIB = torch.library.Library("tritongrad", "DEF")
-
-# Inputs with at most this many elements in x go to the op's ``native`` PyTorch version (see above). Up to
-# 2**22 elements the kernels save at most ~11 us of GPU time per forward+backward and cost hundreds of
-# microseconds more host time per call than PyTorch's C++ autograd (benchmarks/NOTES.md, twelfth session).
+# Inputs with at most this many elements go to the op's ``native`` PyTorch version (see above; measured in
+# docs/host-path.md).
 SMALL_INPUT_THRESHOLD = 1 << 22
 _small = [SMALL_INPUT_THRESHOLD]
-
 
 # The small-input path serves CUDA tensors; tests set this to serve CPU tensors too, to check its handling of
 # bad arguments without a GPU.
@@ -65,36 +73,95 @@ _serve_cpu = [False]
 _is_compiling = torch.compiler.is_compiling
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+
+# Every op declared in this process, by qualified name: a re-declaration updates the entry in place.
+_OPS: dict[str, "Op"] = {}
 
 
 def set_small_input_threshold(numel: int) -> int:
-    """Inputs x of at most ``numel`` elements (on CUDA, all tensors of x's dtype, x contiguous) run PyTorch's
-    own ops instead of tritongrad's kernels, where host time, not the GPU, decides the time per call.
-    0 turns that off. Returns the previous threshold."""
+    """Inputs of at most ``numel`` elements (on CUDA, all tensors of one dtype, contiguous) run PyTorch's own
+    ops instead of tritongrad's kernels, where host time, not the GPU, decides the time per call. 0 turns that
+    off (e.g. before capturing CUDA graphs). Returns the previous threshold."""
     if type(numel) is not int or numel < 0:
         raise ValueError(f"tritongrad.set_small_input_threshold: numel must be an int >= 0, got {numel!r}")
     prev, _small[0] = _small[0], numel
     return prev
 
 
-def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
-    """View ``t`` as [N, D]: leading dims flattened into N, the last ``feature_dims`` dims into D.
+kernel = rt.Kernel
 
-    Kernels take both strides of the result, so sliced or transposed 2-D inputs are read in place; a copy
-    happens only when the leading dims (or the feature dims) cannot be merged into a single stride.
+
+def op(
+    name: str,
+    *,
+    reference: Callable,
+    validate: Callable | None = None,
+    residuals: Sequence[str] = (),
+    outputs: Sequence[str] | None = None,
+    save: Sequence[str] | None = None,
+    index: Sequence[str] = (),
+    native: Callable | None = None,
+    autocast: torch.dtype | None = None,
+) -> Callable[[Callable], "Op"]:
+    """Declare a differentiable operator from its forward launcher (decorated) and a PyTorch reference.
+
+    Args:
+        name: ``"namespace::name"``, e.g. ``"mylib::softcap"``: the torch.library name
+            (``torch.ops.mylib.softcap``; its backward is ``torch.ops.mylib.softcap_backward``).
+        reference: plain PyTorch with the launcher's signature, returning the outputs (no residuals);
+            differentiable and float64-capable. The tests' reference, and the CPU path without Triton.
+        validate: optional checks with the launcher's signature; raise with a message that names the
+            shapes. Type, dtype and device checks are done by the pattern.
+        residuals: names of the tensors the forward returns after its outputs, for the backward only.
+        outputs: names of the outputs (default ``out``, or ``out0``, ``out1``, ...), for ``save``.
+        save: what the backward reads as saved tensors: names of tensor inputs, outputs or residuals.
+            Default: every tensor input and every residual.
+        index: tensor arguments that hold indices (int64/int32, no gradient), e.g. class targets.
+        native: optional, for small inputs: the op in PyTorch's own ops with C++ autograd (module docstring).
+        autocast: under CUDA autocast, floating tensor inputs are cast to this dtype first, as PyTorch's
+            autocast policy does for e.g. layer_norm (``torch.float32``). None: autocast leaves the op alone.
+
+    Returns a decorator; the decorated launcher becomes the :class:`Op`, whose ``.backward`` decorator
+    attaches the backward launcher. Declaring a name again updates that op in place.
     """
-    if t.dim() == 2 and feature_dims == 1:
-        return t
-    n = 1
-    for s in t.shape[: t.dim() - feature_dims]:
-        n *= s
-    d = 1
-    for s in t.shape[t.dim() - feature_dims:]:
-        d *= s
-    try:
-        return t.view(n, d)
-    except RuntimeError:  # leading dims are not mergeable: e.g. a permuted 3-D tensor
-        return t.reshape(n, d)
+
+    def declare(forward: Callable) -> Op:
+        new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
+                 save=save, index=index, native=native, autocast=autocast)
+        old = _OPS.get(name)
+        if old is None:
+            _OPS[name] = new
+            return new
+        old._take_launchers_of(new)
+        return old
+
+    return declare
+
+
+def _tensor_kind(annotation) -> str | None:
+    """'tensor', 'optional' or None for a resolved annotation."""
+    if annotation is torch.Tensor:
+        return "tensor"
+    if typing.get_origin(annotation) is typing.Union and set(typing.get_args(annotation)) == {torch.Tensor, type(None)}:
+        return "optional"
+    return None
+
+
+def _count_returns(annotation, label: str) -> int:
+    if annotation is torch.Tensor:
+        return 1
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and args and all(a is torch.Tensor for a in args):
+        return len(args)
+    raise TypeError(
+        f"{label}: annotate the forward launcher's return as Tensor or tuple[Tensor, ...] (outputs, then "
+        f"residuals); got {annotation!r}"
+    )
+
+
+def _as_tuple(outs) -> tuple:
+    return outs if isinstance(outs, tuple) else tuple(outs) if isinstance(outs, list) else (outs,)
 
 
 class _Function(torch.autograd.Function):
@@ -102,98 +169,173 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: "Op", *args):
-        outs = op.forward(*args)
+        outs = _as_tuple(op.forward(*args))
         ctx.op = op
-        op._save(ctx, args, outs[1:])
-        return outs[0]
+        op._save(ctx, args, outs)
+        if op.n_outputs == 1:
+            return outs[0]
+        return outs[: op.n_outputs]
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         op: Op = ctx.op
-        args, residuals = op._restore(ctx)
         if torch.is_grad_enabled() and (
-            grad_out.requires_grad or any(t is not None and t.requires_grad for t in (*args, *residuals))
+            any(g is not None and g.requires_grad for g in grads)
+            or any(t is not None and t.requires_grad for t in ctx.saved_tensors)
         ):
             # create_graph=True: the launchers are not differentiable, so a second-order gradient would
             # silently miss terms. Refuse instead.
-            raise RuntimeError(f"tritongrad.{op.name}: double backward (create_graph=True) is not supported")
-        needs = tuple(ctx.needs_input_grad[1 + i] for i in op.tensor_positions)
-        grads = op.backward(grad_out, args, residuals, needs)
+            raise RuntimeError(f"{op.label}: double backward (create_graph=True) is not supported")
+        values = dict(zip(op._nontensor_names, ctx.nontensor_args))
+        values.update(zip(op.save, ctx.saved_tensors))
+        grads = op._grads(BackwardContext(op, values, ctx.needs_input_grad[1:]), grads)
         return (None, *op._pad(grads))
 
 
 class Op:
-    """One differentiable Triton operator: public callable + torch.library registration.
+    """A differentiable Triton operator declared with :func:`op`; call it with the launcher's signature.
 
-    ``schema`` lists the forward inputs in torch.library syntax, e.g. ``"Tensor x, Tensor w"`` or
-    ``"Tensor x, SymInt[] normalized_shape, Tensor? weight, float eps"``; ``n_residuals`` is the number of
-    extra tensors ``forward`` returns for the backward (e.g. the inverse standard deviation of a norm).
+    Attributes: ``qualname`` (``"mylib::softcap"``), ``signature``, ``outputs``, ``residuals``, ``save``,
+    ``forward`` and ``reference`` (the functions given), ``opoverload`` and ``backward_opoverload`` (the
+    registered torch.library ops).
     """
 
-    def __init__(
-        self,
-        name: str,
-        schema: str,
-        forward: Callable,
-        backward: Callable,
-        reference: Callable,
-        validate: Callable,
-        n_residuals: int = 0,
-        native: Callable | None = None,
-    ):
-        self.name = name
-        self.forward = forward
-        self.backward = backward
-        self.reference = reference
-        self._validate = validate
-        self.n_residuals = n_residuals
-        self.native = native
-        self.arg_names, types = [], []
-        for decl in (a.strip() for a in schema.split(",")):
-            typ, arg_name = decl.split()
-            types.append(typ)
-            self.arg_names.append(arg_name)
-        self.tensor_positions = tuple(i for i, t in enumerate(types) if t.startswith("Tensor"))
-        self._optional = frozenset(i for i, t in enumerate(types) if t == "Tensor?")
-        self._tensor_set = frozenset(self.tensor_positions)
-        self._param_positions = self.tensor_positions[1:]
-        self._n_args = len(types)
-        # A subclass per op, so that y.grad_fn reads e.g. <WeightedSumBackward>.
-        self._function = type("".join(p.title() for p in name.split("_")), (_Function,), {})
+    def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
+                 index=(), native=None, autocast=None):
+        if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
+            raise ValueError(f"tritongrad.op: name must be 'namespace::name', e.g. 'mylib::softcap', got {name!r}")
+        self.qualname = name
+        self.namespace, self.name = name.split("::")
+        self.label = f"{self.namespace}.{self.name}"
+        self.signature = inspect.signature(forward, eval_str=True)
+        params = list(self.signature.parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in params):
+            raise TypeError(f"{self.label}: the forward launcher takes named arguments only (no *args, **kwargs "
+                            f"or positional-only ones): {self.signature}")
+        self._params = params
+        self._names = [p.name for p in params]
+        self._nargs = len(params)
+        kinds = [_tensor_kind(p.annotation) for p in params]
+        self.tensor_positions = tuple(i for i, k in enumerate(kinds) if k is not None)
+        if not self.tensor_positions:
+            raise TypeError(f"{self.label}: the forward launcher takes no Tensor argument: {self.signature}")
+        self._optional = frozenset(i for i, k in enumerate(kinds) if k == "optional")
+        unknown = [n for n in index if n not in self._names or self._names.index(n) not in self.tensor_positions]
+        if unknown:
+            raise ValueError(f"{self.label}: index={tuple(index)} names {unknown}, which are not tensor arguments")
+        self._index = frozenset(self._names.index(n) for n in index)
+        self._diff_positions = tuple(i for i in self.tensor_positions if i not in self._index)
+        total = _count_returns(self.signature.return_annotation, self.label)
+        self.residuals = tuple(residuals)
+        self.n_outputs = total - len(self.residuals)
+        if self.n_outputs < 1:
+            raise ValueError(f"{self.label}: {total} returned tensors leave no output after residuals "
+                             f"{self.residuals}")
+        self.outputs = tuple(outputs) if outputs is not None else (
+            ("out",) if self.n_outputs == 1 else tuple(f"out{i}" for i in range(self.n_outputs)))
+        if len(self.outputs) != self.n_outputs:
+            raise ValueError(f"{self.label}: outputs={self.outputs} names {len(self.outputs)} outputs; the launcher "
+                             f"returns {self.n_outputs} (and {len(self.residuals)} residuals)")
+        returned = self.outputs + self.residuals
+        tensor_names = [self._names[i] for i in self.tensor_positions]
+        self.save = tuple(save) if save is not None else (*tensor_names, *self.residuals)
+        bad = [s for s in self.save if s not in tensor_names and s not in returned]
+        if bad:
+            raise ValueError(f"{self.label}: save={self.save} names {bad}: neither a tensor input "
+                             f"({', '.join(tensor_names)}) nor an output or residual ({', '.join(returned)})")
+        # Where each saved tensor comes from: ("arg", position) or ("out", index into the returned tuple).
+        self._save_src = tuple(("arg", self._names.index(s)) if s in tensor_names else ("out", returned.index(s))
+                               for s in self.save)
+        self._nontensor = tuple(i for i in range(self._nargs) if i not in self.tensor_positions)
+        self._nontensor_names = tuple(self._names[i] for i in self._nontensor)
+        self._defaults = [p.default for p in params]
+        self._first = self.tensor_positions[0]
+        self.autocast = autocast
+        self.forward, self.reference, self._validate, self.native = forward, reference, validate, native
+        self._backward_fn = None
+        self._fwd_def = None
+        # A Function subclass per op, so that y.grad_fn reads e.g. <SoftcapBackward>.
+        self._function = type("".join(p.title() for p in self.name.split("_")), (_Function,), {})
         # Function.apply minus its Python preamble (default-argument binding, functorch unwrapping), which
         # costs several microseconds per call and does nothing when no functorch transform is active.
         self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, self._function)
-        self._register(schema)
+        functools.update_wrapper(self, forward, updated=())
 
-    # ---------------------------------------------------------------- validation
-    def validate(self, *args) -> None:
+    def _layout(self) -> tuple:
+        return (str(self.signature), self.outputs, self.residuals, self.save, self._index, self.autocast)
+
+    def _take_launchers_of(self, new: "Op") -> None:
+        """A re-declaration: keep this op's registration, run the new launchers, reference and checks."""
+        if new._layout() != self._layout():
+            raise RuntimeError(
+                f"{self.label} is already declared in this process as {self.signature} (outputs {self.outputs}, "
+                f"residuals {self.residuals}, save {self.save}); the new declaration differs, and torch.library "
+                "cannot change a registered op. Keep the declaration, choose another name, or restart Python."
+            )
+        self.forward, self.reference, self._validate, self.native = new.forward, new.reference, new._validate, new.native
+        functools.update_wrapper(self, new.forward, updated=())
+
+    def backward(self, fn: Callable) -> Callable:
+        """Decorator: attach the backward launcher ``fn(ctx, *grad_outputs)`` and register the op."""
+        self._backward_fn = fn
+        self._register()
+        return fn
+
+    # ---------------------------------------------------------------- checks
+    def check(self, args: tuple) -> None:
+        """The checks every op shares (types, dtypes, one device), then the op's own ``validate``."""
         device = None
         for i in self.tensor_positions:
             t = args[i]
-            name = self.arg_names[i]
+            name = self._names[i]
             if t is None and i in self._optional:
                 continue
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"tritongrad.{self.name}: {name} must be a Tensor, got {type(t).__name__}")
-            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{self.label}: {name} must be a Tensor, got {type(t).__name__}")
+            if i in self._index:
+                if t.dtype not in INDEX_DTYPES:
+                    raise TypeError(f"{self.label}: {name} holds class indices and must be int64 or int32, got "
+                                    f"{t.dtype} of shape {tuple(t.shape)}")
+            elif t.dtype not in _FLOAT_SET:
                 raise TypeError(
-                    f"tritongrad.{self.name}: {name} has dtype {t.dtype}; supported dtypes are "
+                    f"{self.label}: {name} has dtype {t.dtype} (shape {tuple(t.shape)}); supported dtypes are "
                     "float16, bfloat16, float32 and float64"
                 )
             if device is None:
-                device, first = t.device, name
+                device, first = t.device, (name, tuple(t.shape))
             elif t.device != device:
                 raise ValueError(
-                    f"tritongrad.{self.name}: all tensors must be on one device, got {first} on {device} "
-                    f"and {name} on {t.device}"
+                    f"{self.label}: all tensors must be on one device, got {first[0]} {first[1]} on {device} "
+                    f"and {name} {tuple(t.shape)} on {t.device}"
                 )
-        self._validate(*args)
+        if self._validate is not None:
+            self._validate(*args)
 
     # ---------------------------------------------------------------- public entry point
-    def __call__(self, *args):
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """Positional and keyword arguments -> one value per parameter, defaults filled in."""
+        n = len(args)
+        if n > self._nargs:
+            raise TypeError(f"{self.label}() takes {self._nargs} arguments but {n} were given")
+        full = list(args) + self._defaults[n:]
+        for k, v in kwargs.items():
+            if k not in self._names:
+                raise TypeError(f"{self.label}() got an unexpected keyword argument {k!r}")
+            i = self._names.index(k)
+            if i < n:
+                raise TypeError(f"{self.label}() got multiple values for argument {k!r}")
+            full[i] = v
+        missing = [self._names[i] for i, v in enumerate(full) if v is inspect.Parameter.empty]
+        if missing:
+            raise TypeError(f"{self.label}() missing required argument(s): {', '.join(missing)}")
+        return tuple(full)
+
+    def __call__(self, *args, **kwargs):
+        if kwargs or len(args) != self._nargs:
+            args = self.bind(args, kwargs)
+        x = args[self._first]
         # Small inputs first (module docstring): a few attribute reads decide, and the argument checks are
         # left to PyTorch's ops and ``native``; whatever does not fit takes the checked path below.
-        x = args[0]
         if (
             self.native is not None
             and type(x) in _PLAIN
@@ -204,33 +346,52 @@ class Op:
             out = self._native_call(args, x)
             if out is not NotImplemented:
                 return out
-        self.validate(*args)
-        tensors = [args[i] for i in self.tensor_positions if args[i] is not None]
-        if _tracing(tensors):
-            outs = self._fwd_op(*args)
-            return outs[0] if self.n_residuals else outs
-        x = tensors[0]
+        self.check(args)
+        x = args[self._first]
+        if self.autocast is not None and x.is_cuda and torch.is_autocast_enabled():
+            with torch.autocast("cuda", enabled=False):
+                return self(*self._autocast_args(args))
         if not rt.uses_triton(x.device):
             return self.reference(*args)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            if torch._C._are_functorch_transforms_active():
-                return self._function.apply(self, *args)  # raises torch's own clear error for vmap/grad
+        if _is_compiling() or _dispatch_depth() or _functorch_active() or self._subclassed(args):
+            # Tracers, dispatch modes, torch.func transforms and tensor subclasses record or run the op.
+            return self._user(self.opoverload(*args))
+        if _grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._diff_positions):
             return self._apply(self, *args)
-        return self.forward(*args)[0]
+        return self._user(self.forward(*args))
+
+    def _subclassed(self, args) -> bool:
+        for i in self.tensor_positions:
+            if args[i] is not None and type(args[i]) not in _PLAIN:
+                return True
+        return False
+
+    def _autocast_args(self, args) -> tuple:
+        return tuple(
+            a.to(self.autocast) if i in self.tensor_positions and i not in self._index and a is not None
+            and a.dtype in _FLOAT_SET else a
+            for i, a in enumerate(args)
+        )
+
+    def _user(self, outs):
+        """The outputs a caller sees: residuals dropped, one tensor for one output."""
+        if not isinstance(outs, (tuple, list)):
+            return outs
+        return outs[0] if self.n_outputs == 1 else tuple(outs[: self.n_outputs])
 
     def _native_call(self, args, x):
         """``native(*args)`` where it computes what tritongrad's kernels would return, else NotImplemented:
-        x contiguous (the kernels return a contiguous y), every tensor plain (tracers, dispatch modes and
-        torch.func transforms record or refuse tritongrad's op) and of x's floating dtype on x's kind of
-        device (no mixed-precision semantics to match), autocast off (PyTorch's ops would change dtypes
-        under it, tritongrad's kernels do not)."""
+        x contiguous, every tensor plain (tracers, dispatch modes and torch.func transforms record or refuse
+        tritongrad's op) and of x's floating dtype on x's kind of device (no mixed-precision semantics to
+        match), autocast off (PyTorch's ops would change dtypes under it)."""
         dtype = x.dtype
         if dtype not in _FLOAT_SET or not x.is_contiguous():
             return NotImplemented
-        for i in self._param_positions:
+        for i in self.tensor_positions:
             t = args[i]
-            if t is not None and (
-                type(t) not in _PLAIN or t.dtype is not dtype or not (t.is_cuda or _serve_cpu[0] and t.is_cpu)
+            if t is not None and t is not x and (
+                type(t) not in _PLAIN or (i not in self._index and t.dtype is not dtype)
+                or not (t.is_cuda or _serve_cpu[0] and t.is_cpu)
             ):
                 return NotImplemented
         # torch.is_autocast_enabled() is CUDA's autocast, and half the host time of the device-type form.
@@ -241,124 +402,205 @@ class Op:
         except Exception as e:
             error = e
         # Outside the handler, so that tritongrad's message is not shown as raised while handling PyTorch's.
-        self.validate(*args)
+        self.check(args)
         raise error
 
-    def _save(self, ctx, args, residuals) -> None:
-        """Keep what the backward needs: tensor inputs and residuals as saved tensors, the rest on ctx."""
-        ctx.nontensor_args = [None if i in self._tensor_set else a for i, a in enumerate(args)]
-        ctx.save_for_backward(*[args[i] for i in self.tensor_positions], *residuals)
+    # ---------------------------------------------------------------- autograd plumbing
+    def _save(self, ctx, args, outs) -> None:
+        """Keep what the backward needs: the saved tensors, and the non-tensor arguments on ctx."""
+        ctx.nontensor_args = [args[i] for i in self._nontensor]
+        ctx.save_for_backward(*[args[j] if src == "arg" else outs[j] for src, j in self._save_src])
 
-    def _restore(self, ctx) -> tuple[tuple, tuple]:
-        """``(args, residuals)`` as they were given to :meth:`_save`."""
-        saved = ctx.saved_tensors
+    def _grads(self, bctx: "BackwardContext", grads) -> list:
+        """The backward launcher's result as one gradient (or None) per tensor input."""
+        if self._backward_fn is None:
+            raise RuntimeError(f"{self.label} has no backward: declare one with @{self.name}.backward")
+        got = _as_tuple(self._backward_fn(bctx, *grads))
         k = len(self.tensor_positions)
-        args = list(ctx.nontensor_args)
-        for i, t in zip(self.tensor_positions, saved[:k]):
-            args[i] = t
-        return tuple(args), saved[k:]
+        if len(got) == self._nargs and len(got) != k:
+            got = [got[i] for i in self.tensor_positions]
+        if len(got) != k:
+            raise RuntimeError(
+                f"{self.label}: the backward returned {len(got)} gradients; expected one per tensor input "
+                f"({k}: {', '.join(self._names[i] for i in self.tensor_positions)}) or one per argument ({self._nargs})"
+            )
+        out = []
+        for i, g in zip(self.tensor_positions, got):
+            if not bctx.needs_input_grad[i] or i in self._index:
+                out.append(None)
+            elif g is None:
+                raise RuntimeError(f"{self.label}: the backward returned None for {self._names[i]}, whose gradient "
+                                   "was asked for")
+            else:
+                out.append(g)
+        return out
 
     def _pad(self, grads: Sequence) -> tuple:
-        """Gradients of the tensor inputs -> one entry per input (None for non-tensor args)."""
-        out = [None] * self._n_args
+        """Gradients of the tensor inputs -> one entry per argument (None for non-tensor args)."""
+        out = [None] * self._nargs
         for i, g in zip(self.tensor_positions, grads):
             out[i] = g
         return tuple(out)
 
     # ---------------------------------------------------------------- torch.library registration
-    def _register(self, schema: str) -> None:
-        name = self.name
-        outs = ", ".join(["Tensor"] * (1 + self.n_residuals))
-        ret = "Tensor" if self.n_residuals == 0 else f"({outs})"
-        residual_decl = "".join(f", Tensor residual{i}" for i in range(self.n_residuals))
-        _LIB.define(f"{name}({schema}) -> {ret}")
-        _LIB.define(f"{name}_backward(Tensor grad_out, {schema}{residual_decl}, bool[] needs) -> Tensor[]")
-        fwd_qual, bwd_qual = f"tritongrad::{name}", f"tritongrad::{name}_backward"
+    @property
+    def opoverload(self) -> torch._ops.OpOverload:
+        """The registered forward, ``torch.ops.<namespace>.<name>.default``: outputs, then residuals."""
+        self._register()
+        return self._fwd_def._opoverload
 
-        def unwrap(outs):
-            return outs if self.n_residuals else outs[0]
+    @property
+    def backward_opoverload(self) -> torch._ops.OpOverload:
+        """``torch.ops.<namespace>.<name>_backward.default``: (grad per output, saved tensors, non-tensor
+        arguments, needs per tensor input) -> the gradients asked for."""
+        self._register()
+        return self._bwd_def._opoverload
 
-        def fwd_kernel(*args):
-            self.validate(*args)
-            tensors = [args[i] for i in self.tensor_positions if args[i] is not None]
-            if rt.uses_triton(tensors[0].device):
-                return unwrap(self.forward(*args))
-            # PyTorch path: the output from the reference; residuals are shaped like the launcher's but
-            # unused, since the backward of this path differentiates the reference.
-            meta = self.forward(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
-            out = self.reference(*args)
-            return unwrap((out, *[torch.zeros(r.shape, dtype=r.dtype, device=out.device) for r in meta[1:]]))
+    def _register(self) -> None:
+        if self._fwd_def is not None:
+            return
+        self._fwd_def, self._bwd_def = _register(self)
 
-        def fwd_fake(*args):
-            self.validate(*args)
-            return unwrap(self.forward(*args))
-
-        def split_bwd_args(all_args):
-            grad_out = all_args[0]
-            args = all_args[1 : 1 + self._n_args]
-            residuals = all_args[1 + self._n_args : 1 + self._n_args + self.n_residuals]
-            needs = tuple(all_args[-1])
-            return grad_out, args, residuals, needs
-
-        def needed(grads, needs):
-            return [g for g, n in zip(grads, needs) if n]
-
-        def bwd_kernel(*all_args):
-            grad_out, args, residuals, needs = split_bwd_args(all_args)
-            if rt.uses_triton(grad_out.device):
-                return needed(self.backward(grad_out, args, residuals, needs), needs)
-            return needed(self._reference_backward(grad_out, args, needs), needs)
-
-        def bwd_fake(*all_args):
-            grad_out, args, residuals, needs = split_bwd_args(all_args)
-            return needed(self.backward(grad_out, args, residuals, needs), needs)
-
-        for key in ("CPU", "CUDA"):
-            _LIB.impl(name, fwd_kernel, key)
-            _LIB.impl(f"{name}_backward", bwd_kernel, key)
-        torch.library.register_fake(fwd_qual, fwd_fake, lib=_LIB)
-        torch.library.register_fake(bwd_qual, bwd_fake, lib=_LIB)
-
-        def setup_context(ctx, inputs, output):
-            self._save(ctx, inputs, output[1:] if self.n_residuals else ())
-
-        def backward(ctx, grad_out, *_residual_grads):
-            args, residuals = self._restore(ctx)
-            needs = [ctx.needs_input_grad[i] for i in self.tensor_positions]
-            grads = iter(self._bwd_op(grad_out, *args, *residuals, needs))
-            return self._pad([next(grads) if n else None for n in needs])
-
-        torch.library.register_autograd(fwd_qual, backward, setup_context=setup_context, lib=_LIB)
-
-        def no_double_backward(ctx, *grads):
-            raise RuntimeError(f"tritongrad.{name}: double backward (create_graph=True) is not supported")
-
-        torch.library.register_autograd(bwd_qual, no_double_backward, lib=_LIB)
-        self._fwd_op = getattr(torch.ops.tritongrad, name).default
-        self._bwd_op = getattr(torch.ops.tritongrad, f"{name}_backward").default
-
-    def _reference_backward(self, grad_out, args, needs):
-        """Backward of the PyTorch path: the reference's vector-Jacobian product. torch.func.vjp works
-        inside a dispatcher kernel, where the autograd keys are already handled."""
-        wanted = [i for i, n in zip(self.tensor_positions, needs) if n]
+    def _reference_backward(self, grads, bctx: "BackwardContext") -> list:
+        """The backward of the PyTorch path (no Triton for these tensors): the reference's vector-Jacobian
+        product. It needs the tensor inputs, so it works where the op saves them (the default)."""
+        missing = [self._names[i] for i in self._diff_positions if self._names[i] not in self.save]
+        if missing:
+            raise RuntimeError(f"{self.label}: tensors on a device Triton does not serve need the reference's "
+                               f"backward, which needs {missing} saved (save={self.save})")
+        args = [bctx.__dict__.get(n) for n in self._names]
+        wanted = [i for i in self._diff_positions if bctx.needs_input_grad[i]]
 
         def f(*diff):
             full = list(args)
             for i, t in zip(wanted, diff):
                 full[i] = t
-            return self.reference(*full)
+            return _as_tuple(self.reference(*full))
 
         _, vjp = torch.func.vjp(f, *[args[i] for i in wanted])
-        got = iter(g.detach() for g in vjp(grad_out))
-        return [next(got) if n else None for n in needs]
+        got = dict(zip(wanted, (g.detach() for g in vjp(tuple(grads)))))
+        return [got.get(i) for i in self.tensor_positions]
+
+    def __repr__(self) -> str:
+        return f"<tritongrad op {self.qualname}{self.signature}>"
 
 
-def _tracing(tensors: list[torch.Tensor]) -> bool:
-    """True under torch.compile/export tracing, a dispatch mode (make_fx, FakeTensorMode) or for tensor
-    subclasses: then the registered op must be used so the trace records it."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return True
-    for t in tensors:
-        if type(t) not in _PLAIN:
-            return True
-    return False
+class BackwardContext:
+    """What a backward launcher receives as ``ctx``: the forward's non-tensor arguments and saved tensors as
+    attributes, ``needs_input_grad`` (one bool per forward argument) and ``op`` (the :class:`Op`)."""
+
+    def __init__(self, op: Op, values: dict, needs_input_grad: tuple):
+        self.__dict__.update(values)
+        self.op = op
+        self.needs_input_grad = needs_input_grad
+
+    def __getattr__(self, name: str):
+        # Reached only for names not set in __init__: a tensor the declaration did not save.
+        op = self.__dict__.get("op")
+        if op is not None and (name in op._names or name in op.outputs or name in op.residuals):
+            raise AttributeError(f"{op.label}: the backward reads ctx.{name}, which is not saved; add {name!r} to "
+                                 f"the op's save=... (saved now: {', '.join(op.save) or 'nothing'})")
+        raise AttributeError(name)
+
+
+def _register(op: Op):
+    """Register ``op`` and its backward with torch.library; returns their CustomOpDefs."""
+    n_returned = op.n_outputs + len(op.residuals)
+    ret = torch.Tensor if n_returned == 1 else tuple[(torch.Tensor,) * n_returned]
+    # The registered schema takes every argument positionally, without defaults: the Op binds keywords and
+    # defaults before it calls the registered op.
+    params = [p.replace(default=inspect.Parameter.empty, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+              for p in op._params]
+
+    def fwd_impl(*args):
+        op.check(args)
+        device = args[op._first].device
+        if rt.uses_triton(device):
+            return _one(_as_tuple(op.forward(*args)))
+        # The PyTorch path: outputs of the reference, and empty residuals (its backward is the reference's).
+        out = _as_tuple(op.reference(*args))
+        return _one((*out, *[torch.empty(0, device=device) for _ in op.residuals]))
+
+    fwd_impl.__signature__ = inspect.Signature(params, return_annotation=ret)
+
+    P = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    grad_params = [inspect.Parameter(f"grad_{n}", P, annotation=torch.Tensor) for n in op.outputs]
+    saved_params = [inspect.Parameter(f"saved_{n}", P, annotation=typing.Optional[torch.Tensor]) for n in op.save]
+    tail = [params[i] for i in op._nontensor] + [inspect.Parameter("needs", P, annotation=list[bool])]
+    n_grads, n_saved = len(grad_params), len(saved_params)
+
+    def bwd_impl(*all_args):
+        grads = all_args[:n_grads]
+        needs = all_args[-1]
+        full_needs = [False] * op._nargs
+        for i, n in zip(op.tensor_positions, needs):
+            full_needs[i] = bool(n)
+        values = dict(zip(op._nontensor_names, all_args[n_grads + n_saved:-1]))
+        values.update(zip(op.save, all_args[n_grads:n_grads + n_saved]))
+        bctx = BackwardContext(op, values, tuple(full_needs))
+        if rt.uses_triton(grads[0].device):
+            got = op._grads(bctx, grads)
+        else:
+            got = op._reference_backward(grads, bctx)
+        return [g for g, n in zip(got, needs) if n]
+
+    bwd_impl.__signature__ = inspect.Signature([*grad_params, *saved_params, *tail],
+                                               return_annotation=list[torch.Tensor])
+    fwd_def = _define(op.qualname, fwd_impl)
+    bwd_def = _define(op.qualname + "_backward", bwd_impl)
+
+    def setup_context(ctx, inputs, output):
+        outs = _as_tuple(output)
+        op._save(ctx, inputs, outs)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs[: op.n_outputs]]
+
+    def backward(ctx, *grads):
+        needs = [bool(ctx.needs_input_grad[i]) and i not in op._index for i in op.tensor_positions]
+        if not any(needs):
+            return op._pad([None] * len(needs))
+        # An output that did not reach the loss gets no gradient from autograd: zeros, as the launcher expects.
+        g = [gr if gr is not None else torch.zeros(s, dtype=d, device=dv)
+             for gr, (s, d, dv) in zip(grads[: op.n_outputs], ctx.out_meta)]
+        got = iter(bwd_def._opoverload(*g, *ctx.saved_tensors, *ctx.nontensor_args, needs))
+        return op._pad([next(got) if n else None for n in needs])
+
+    fwd_def.register_autograd(backward, setup_context=setup_context)
+
+    def no_double_backward(ctx, *grads):
+        raise RuntimeError(f"{op.label}: double backward (create_graph=True) is not supported")
+
+    bwd_def.register_autograd(no_double_backward)
+    fwd_def.register_vmap(functools.partial(_vmap_loop, fwd_def))
+    if op.autocast is not None:
+        fwd_def.register_autocast("cuda", op.autocast)
+    rt.note_kernels(op.qualname, op.forward)
+    rt.note_kernels(op.qualname + "_backward", op._backward_fn)
+    return fwd_def, bwd_def
+
+
+def _one(outs: tuple):
+    return outs[0] if len(outs) == 1 else outs
+
+
+def _define(qualname: str, impl: Callable):
+    """``torch.library.triton_op`` where the Triton kernels compile for a GPU: torch.compile and torch.export
+    trace through ``impl`` and see its kernels. Otherwise (Triton's interpreter, or no GPU) an opaque
+    ``torch.library.custom_op`` whose fake implementation is ``impl`` itself, launches skipped on fake tensors
+    (``rt.Kernel``): interpreted kernels cannot be traced."""
+    if rt.INTERPRET or not torch.cuda.is_available():
+        d = torch.library.custom_op(qualname, impl, mutates_args=())
+        d.register_fake(impl)
+        return d
+    return torch.library.triton_op(qualname, impl, mutates_args=())
+
+
+def _vmap_loop(op_def, info, in_dims, *args):
+    """vmap without a batching rule of the op's own: one call per batch element, stacked."""
+    n = info.batch_size
+    outs = []
+    for b in range(n):
+        sliced = [a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)]
+        outs.append(op_def._opoverload(*sliced))
+    if isinstance(outs[0], (tuple, list)):
+        return tuple(torch.stack(o) for o in zip(*outs)), tuple(0 for _ in outs[0])
+    return torch.stack(outs), 0

@@ -1,7 +1,11 @@
-"""What every launcher needs to know about the machine, computed once.
+"""What every launcher needs to know about the machine, computed once, and the launch helper.
 
 - whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1`` set before triton was imported);
 - which devices the Triton kernels serve;
+- :class:`Kernel` (public as ``tritongrad.kernel``): launches a ``@triton.jit`` function with little host
+  time in eager mode, records it for torch.compile/export while they trace, and skips it on fake tensors;
+- ``as_rows`` (a tensor as [N, D] without copying where strides allow) and ``hint`` (a size to plan with,
+  symbolic or not);
 - cached device properties (the SM count sizes persistent grids; shared memory bounds pipelining);
 - the accumulation dtype of an input dtype, and its Triton spelling;
 - launch heuristics shared by ops: the row split of a column reduction's first stage, the row tile of
@@ -11,8 +15,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import struct
+import types
 from typing import NamedTuple
 
 import torch
@@ -32,6 +38,9 @@ def _probe_kernel():
 INTERPRET: bool = type(_probe_kernel).__name__ == "InterpretedFunction"
 
 
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def uses_triton(device: torch.device) -> bool:
     """True when the Triton kernels serve tensors on ``device``; False means the PyTorch path does."""
     return device.type == "cuda" or INTERPRET
@@ -40,6 +49,36 @@ def uses_triton(device: torch.device) -> bool:
 def is_fake(t: torch.Tensor) -> bool:
     """Fake and meta tensors carry shapes only: launchers allocate outputs for them and launch nothing."""
     return t.is_meta or isinstance(t, FakeTensor)
+
+
+def hint(n) -> int:
+    """An int to choose a launch plan by: ``n`` itself, or a symbolic size's hint while torch.compile traces
+    with dynamic shapes (no guard is added). Plans may depend on hints only for speed: grids and buffer
+    sizes take the size itself, so the traced launch is right for every value."""
+    if type(n) is int:
+        return n
+    h = getattr(getattr(n, "node", None), "hint", None)
+    return int(h) if h is not None else int(n)
+
+
+def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
+    """View ``t`` as [N, D]: leading dims flattened into N, the last ``feature_dims`` dims into D.
+
+    Kernels take both strides of the result, so sliced or transposed 2-D inputs are read in place; a copy
+    happens only when the leading dims (or the feature dims) cannot be merged into a single stride.
+    """
+    if t.dim() == 2 and feature_dims == 1:
+        return t
+    n = 1
+    for s in t.shape[: t.dim() - feature_dims]:
+        n *= s
+    d = 1
+    for s in t.shape[t.dim() - feature_dims:]:
+        d *= s
+    try:
+        return t.view(n, d)
+    except RuntimeError:  # leading dims are not mergeable: e.g. a permuted 3-D tensor
+        return t.reshape(n, d)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,34 +220,44 @@ def _hooks_active() -> bool:
 
 
 class Kernel:
-    """``Kernel(jit_fn)[grid](*args, num_warps=..., **constexprs)``: launches like ``jit_fn[grid]``.
+    """``Kernel(jit_fn)[grid](*args, num_warps=..., **constexprs)`` launches like ``jit_fn[grid]``; public as
+    ``tritongrad.kernel``. The first argument must be a tensor (it picks the device and the mode):
 
-    Triton's launch path re-binds every argument and recomputes its cache key on each call (tens of
-    microseconds of Python on a slow host, more than a small kernel runs). After the first launch of a
-    specialization this class keeps the compiled kernel under the same properties Triton specializes on
-    (dtypes, 16-byte alignment of pointers, integers equal to 1 / divisible by 16 / beyond int32,
-    constexpr values, device) and calls its launcher directly. The interpreter, and launches while a
-    Triton launch hook is installed (profilers), take Triton's own path.
+    - plain tensors (eager): Triton's launch path re-binds every argument and recomputes its cache key on each
+      call (tens of microseconds of Python on a slow host, more than a small kernel runs). After the first
+      launch of a specialization this keeps the compiled kernel under the same properties Triton specializes
+      on (dtypes, 16-byte alignment of pointers, integers equal to 1 / divisible by 16 / beyond int32,
+      constexpr values, device) and calls its launcher directly. The interpreter, and launches while a
+      Triton launch hook is installed (profilers), take Triton's own path;
+    - traced tensors (torch.compile's functionalization, AOTInductor): ``torch.library.wrap_triton``, so the
+      graph holds the kernel and Inductor launches it;
+    - fake or meta tensors (shape propagation): nothing runs.
     """
 
     def __init__(self, fn):
+        if isinstance(fn, Kernel):
+            fn = fn.fn
         self.fn = fn
         self._cache: dict = {}
         self._constexpr_names = [p.name for p in fn.params if p.is_constexpr] if not INTERPRET else []
+        functools.update_wrapper(self, fn, updated=())
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, num_warps: int = 4, **constexprs):
+        a0 = args[0]
+        if type(a0) not in PLAIN_TENSORS or a0.is_meta:
+            return self._traced(grid, args, num_warps, constexprs)
         if INTERPRET:
             # A compiled kernel receives a Python float as float32; the interpreter would keep float64. Round
-            # it here, so that CPU tests compute with the value a GPU gets (rt.split_float).
+            # it here, so that CPU tests compute with the value a GPU gets (split_float).
             args = [split_float(a)[0] if type(a) is float else a for a in args]
             return self.fn[grid](*args, num_warps=num_warps, **constexprs)
         device = _driver.active.get_current_device()
-        # Triton launches on the current device; the first argument of every tritongrad kernel is a tensor,
-        # and a model spread over several GPUs must not launch its kernels on the wrong one.
-        owner = args[0].get_device()
+        # Triton launches on the current device; a model spread over several GPUs must not launch its
+        # kernels on the wrong one.
+        owner = a0.get_device()
         if owner != device:
             with torch.cuda.device(owner):
                 return self._launch(grid, *args, num_warps=num_warps, **constexprs)
@@ -225,3 +274,62 @@ class Kernel:
             compiled.function, compiled.packed_metadata, None, None, None,
             *args, *[constexprs[n] for n in self._constexpr_names],
         )
+
+    def _traced(self, grid, args, num_warps, constexprs) -> None:
+        a0 = args[0]
+        if INTERPRET or a0.is_meta or isinstance(a0, FakeTensor):
+            return  # shapes only: the outputs were allocated, nothing to compute
+        torch.library.wrap_triton(self.fn)[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+
+
+def note_kernels(qualname: str, fn) -> None:
+    """Tell torch.compile's caches which Triton kernels the launcher ``fn`` (and what it calls) launches, so
+    that a changed kernel source changes their keys. ``torch.library.triton_op`` finds only kernels wrapped
+    with ``wrap_triton`` in the function's own source; launchers here launch through :class:`Kernel`."""
+    if fn is None or INTERPRET:
+        return
+    try:
+        from torch._library import triton as lib_triton
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    found, seen = [], set()
+
+    def take(v) -> bool:
+        k = v.fn if isinstance(v, Kernel) else v
+        if isinstance(k, JITFunction):
+            if all(k is not f for f in found):
+                found.append(k)
+            return True
+        return False
+
+    def visit(f, depth: int) -> None:
+        f = inspect.unwrap(f)
+        code = getattr(f, "__code__", None)
+        if code is None or depth > 6 or id(f) in seen:
+            return
+        seen.add(id(f))
+        names, stack = set(), [code]
+        while stack:
+            c = stack.pop()
+            names.update(c.co_names)
+            names.update(c.co_freevars)
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        scope = dict(getattr(f, "__globals__", {}))
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            try:
+                scope[name] = cell.cell_contents
+            except ValueError:
+                pass
+        for name in names:
+            v = scope.get(name)
+            if v is None or take(v):
+                continue
+            if isinstance(v, types.ModuleType):
+                for attr in names:
+                    take(getattr(v, attr, None))
+            elif inspect.isfunction(v) or isinstance(v, functools._lru_cache_wrapper):
+                visit(v, depth + 1)
+
+    visit(fn, 0)
+    lib_triton.triton_ops_to_kernels[qualname] = found

@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from .ops.layer_norm import layer_norm
-from .ops.rms_norm import rms_norm
+from .ops.norm import layer_norm, llama_rms_norm, rms_norm
 from .ops.weighted_sum import weighted_sum
 
 
@@ -58,3 +57,9 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+# ---------------------------------------------------------------- losses (ops/cross_entropy)
+
+
+# ---------------------------------------------------------------- MLP (ops/swiglu)

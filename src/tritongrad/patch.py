@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 from . import nn as tg_nn
-from .ops.rms_norm import llama_rms_norm
+from .ops.norm import llama_rms_norm
 
 # torch class -> tritongrad subclass overriding forward only.
 _TORCH = {torch.nn.RMSNorm: tg_nn.RMSNorm, torch.nn.LayerNorm: tg_nn.LayerNorm}

@@ -33,7 +33,7 @@ def column_sum(part: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None 
                          f"elements for a partial buffer of {M} columns")
     if M == 0:
         return out
-    BLOCK_M, BLOCK_P, num_warps = _plan(P, M)
+    BLOCK_M, BLOCK_P, num_warps = _plan(rt.hint(P), rt.hint(M))
     _kernel[(rt.cdiv(M, BLOCK_M),)](
         part, out, out2, P, M, M1, part.stride(0), out.stride(0), out2.stride(0) if out2 is not None else 0,
         BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, HAS_OUT2=out2 is not None, ACC=rt.tl_acc_dtype(part.dtype),

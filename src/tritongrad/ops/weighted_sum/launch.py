@@ -1,4 +1,4 @@
-"""Host side of weighted_sum: launch heuristics, launchers, registration.
+"""weighted_sum: launch plans, the forward and backward launchers, and the op's declaration.
 
 Bytes each pass must move (the bandwidth floor; ``tritongrad bench`` uses these):
   forward : read x + read w + write y                       = N*D*sx + D*sw + N*sy
@@ -7,9 +7,8 @@ Bytes each pass must move (the bandwidth floor; ``tritongrad bench`` uses these)
 
 The backward's two gradients are independent streams: grad_x = g * w only writes, grad_w = sum_n x * g only
 reads. Small inputs, and inputs of few rows, take both in one launch; large inputs of many rows take two
-launches, a read-only pass and then a write-only pass: the same bytes, moved in 5-13% less time on an H200
-(benchmarks/NOTES.md, "weighted_sum backward in two passes"). Reading first lets the backward of an op that
-ran last in the forward find the tail of x still in L2 (benchmarks/NOTES.md, ninth session).
+launches, a read-only pass and then a write-only pass: the same bytes in less time (docs/weighted-sum.md).
+Reading first lets the backward of an op that ran last in the forward find the tail of x still in L2.
 """
 
 from __future__ import annotations
@@ -18,16 +17,16 @@ import functools
 
 import torch
 
-from ... import _pattern
 from ... import _runtime as rt
+from ..._pattern import kernel, op
 from ..column_sum import column_sum
 from . import kernels
 from .reference import weighted_sum_reference
 
-_fwd_kernel = rt.Kernel(kernels._weighted_sum_fwd_kernel)
-_bwd_kernel = rt.Kernel(kernels._weighted_sum_bwd_kernel)
+_fwd_kernel = kernel(kernels._weighted_sum_fwd_kernel)
+_bwd_kernel = kernel(kernels._weighted_sum_bwd_kernel)
 
-# Launch knobs, chosen by sweeps on an H200 (benchmarks/NOTES.md). Keyed by element size: 16-bit inputs
+# Launch knobs, chosen by sweeps on an H200 (docs/weighted-sum.md). Keyed by element size: 16-bit inputs
 # move half the bytes per element, so they want different pipelining than float32.
 # The forward, by element size: (bytes of x per program step, warps, pipelining depth of the D loop).
 _FWD = {2: (16384, 8, 1), 4: (32768, 8, 2), 8: (16384, 4, 1)}
@@ -50,14 +49,13 @@ _MAX_GRID_Y = 65535                    # CUDA's limit on the grid's second axis 
 
 @functools.lru_cache(maxsize=1024)
 def _fwd_config(N: int, D: int, elem: int, sms: int):
+    """``(BLOCK_N, BLOCK_D, split, d_per_split, stages, warps)`` of the forward; N is a plan hint."""
     tile_bytes, warps, stages = _FWD[elem]
     tile = tile_bytes // elem
     # Whole rows per step up to a tile (one reduction per row and step); longer rows loop over D.
     BLOCK_D = min(rt.next_pow2(D), tile)
     # Rows whose steps would leave many lanes masked (5120 in one step of 8192: 37.5%) step over a power of
-    # two that divides D instead (five steps of 1024), when one that wide exists. Measured on an H200 (x of
-    # 256 MB, forward launcher): 5120 columns bf16 76.3 -> 69.3 us, float32 100.2 -> 72.0; 2560 bf16 76.9 ->
-    # 68.9, float32 78.9 -> 73.6. At 3072 (25% masked) it made no difference, so only worse cases switch.
+    # two that divides D instead (five steps of 1024), when one that wide exists (docs/weighted-sum.md).
     exact = min(D & -D, tile)
     if D <= _FWD_MASKED_MAX * rt.cdiv(D, BLOCK_D) * BLOCK_D and exact >= _FWD_MIN_EXACT_BLOCK_D:
         BLOCK_D = exact
@@ -67,7 +65,7 @@ def _fwd_config(N: int, D: int, elem: int, sms: int):
     split = min(rt.cdiv(D, BLOCK_D), max(1, _FWD_PROGS_PER_SM * sms // row_tiles))
     d_per_split = rt.cdiv(rt.cdiv(D, split), BLOCK_D) * BLOCK_D
     split = rt.cdiv(D, d_per_split)
-    return BLOCK_N, BLOCK_D, row_tiles, split, d_per_split, stages, warps
+    return BLOCK_N, BLOCK_D, split, d_per_split, stages, warps
 
 
 def _column_block(D: int, block_d: int) -> int:
@@ -77,7 +75,8 @@ def _column_block(D: int, block_d: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_config(N: int, D: int, elem: int, sms: int, fused: bool = True):
-    """The launch that writes grad_w's partial rows (and grad_x too when ``fused``)."""
+    """The launch that writes grad_w's partial rows (and grad_x too when ``fused``): ``(BLOCK_N, BLOCK_D,
+    d_blocks, rows_per_prog, stages)``; N is a plan hint, the row chunks are ``cdiv(N, rows_per_prog)``."""
     tile = _TILE_BYTES // elem
     # Few rows (e.g. 16 x 1M): wide column blocks of a few rows, so that each program still moves full tiles
     # and loops over several row steps (one-step programs of all the rows cannot pipeline their loads).
@@ -85,80 +84,18 @@ def _bwd_config(N: int, D: int, elem: int, sms: int, fused: bool = True):
     BLOCK_N = max(1, min(tile // BLOCK_D, rt.next_pow2(N)))
     d_blocks = rt.cdiv(D, BLOCK_D)
     progs_per_sm = _BWD_PROGS_PER_SM[elem] if fused else _GW_PROGS_PER_SM
-    chunks, rows_per_prog = rt.row_split(N, BLOCK_N, sms, d_blocks, progs_per_sm)
+    _, rows_per_prog = rt.row_split(N, BLOCK_N, sms, d_blocks, progs_per_sm)
     stages = _BWD_STAGES[elem] if fused else _GW_STAGES
-    return BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages
+    return BLOCK_N, BLOCK_D, d_blocks, rows_per_prog, stages
 
 
 @functools.lru_cache(maxsize=1024)
 def _gx_config(N: int, D: int, elem: int):
-    """The write-only grad_x launch: one program per tile, nothing to reduce, so no persistent grid."""
+    """The write-only grad_x launch, ``(BLOCK_N, BLOCK_D, d_blocks)``: one program per tile, nothing to
+    reduce, so no persistent grid."""
     BLOCK_D = _column_block(D, min(rt.next_pow2(D), _GX_MAX_BLOCK_D))
     BLOCK_N = max(1, min(_TILE_BYTES // elem // BLOCK_D, rt.next_pow2(N)))
-    return BLOCK_N, BLOCK_D, rt.cdiv(D, BLOCK_D), rt.cdiv(N, BLOCK_N)
-
-
-def _forward(x: torch.Tensor, w: torch.Tensor):
-    out_dtype = torch.promote_types(x.dtype, w.dtype)
-    y = torch.empty(x.shape[:-1], dtype=out_dtype, device=x.device)
-    if rt.is_fake(x):
-        return (y,)
-    x2 = _pattern.as_rows(x)
-    N, D = x2.shape
-    if N == 0 or D == 0:
-        return (y.zero_(),)
-    BLOCK_N, BLOCK_D, row_tiles, split, d_per_split, stages, warps = _fwd_config(
-        N, D, x.element_size(), rt.sm_count(x.device)
-    )
-    out = y if split == 1 else torch.empty((split, N), dtype=rt.acc_dtype(out_dtype), device=x.device)
-    _fwd_kernel[(row_tiles, split)](
-        x2, w, out, N, D, x2.stride(0), x2.stride(1), w.stride(0), out.stride(0) if split > 1 else 0,
-        d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, STAGES=stages, ACC=rt.tl_acc_dtype(out_dtype),
-        ALIGN=rt.align(D, x2.stride(0)), num_warps=warps,
-    )
-    if split > 1:
-        column_sum(out, y.view(-1))
-    return (y,)
-
-
-def _backward(grad_y: torch.Tensor, args, residuals, needs):
-    x, w = args
-    need_x, need_w = needs
-    gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-    gw = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_w else None
-    if rt.is_fake(x) or not (need_x or need_w):
-        return gx, gw
-    x2 = _pattern.as_rows(x)
-    N, D = x2.shape
-    if N == 0 or D == 0:
-        return gx, (gw.zero_() if need_w else None)
-    g = grad_y.reshape(N)  # a view for contiguous or expanded (stride 0) grad_y
-    elem = x.element_size()
-    acc = rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype))
-    gx2 = gx.view(N, D) if need_x else None
-    fused = need_x and need_w and (N * D * elem < _SPLIT_BWD_BYTES or N < _SPLIT_BWD_ROWS)
-    align = rt.align(D, x2.stride(0))  # grad_x and the partial buffer have rows of D
-    if need_w:  # grad_w's partial rows (and grad_x too when fused)
-        BLOCK_N, BLOCK_D, d_blocks, chunks, rows_per_prog, stages = _bwd_config(
-            N, D, elem, rt.sm_count(x.device), fused
-        )
-        part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
-        _bwd_kernel[(chunks, d_blocks)](
-            x2, w, g, gx2 if fused else None, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
-            gx2.stride(0) if fused else 0, part.stride(0) if chunks > 1 else 0, rows_per_prog,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc, ALIGN=align,
-            num_warps=_NUM_WARPS,
-        )
-    if need_x and not fused:  # the write-only pass, after the read-only one
-        BLOCK_N, BLOCK_D, d_blocks, row_tiles = _gx_config(N, D, elem)
-        _bwd_kernel[(row_tiles, d_blocks)](
-            x2, w, g, gx2, None, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0), gx2.stride(0), 0,
-            BLOCK_N, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=True, HAS_GW=False, STAGES=1, ACC=acc, ALIGN=align,
-            num_warps=_NUM_WARPS,
-        )
-    if need_w and chunks > 1:
-        column_sum(part, gw)
-    return gx, gw
+    return BLOCK_N, BLOCK_D, rt.cdiv(D, BLOCK_D)
 
 
 def _validate(x, w) -> None:
@@ -182,17 +119,7 @@ def _native(x, w):
     return torch.matmul(x, w)
 
 
-_OP = _pattern.Op(
-    "weighted_sum",
-    "Tensor x, Tensor w",
-    forward=_forward,
-    backward=_backward,
-    reference=weighted_sum_reference,
-    validate=_validate,
-    native=_native,
-)
-
-
+@op("tritongrad::weighted_sum", reference=weighted_sum_reference, validate=_validate, native=_native)
 def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``y = (x * w).sum(-1)`` with Triton kernels for forward and backward.
 
@@ -205,4 +132,64 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         float64). Differentiable in x and w; gradients come back in each input's dtype, and grad_w is
         bitwise reproducible.
     """
-    return _OP(x, w)
+    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    y = torch.empty(x.shape[:-1], dtype=out_dtype, device=x.device)
+    x2 = rt.as_rows(x)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return y.zero_()
+    D = int(D)
+    BLOCK_N, BLOCK_D, split, d_per_split, stages, warps = _fwd_config(
+        rt.hint(N), D, x.element_size(), rt.sm_count(x.device)
+    )
+    out = y if split == 1 else torch.empty((split, N), dtype=rt.acc_dtype(out_dtype), device=x.device)
+    _fwd_kernel[(rt.cdiv(N, BLOCK_N), split)](
+        x2, w, out, N, D, x2.stride(0), x2.stride(1), w.stride(0), out.stride(0) if split > 1 else 0,
+        d_per_split, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, STAGES=stages, ACC=rt.tl_acc_dtype(out_dtype),
+        ALIGN=rt.align(D, int(x2.stride(0))), num_warps=warps,
+    )
+    if split > 1:
+        column_sum(out, y.view(-1))
+    return y
+
+
+@weighted_sum.backward
+def _weighted_sum_backward(ctx, grad_y: torch.Tensor):
+    x, w = ctx.x, ctx.w
+    need_x, need_w = ctx.needs_input_grad
+    gx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    gw = torch.empty(w.shape, dtype=w.dtype, device=w.device) if need_w else None
+    x2 = rt.as_rows(x)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return gx, (gw.zero_() if need_w else None)
+    D = int(D)
+    g = grad_y.reshape(N)  # a view for contiguous or expanded (stride 0) grad_y
+    elem = x.element_size()
+    acc = rt.tl_acc_dtype(torch.promote_types(x.dtype, w.dtype))
+    gx2 = gx.view(N, D) if need_x else None
+    n_plan = rt.hint(N)
+    fused = need_x and need_w and (n_plan * D * elem < _SPLIT_BWD_BYTES or n_plan < _SPLIT_BWD_ROWS)
+    align = rt.align(D, int(x2.stride(0)))  # grad_x and the partial buffer have rows of D
+    if need_w:  # grad_w's partial rows (and grad_x too when fused)
+        BLOCK_N, BLOCK_D, d_blocks, rows_per_prog, stages = _bwd_config(
+            n_plan, D, elem, rt.sm_count(x.device), fused
+        )
+        chunks = rt.cdiv(N, rows_per_prog)
+        part = gw if chunks == 1 else torch.empty((chunks, D), dtype=rt.acc_dtype(x.dtype), device=x.device)
+        _bwd_kernel[(chunks, d_blocks)](
+            x2, w, g, gx2 if fused else None, part, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0),
+            gx2.stride(0) if fused else 0, part.stride(0) if chunks != 1 else 0, rows_per_prog,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=fused, HAS_GW=True, STAGES=stages, ACC=acc, ALIGN=align,
+            num_warps=_NUM_WARPS,
+        )
+        if chunks != 1:
+            column_sum(part, gw)
+    if need_x and not fused:  # the write-only pass, after the read-only one
+        BLOCK_N, BLOCK_D, d_blocks = _gx_config(n_plan, D, elem)
+        _bwd_kernel[(rt.cdiv(N, BLOCK_N), d_blocks)](
+            x2, w, g, gx2, None, N, D, x2.stride(0), x2.stride(1), w.stride(0), g.stride(0), gx2.stride(0), 0,
+            BLOCK_N, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_GX=True, HAS_GW=False, STAGES=1, ACC=acc, ALIGN=align,
+            num_warps=_NUM_WARPS,
+        )
+    return gx, gw

@@ -1,35 +1,280 @@
-r"""The kernels both norms share: the backward (layer_norm's, and rms_norm's as its special case), and the
-forward over rows of 3 to 13 (odd) power-of-two chunks (``_norm_fwd_parts_kernel``, at the end).
+r"""The norm family's Triton kernels: RMSNorm and LayerNorm, forward and backward.
 
-With xhat the normalised input, g = dy * w the gradient reaching it (g = dy without a weight), r = rstd
-and D the row length (derivations in ops/layer_norm/kernels.py and ops/rms_norm/kernels.py):
+Forward, for x: [N, D] (leading dims flattened, normalised dims flattened into D), w, b: [D] (optional;
+w = 1 and b = 0 when absent), r = rstd:
 
-    layer_norm (CENTERED):  xhat = (x - mu) * r,  dL/dx = r * (g - c2 - xhat * c1),  dL/db = \sum_n dy
-    rms_norm:               xhat = x * r,         dL/dx = r * (g - xhat * c1)
-    both:                   c1 = (1/D) \sum_d g * xhat,  c2 = (1/D) \sum_d g,  dL/dw = \sum_n dy * xhat
+    rms_norm:    r[n] = 1 / sqrt( (1/D) \sum_d x[n, d]^2 + eps ),     xhat = x * r,           y = xhat * w
+    layer_norm:  mu[n] = (1/D) \sum_d x[n, d],
+                 r[n] = 1 / sqrt( (1/D) \sum_d (x[n, d] - mu[n])^2 + eps ),
+                                                                        xhat = (x - mu) * r,   y = xhat * w + b
 
-RMSNorm is LayerNorm without the mean: no mean to subtract, no c2 term (the mean's gradient), no bias.
-``CENTERED`` selects layer_norm's terms at compile time, so each norm's compiled kernel contains only its
-own arithmetic.
+Backward, given dy = dL/dy. With g = dy * w (the gradient reaching xhat) and the row sums
+c1[n] = (1/D) \sum_j g[n, j] * xhat[n, j], c2[n] = (1/D) \sum_j g[n, j]:
 
-Launch shape: programs over (row chunk, column block). Each owns a contiguous chunk of rows and BLOCK_D
-columns, writes dL/dx for them, and sums its dL/dw (and dL/db) partials in registers into one row of a
-float partial buffer that ``column_sum`` reduces in a fixed order (deterministic, no atomics). When a row
-fits one tile (``ONE_TILE``) the row sums come from the tile itself; otherwise
-``_norm_bwd_rowsum_kernel`` computes them first, so that columns can be split across programs (with few
-rows it splits the columns too, and ``column_sum`` adds the splits' parts). Rows of a few chunks, with a
-row per SM, take ``_norm_bwd_long_kernel`` instead: programs own rows and all columns (or, with SPLIT,
-a few adjacent programs share rows and split the columns), and read each row twice, the second time from
-L2.
+    dL/dw[d] = \sum_n dy[n, d] * xhat[n, d],      dL/db[d] = \sum_n dy[n, d]      (column reductions)
+    rms_norm:    dL/dx = r * (g - xhat * c1)
+    layer_norm:  dL/dx = r * (g - c2 - xhat * c1)
 
-Precision: loads are cast to ACC (float32, float64 for float64) before any arithmetic; results are
-rounded once, on store. Masked lanes load 0 and have xhat = 0, so they add nothing to any sum.
+Derivation (one row, indices over d). rms_norm: dr/dx_j = -r^3 x_j / D, so d(x_i r)/dx_j = r [i = j] -
+r xhat_i xhat_j / D and dL/dx_j = \sum_i g_i d(x_i r)/dx_j = r (g_j - xhat_j c1). layer_norm: d mu/dx_j = 1/D
+and d var/dx_j = (2/D)(x_j - mu) (the term through mu vanishes since \sum_i (x_i - mu) = 0), so
+dr/dx_j = -r^2 xhat_j / D and d xhat_i/dx_j = r ([i = j] - 1/D - xhat_i xhat_j / D), which gives the c2 term.
+RMSNorm is LayerNorm without the mean: the shared kernels take ``CENTERED`` for layer_norm's terms.
+
+Llama variant (``ROUND_XHAT``, Hugging Face's LlamaRMSNorm): ``y = w * xhat.to(x.dtype)``, stored in the
+promoted dtype of x and w. dL/dw sums dy * (rounded xhat), the value the forward multiplied; dL/dx treats the
+rounding as the identity, as autograd differentiates a cast.
+
+Precision: loads are cast to ACC (float32, float64 for float64) before any arithmetic; results are rounded
+once, on store. layer_norm never forms E[x^2] - mu^2: it takes statistics of x - K, K the row's first element
+(a constant row gets deviations of exactly 0), and a row walked in chunks merges each chunk's (mean, M2)
+with Chan et al.'s update, mean = mean_a + delta n_b / n, M2 = M2_a + M2_b + delta^2 n_a n_b / n, every term
+non-negative. A constant row gives r = 1/sqrt(eps), finite for eps > 0. eps arrives as float32 plus the
+rest (``eps_lo``): Triton passes a Python float as float32, and float64 norms need more.
+
+Kernels (which launch shape serves which rows: plans.py and docs/norms.md):
+
+- ``_rms_norm_fwd_kernel``, ``_layer_norm_fwd_kernel``: BLOCK_N rows per program; a row that fits one tile
+  (``ONE_TILE``) is read once and kept in registers, a longer one is walked in chunks twice. With fewer
+  row tiles than SMs the columns are split too: PHASE 1 writes each split's statistics, PHASE 2 merges them
+  in a fixed order and normalises its split.
+- ``_norm_fwd_parts_kernel``: rows of an odd number (3 to 13) of power-of-two chunks (5120 = 5 x 1024), one
+  row per program, held in parts of 8, 4, 2 and 1 chunks so that no lane is masked.
+- ``_norm_bwd_kernel``: programs over (row chunk, column block); each writes dL/dx for its rows and columns
+  and sums its dL/dw (dL/db) partials in registers into one row of a float partial buffer, which
+  ``column_sum`` reduces in a fixed order (deterministic, no atomics). Rows longer than a tile get c1, c2
+  from ``_norm_bwd_rowsum_kernel`` first.
+- ``_norm_bwd_long_kernel``: rows of a few chunks with a row per SM; programs own rows and all columns (or,
+  with SPLIT, a few adjacent programs share rows and split the columns) and read each row twice, the second
+  time from L2.
 """
 
 import triton
 import triton.language as tl
 
-from ._tl import aligned, round_to
+from .._tl import aligned, round_to
+
+
+@triton.jit
+def _scale(
+    b_xhat, w_ptr, o_d, m_d, stride_w,
+    HAS_W: tl.constexpr, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr, ACC: tl.constexpr,
+):
+    """xhat * w (or xhat), in ACC."""
+    if ROUND_XHAT:
+        # Llama: the normalised value is rounded to the input dtype before the weight multiplies it.
+        b_xhat = round_to(b_xhat, X_DTYPE).to(ACC)
+    if HAS_W:
+        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+        b_xhat = b_xhat * b_w[None, :]
+    return b_xhat
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,  # [N, D], unit column stride
+    rstd_ptr,  # [N], ACC
+    part_ptr,  # [NUM_SPLITS, N], ACC: each column split's sum of squares (PHASE 1 writes, PHASE 2 reads)
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_y_row,
+    eps,  # float32 (Triton passes a Python float so) ...
+    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
+    D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
+    NUM_SPLITS,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ROUND_XHAT: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
+    ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
+):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_y_row = aligned(stride_y_row, ALIGN)
+    D_SPLIT = aligned(D_SPLIT, ALIGN)
+    # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
+    pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_x = x_ptr + o_n[:, None] * stride_x_row
+    p_y = y_ptr + o_n[:, None] * stride_y_row
+    X_DTYPE = x_ptr.dtype.element_ty
+    if ONE_TILE:
+        # The whole row in registers: read once, then statistics, normalisation and store.
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        mask = m_n[:, None] & m_d[None, :]
+        # Masked lanes load 0, which adds nothing to the sum of squares.
+        b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps + eps_lo)
+        b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
+        tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Rows too long for registers: sum of squares over chunks, then a second read to normalise
+        # (for a few rows per SM the second read mostly hits L2). With few rows the columns are split
+        # across programs too: PHASE 1 writes each split's sum of squares, PHASE 2 adds them in a fixed
+        # order and normalises its split.
+        d_lo = pid_s * D_SPLIT
+        d_hi = tl.minimum(D, d_lo + D_SPLIT)
+        if PHASE == 2:
+            b_ss = tl.zeros([BLOCK_N], dtype=ACC)
+            for s in range(0, NUM_SPLITS):
+                b_ss += tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                mask = m_n[:, None] & (o_d < d_hi)[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                acc += b_x * b_x
+            b_ss = tl.sum(acc, axis=1)
+        if PHASE == 1:
+            tl.store(part_ptr + pid_s * N + o_n, b_ss, mask=m_n)
+        else:
+            b_rstd = tl.rsqrt(b_ss / D + eps + eps_lo)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                m_d = o_d < d_hi
+                mask = m_n[:, None] & m_d[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
+                tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
+    if PHASE != 1:
+        if pid_s == 0:  # one split of a row writes its statistics
+            tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
+
+
+@triton.jit
+def _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+            ACC: tl.constexpr):
+    """xhat * w + b in ACC; the missing parts are skipped."""
+    if HAS_W:
+        b_xhat = b_xhat * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+    if HAS_B:
+        b_xhat = b_xhat + tl.load(b_ptr + o_d * stride_b, mask=m_d, other=0.0).to(ACC)[None, :]
+    return b_xhat
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,  # [N, D], unit column stride
+    mean_ptr,  # [N], ACC
+    rstd_ptr,  # [N], ACC
+    part_ptr,  # [2, NUM_SPLITS, N], ACC: each column split's mean and M2 of x - K (PHASE 1 writes, 2 reads)
+    N,
+    D,
+    stride_x_row,
+    stride_x_col,
+    stride_w,
+    stride_b,
+    stride_y_row,
+    eps,  # float32 (Triton passes a Python float so) ...
+    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
+    D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
+    NUM_SPLITS,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
+    ACC: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
+):
+    D = aligned(D, ALIGN)
+    stride_x_row = aligned(stride_x_row, ALIGN)
+    stride_y_row = aligned(stride_y_row, ALIGN)
+    D_SPLIT = aligned(D_SPLIT, ALIGN)
+    # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
+    pid = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_x = x_ptr + o_n[:, None] * stride_x_row
+    p_y = y_ptr + o_n[:, None] * stride_y_row
+    # Statistics of x - K with K = the row's first element (shifted data): a constant row then has
+    # deviations of exactly 0 and a mean of exactly K, as in eager PyTorch, instead of the rounding noise
+    # of sum(x)/D amplified by r ~ 1/sqrt(eps); it also shrinks the sums' rounding for offset rows.
+    b_k = tl.load(x_ptr + o_n * stride_x_row, mask=m_n, other=0.0).to(ACC)
+    if ONE_TILE:
+        # The whole row in registers: read once; mean, then the deviations, then the variance from them.
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        mask = m_n[:, None] & m_d[None, :]
+        b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+        # Masked lanes would contribute (0 - K) and (0 - mean)^2: zero them.
+        b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
+        b_mean = tl.sum(b_x, axis=1) / D
+        b_xc = tl.where(mask, b_x - b_mean[:, None], 0.0)
+        b_rstd = tl.rsqrt(tl.sum(b_xc * b_xc, axis=1) / D + eps + eps_lo)
+        b_mean += b_k
+        b_y = _affine(b_xc * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
+        tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Rows too long for registers: per-chunk mean and M2 of x - K, merged with Chan's update (stable),
+        # then a second read to normalise. With few rows the columns are split across programs too:
+        # PHASE 1 writes each split's (mean, M2), PHASE 2 merges them in a fixed order, the same update
+        # with a split for a chunk, and normalises its split.
+        d_lo = pid_s * D_SPLIT
+        d_hi = tl.minimum(D, d_lo + D_SPLIT)
+        b_mean = tl.zeros([BLOCK_N], dtype=ACC)
+        b_m2 = tl.zeros([BLOCK_N], dtype=ACC)
+        if PHASE == 2:
+            for s in range(0, NUM_SPLITS):
+                n_a = tl.zeros([BLOCK_N], dtype=ACC) + s * D_SPLIT
+                n_b = tl.minimum(n_a * 0 + (D - s * D_SPLIT), D_SPLIT)
+                c_mean = tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
+                c_m2 = tl.load(part_ptr + (NUM_SPLITS + s) * N + o_n, mask=m_n, other=0.0)
+                delta = c_mean - b_mean
+                f_b = n_b / (n_a + n_b)
+                b_mean += delta * f_b
+                b_m2 += c_m2 + delta * delta * (n_a * f_b)
+        else:
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                mask = m_n[:, None] & (o_d < d_hi)[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
+                # Column counts in ACC (float32 would cap a float64 merge at float32 accuracy): n_a before
+                # this chunk, n_b valid in it.
+                n_a = tl.zeros([BLOCK_N], dtype=ACC) + (d0 - d_lo)
+                n_b = tl.minimum(n_a * 0 + (d_hi - d0), BLOCK_D)
+                c_mean = tl.sum(b_x, axis=1) / n_b
+                b_xc = tl.where(mask, b_x - c_mean[:, None], 0.0)
+                delta = c_mean - b_mean
+                f_b = n_b / (n_a + n_b)
+                b_mean += delta * f_b
+                b_m2 += tl.sum(b_xc * b_xc, axis=1) + delta * delta * (n_a * f_b)
+        if PHASE == 1:
+            tl.store(part_ptr + pid_s * N + o_n, b_mean, mask=m_n)
+            tl.store(part_ptr + (NUM_SPLITS + pid_s) * N + o_n, b_m2, mask=m_n)
+        else:
+            b_rstd = tl.rsqrt(b_m2 / D + eps + eps_lo)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                m_d = o_d < d_hi
+                mask = m_n[:, None] & m_d[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                b_xhat = ((b_x - b_k[:, None]) - b_mean[:, None]) * b_rstd[:, None]
+                b_y = _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
+                tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
+            b_mean += b_k
+    if PHASE != 1:
+        if pid_s == 0:  # one split of a row writes its statistics
+            tl.store(mean_ptr + o_n, b_mean, mask=m_n)
+            tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
 
 
 @triton.jit

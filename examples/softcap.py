@@ -1,0 +1,69 @@
+"""A user's own differentiable Triton op on tritongrad's public API: logit soft-capping (Gemma 2),
+
+    y = cap * tanh(x / cap),        dL/dx = dL/dy * (1 - (y / cap)^2)
+
+The backward needs only the output, so the op saves y (not x). Run: ``python examples/softcap.py``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+import tritongrad
+
+
+@triton.jit
+def _softcap_fwd_kernel(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + o, mask=o < n)
+    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)  # float32 math, float64 for float64
+    t = tl.exp(-2.0 * tl.abs(x / cap))  # tanh(|u|) = (1 - e^-2|u|) / (1 + e^-2|u|): no overflow
+    y = cap * tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t)
+    tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=o < n)
+
+
+@triton.jit
+def _softcap_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n, cap, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(y_ptr + o, mask=o < n)
+    y = y.to(tl.float64 if y.dtype == tl.float64 else tl.float32) / cap
+    dy = tl.load(dy_ptr + o, mask=o < n).to(y.dtype)
+    tl.store(dx_ptr + o, (dy * (1.0 - y * y)).to(dx_ptr.dtype.element_ty), mask=o < n)
+
+
+def softcap_reference(x: torch.Tensor, cap: float = 30.0) -> torch.Tensor:
+    """Plain PyTorch, in float32 (float64 for float64)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (cap * torch.tanh(x.to(acc) / cap)).to(x.dtype)
+
+
+# ---- the glue: the op's declaration and its two launchers
+BLOCK = 1024
+fwd, bwd = tritongrad.kernel(_softcap_fwd_kernel), tritongrad.kernel(_softcap_bwd_kernel)
+
+
+@tritongrad.op("mylib::softcap", reference=softcap_reference, outputs=("y",), save=("y",))
+def softcap(x: torch.Tensor, cap: float = 30.0) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    fwd[(triton.cdiv(x.numel(), BLOCK),)](x, y, x.numel(), cap, BLOCK=BLOCK)
+    return y
+
+
+@softcap.backward
+def _(ctx, dy):
+    dx = torch.empty_like(ctx.y)
+    bwd[(triton.cdiv(dx.numel(), BLOCK),)](ctx.y, dy.contiguous(), dx, dx.numel(), ctx.cap, BLOCK=BLOCK)
+    return dx
+
+
+if __name__ == "__main__":
+    device = tritongrad.testing.default_device()
+    x = torch.randn(4, 1000, device=device, requires_grad=True)
+    y = softcap(x, cap=2.0)
+    y.sum().backward()
+    xr = x.detach().requires_grad_()
+    softcap_reference(xr, 2.0).sum().backward()
+    print(f"{y.grad_fn=}")
+    print(f"max |y - reference| = {(y - softcap_reference(x.detach(), 2.0)).abs().max().item():.2e}")
+    print(f"max |grad - reference| = {(x.grad - xr.grad).abs().max().item():.2e}")

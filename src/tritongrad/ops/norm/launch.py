@@ -1,0 +1,390 @@
+"""The norm family's launchers and op declarations: rms_norm, llama_rms_norm, layer_norm.
+
+Bytes each pass must move (the bandwidth floor), x: [N, D] with element sizes sx, sy, sdy, sdx, sw, sb:
+  forward : read x + read w (+ b) + write y + write the row statistics
+                                                     = N*D*(sx + sy) + D*(sw + sb) + 4*N (layer_norm: 8*N)
+  backward: read x + read dy + read w + read the statistics + write dx + write dw (+ db)
+                                                     = N*D*(sx + sdy + sdx) + D*(2*sw + sb) + 4*N (8*N)
+            plus the float dw (and db) partial rows, written and read once: P*D*4 each, P <= 2 x SMs.
+            (only the gradients asked for are written; dw or db alone still read x and dy)
+Rows longer than one register tile read x (and dy) twice: plans.py. Design and measurements: docs/norms.md.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import torch
+
+from ... import _runtime as rt
+from ..._pattern import kernel, op
+from ..column_sum import column_sum
+from . import kernels
+from . import plans as P
+from .reference import default_eps, layer_norm_reference, llama_rms_norm_reference, rms_norm_reference
+
+_rms_fwd_kernel = kernel(kernels._rms_norm_fwd_kernel)
+_ln_fwd_kernel = kernel(kernels._layer_norm_fwd_kernel)
+_parts_kernel = kernel(kernels._norm_fwd_parts_kernel)
+_rowsum_kernel = kernel(kernels._norm_bwd_rowsum_kernel)
+_bwd_kernel = kernel(kernels._norm_bwd_kernel)
+_long_kernel = kernel(kernels._norm_bwd_long_kernel)
+
+
+# ---------------------------------------------------------------- arguments
+def shape_list(normalized_shape) -> list:
+    """``normalized_shape`` as torch.nn.functional accepts it (an int, a list/tuple, a torch.Size), as a list.
+    Exact type checks first: the ABC check behind isinstance(s, numbers.Integral) is slow on the hot path."""
+    kind = type(normalized_shape)
+    if kind is tuple or kind is list or kind is torch.Size:
+        return list(normalized_shape)
+    if kind is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):
+        return [normalized_shape]
+    return list(normalized_shape)
+
+
+def _is_dim(s) -> bool:
+    return type(s) is int or (isinstance(s, (numbers.Integral, torch.SymInt)) and not isinstance(s, bool))
+
+
+def _check(op: str, x: torch.Tensor, normalized_shape, eps, **params) -> None:
+    """Shape checks of a norm over the trailing ``normalized_shape`` dims of x; ``params`` are the optional
+    per-element tensors (weight, bias), each None or of shape ``normalized_shape``."""
+    if not isinstance(normalized_shape, (list, tuple, torch.Size)) or not all(map(_is_dim, normalized_shape)):
+        raise TypeError(f"tritongrad.{op}: normalized_shape must be a list of ints, got {normalized_shape!r}")
+    ns = tuple(normalized_shape)
+    if len(ns) == 0:
+        raise ValueError(f"tritongrad.{op}: normalized_shape must have at least one dim, got {ns}")
+    if x.dim() < len(ns) or tuple(x.shape[x.dim() - len(ns):]) != ns:
+        raise ValueError(
+            f"tritongrad.{op}: input of shape {tuple(x.shape)} must end with normalized_shape {ns} "
+            f"(its last {len(ns)} dims are normalised)"
+        )
+    for name, t in params.items():
+        if t is not None and tuple(t.shape) != ns:
+            raise ValueError(f"tritongrad.{op}: {name} has shape {tuple(t.shape)}, expected normalized_shape {ns}")
+    if eps is not None and type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
+        raise TypeError(f"tritongrad.{op}: eps must be a float, got {eps!r}")
+
+
+def _native_fits(normalized_shape, eps) -> bool:
+    """Whether PyTorch's own norm may serve these unchecked arguments: a non-empty list of ints (PyTorch
+    checks the shapes against it), rows short enough for it (``rt.NATIVE_MAX_D``), a float or None eps.
+    Anything else takes the checked path (``_pattern``'s ``native`` contract)."""
+    if type(normalized_shape) is not list or not normalized_shape or not (eps is None or type(eps) is float):
+        return False
+    d = 1
+    for s in normalized_shape:
+        if type(s) is not int:
+            return False
+        d *= s
+    return d <= rt.NATIVE_MAX_D
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight/bias of shape normalized_shape as [D]: a view (any stride) when possible, else a copy."""
+    return t if t is None or t.dim() == 1 else t.reshape(-1)
+
+
+def _acc(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 when x or any present weight/bias is float64."""
+    dtype = x.dtype
+    for p in params:
+        if p is not None:
+            dtype = torch.promote_types(dtype, p.dtype)
+    return rt.acc_dtype(dtype)
+
+
+def _stride(t) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+# ---------------------------------------------------------------- launchers
+def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool):
+    """Normalise x over its last ``k`` dims: ``(y, rstd)``, or ``(y, mean, rstd)`` for layer_norm."""
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if llama else x.dtype
+    acc = _acc(x, weight, bias)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty(x.shape[: x.dim() - k], dtype=acc, device=x.device)
+    mean = torch.empty_like(rstd) if layer_norm else None
+    stats = (mean, rstd) if layer_norm else (rstd,)
+    x2 = rt.as_rows(x, k)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return (y, *[s.fill_(0.0) for s in stats])
+    D = int(D)
+    w, b = _flat(weight), _flat(bias)
+    parts = P.fwd_parts(D, x.element_size())
+    if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
+        _parts_kernel[(N,)](
+            x2, w, b, y, mean, rstd, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, *rt.split_float(eps),
+            CHUNK=parts.CHUNK, NCH=parts.NCH, HAS_W=w is not None, HAS_B=b is not None, CENTERED=layer_norm,
+            ROUND_XHAT=llama, ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(D, int(x2.stride(0))),
+            num_warps=parts.num_warps,
+        )
+        return (y, *stats)
+    n_plan = rt.hint(N)
+    t = P.fwd_plan(n_plan, D, x.dtype, layer_norm, acc)
+    splits, d_split = P.column_split(n_plan, D, t, rt.sm_count(x.device))
+    # Column-split rows: each split's statistics first (PHASE 1), then the merge and normalisation (PHASE 2).
+    part = rstd if splits == 1 else torch.empty((len(stats), splits, N), dtype=acc, device=x.device)
+    align = rt.align(D, int(x2.stride(0)), d_split)  # y is contiguous: its row stride is D
+    grid = (rt.cdiv(N, t.BLOCK_N), splits)
+    flags = dict(BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
+                 ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=t.num_warps)
+    for phase in (0,) if splits == 1 else (1, 2):
+        if layer_norm:
+            _ln_fwd_kernel[grid](
+                x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D,
+                *rt.split_float(eps), d_split, splits, HAS_B=b is not None, PHASE=phase, **flags,
+            )
+        else:
+            _rms_fwd_kernel[grid](
+                x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), D, *rt.split_float(eps), d_split,
+                splits, ROUND_XHAT=llama, PHASE=phase, **flags,
+            )
+    return (y, *stats)
+
+
+def _empty_like(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
+
+
+def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, llama: bool):
+    """``(dx, dw, db)`` of a norm over x's last ``k`` dims; ``needs`` = (x, weight, bias) gradients wanted.
+
+    One of three launch shapes (plans.py): rows that fit one tile, ``_norm_bwd_kernel`` alone; rows of a few
+    chunks with a row group per SM, ``_norm_bwd_long_kernel``; other long rows, the row-sum pass, then
+    ``_norm_bwd_kernel`` over column blocks. Then, with more than one row chunk, ``column_sum`` reduces the dw
+    (and db) partial rows, side by side in one float buffer, in one launch.
+    """
+    need_x, need_w, need_b = needs
+    dx, dw, db = _empty_like(x, need_x), _empty_like(weight, need_w), _empty_like(bias, need_b)
+    if not (need_x or need_w or need_b):
+        return dx, dw, db
+    x2 = rt.as_rows(x, k)
+    N, D = x2.shape
+    if N == 0 or D == 0:
+        return dx, (dw.zero_() if need_w else None), (db.zero_() if need_b else None)
+    D = int(D)
+    dy2 = rt.as_rows(dy, k)  # a view for contiguous or expanded (stride 0) dy
+    w = _flat(weight)
+    stride_w = _stride(w)
+    acc = rstd.dtype
+    ACC = rt.tl_acc_dtype(acc)
+    sms = rt.sm_count(x.device)
+    n_plan = rt.hint(N)
+    # layer_norm's backward with 32- and 64-bit x steps over fewer elements.
+    tile = P.LN_BWD_TILE_32BIT if layer_norm and x.element_size() >= 4 else P.BWD_TILE
+    t, d_blocks, rows_per_prog = P.bwd_plan(n_plan, D, sms, tile, x.element_size())
+    # dx is contiguous (row stride D); the dw/db partial rows are D or 2D apart.
+    align = rt.align(D, int(x2.stride(0)), int(dy2.stride(0)))
+    lp = None if t.ONE_TILE else P.long_bwd_plan(
+        n_plan, D, sms, layer_norm, x.element_size(), w.element_size() if w is not None else 0,
+        rstd.element_size(), align,
+    )
+    if lp is not None:
+        rows_per_prog = lp.rows_per_prog
+    chunks = rt.cdiv(N, rows_per_prog)
+    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
+    part = None
+    if chunks != 1 and (need_w or need_b):
+        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
+        part = torch.empty((chunks, (need_w + need_b) * D), dtype=acc, device=x.device)
+        part_w, part_b = (part[:, :D] if need_w else None), (part[:, D * need_w:] if need_b else None)
+    stride_pw = D * (need_w + need_b) if (need_w and part is not None) else 0
+    stride_pb = D * (need_w + need_b) if (need_b and part is not None) else 0
+    align = rt.align(align, stride_pw, stride_pb)
+    depth = P.BWD_MASKED_16BIT.stages if P.masked_16bit(t, D, x.element_size()) else P.BWD_STAGES
+    flags = dict(HAS_W=w is not None, CENTERED=layer_norm, ACC=ACC, ALIGN=align)
+    if lp is not None:
+        _long_kernel[(chunks * lp.SPLIT,)](
+            x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), stride_w,
+            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, rows_per_prog, lp.COLS,
+            CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b,
+            ROUND_XHAT=llama, num_warps=lp.num_warps, **flags,
+        )
+    else:
+        c = None
+        if need_x and not t.ONE_TILE:
+            # The row sums: c1 (and c2 for layer_norm), one row each.
+            c = torch.empty((1 + layer_norm, N), dtype=acc, device=x.device)
+            splits, d_split = P.column_split(n_plan, D, t, sms)
+            # Column-split rows: a block of partial row sums per split, added by column_sum.
+            c_part = c if splits == 1 else torch.empty((splits, (1 + layer_norm) * N), dtype=acc, device=x.device)
+            _rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
+                x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
+                dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
+                BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, num_warps=t.num_warps,
+                **dict(flags, ALIGN=rt.align(align, d_split)),
+            )
+            if splits > 1:
+                column_sum(c_part, c.view(-1))
+        _bwd_kernel[(chunks, d_blocks)](
+            x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), stride_w,
+            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, rows_per_prog,
+            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_DX=need_x, HAS_DW=need_w,
+            HAS_DB=need_b, ROUND_XHAT=llama,
+            STAGES=P.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device), depth),
+            num_warps=t.num_warps, **flags,
+        )
+    if part is not None:
+        column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------- rms_norm (torch.nn.functional semantics)
+def _rms_validate(input, normalized_shape, weight, eps) -> None:
+    _check("rms_norm", input, normalized_shape, eps, weight=weight)
+
+
+def _rms_native(input, normalized_shape, weight, eps):
+    if not _native_fits(normalized_shape, eps):
+        return NotImplemented
+    # torch.rms_norm: F.rms_norm minus its Python checks. Its eps=None is default_eps(x.dtype).
+    return torch.rms_norm(input, normalized_shape, weight, eps)
+
+
+@op("tritongrad::rms_norm", reference=rms_norm_reference, validate=_rms_validate, native=_rms_native,
+    residuals=("rstd",), autocast=torch.float32)
+def rms_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
+                eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered rms_norm: ``(y, rstd)``; :func:`rms_norm` is the public function."""
+    eps = default_eps(input.dtype) if eps is None else eps
+    return _forward(input, len(normalized_shape), weight, None, eps, layer_norm=False, llama=False)
+
+
+@rms_norm_op.backward
+def _rms_norm_backward(ctx, grad_y):
+    need_x, _, need_w, _ = ctx.needs_input_grad
+    dx, dw, _ = _backward(grad_y, ctx.input, len(ctx.normalized_shape), ctx.weight, None, None, ctx.rstd,
+                          (need_x, need_w, False), layer_norm=False, llama=False)
+    return dx, dw
+
+
+def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` with Triton kernels for forward and backward.
+
+    ``y = x / sqrt(mean(x**2) + eps) * weight``, the mean over the trailing ``normalized_shape`` dims.
+
+    Args:
+        input: ``[..., *normalized_shape]``, float16/bfloat16/float32/float64, any strides.
+        normalized_shape: the trailing dims to normalise over (an int or a sequence of ints).
+        weight: ``normalized_shape`` or None; any floating dtype (e.g. float32 with bfloat16 x).
+        eps: None means PyTorch's default, ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32
+            input and ``torch.finfo(torch.float64).eps`` for float64.
+
+    Returns:
+        y: input's shape and dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
+        contiguous. Statistics and products in float32 (float64 when the input or the weight is float64),
+        rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
+        the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
+        float32, as PyTorch's autocast policy does for its norms.
+    """
+    return rms_norm_op(input, shape_list(normalized_shape), weight, eps)
+
+
+# ---------------------------------------------------------------- Hugging Face's LlamaRMSNorm
+def _llama_validate(hidden_states, weight, eps) -> None:
+    _check("llama_rms_norm", hidden_states, [hidden_states.shape[-1]] if hidden_states.dim() else [1], eps,
+           weight=weight)
+
+
+def _llama_native(hidden_states, weight, eps):
+    # Hugging Face's own sequence of ops; x and the weight share a dtype here (``_pattern``). Its product
+    # would broadcast a weight of another shape, so the shape is checked here.
+    x = hidden_states
+    if (weight is None or x.dim() == 0 or weight.dim() != 1 or weight.numel() != x.size(-1)
+            or x.size(-1) > rt.NATIVE_MAX_D or type(eps) is not float):
+        return NotImplemented
+    xf = x.to(rt.acc_dtype(x.dtype))
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@op("tritongrad::llama_rms_norm", reference=llama_rms_norm_reference, validate=_llama_validate,
+    native=_llama_native, residuals=("rstd",))
+def llama_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's ``LlamaRMSNorm.forward`` (and the many model classes that copy it) in Triton.
+
+    ``y = weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``: the normalised value is computed in
+    float32 (float64 for float64 x), rounded to x's dtype, then multiplied by the weight.
+
+    Args:
+        hidden_states: ``[..., D]``, float16/bfloat16/float32/float64, any strides.
+        weight: ``[D]``, any floating dtype.
+        eps: added to the mean square.
+
+    Returns:
+        y: x's shape in ``torch.promote_types(x.dtype, weight.dtype)`` (so a float32 weight with bfloat16 x
+        gives float32, as in Hugging Face's code). Gradients come back in each input's dtype; they are
+        computed in float32 without the intermediate roundings eager autograd would apply.
+    """
+    return _forward(hidden_states, 1, weight, None, eps, layer_norm=False, llama=True)
+
+
+@llama_rms_norm.backward
+def _llama_rms_norm_backward(ctx, grad_y):
+    need_x, need_w, _ = ctx.needs_input_grad
+    dx, dw, _ = _backward(grad_y, ctx.hidden_states, 1, ctx.weight, None, None, ctx.rstd, (need_x, need_w, False),
+                          layer_norm=False, llama=True)
+    return dx, dw
+
+
+# ---------------------------------------------------------------- layer_norm
+def _ln_validate(input, normalized_shape, weight, bias, eps) -> None:
+    if eps is None:
+        raise TypeError("tritongrad.layer_norm: eps must be a float, got None")
+    _check("layer_norm", input, normalized_shape, eps, weight=weight, bias=bias)
+
+
+def _ln_native(input, normalized_shape, weight, bias, eps):
+    if eps is None or not _native_fits(normalized_shape, eps):
+        return NotImplemented
+    return torch.layer_norm(input, normalized_shape, weight, bias, eps)  # F.layer_norm minus its Python checks
+
+
+@op("tritongrad::layer_norm", reference=layer_norm_reference, validate=_ln_validate, native=_ln_native,
+    residuals=("mean", "rstd"), autocast=torch.float32)
+def layer_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None, eps: float = 1e-5
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered layer_norm: ``(y, mean, rstd)``; :func:`layer_norm` is the public function."""
+    return _forward(input, len(normalized_shape), weight, bias, eps, layer_norm=True, llama=False)
+
+
+@layer_norm_op.backward
+def _layer_norm_backward(ctx, grad_y):
+    need_x, _, need_w, need_b, _ = ctx.needs_input_grad
+    return _backward(grad_y, ctx.input, len(ctx.normalized_shape), ctx.weight, ctx.bias, ctx.mean, ctx.rstd,
+                     (need_x, need_w, need_b), layer_norm=True, llama=False)
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` with Triton kernels for forward and backward.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the trailing
+    ``normalized_shape`` dims.
+
+    Args:
+        input: ``[..., *normalized_shape]``, float16/bfloat16/float32/float64, any strides.
+        normalized_shape: the trailing dims to normalise over (an int or a sequence of ints).
+        weight, bias: ``normalized_shape`` or None; any floating dtype (e.g. float32 with bfloat16 x).
+        eps: added to the variance.
+
+    Returns:
+        y: input's shape and dtype, whatever the dtypes of weight and bias (as
+        ``torch.nn.functional.layer_norm``); contiguous. Statistics and products in float32 (float64 when any
+        input is float64), rounded once. Differentiable in input, weight and bias; each gradient comes back in
+        its input's dtype, and the weight and bias gradients are bitwise reproducible. Under CUDA autocast it
+        computes in float32 and returns float32, as PyTorch's autocast policy does.
+    """
+    return layer_norm_op(input, shape_list(normalized_shape), weight, bias, eps)
