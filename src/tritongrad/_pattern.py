@@ -101,6 +101,7 @@ def op(
     outputs: Sequence[str] | None = None,
     save: Sequence[str] | None = None,
     index: Sequence[str] = (),
+    nondiff: Sequence[str] = (),
     native: Callable | None = None,
     autocast: torch.dtype | None = None,
 ) -> Callable[[Callable], "Op"]:
@@ -118,6 +119,8 @@ def op(
         save: what the backward reads as saved tensors: names of tensor inputs, outputs or residuals.
             Default: every tensor input and every residual.
         index: tensor arguments that hold indices (int64/int32, no gradient), e.g. class targets.
+        nondiff: floating tensor arguments the op gives no gradient for (e.g. rotary cos/sin tables); passing
+            one that requires grad, with grad enabled, is an error rather than a silently missing gradient.
         native: optional, for small inputs: the op in PyTorch's own ops with C++ autograd (module docstring).
         autocast: under CUDA autocast, floating tensor inputs are cast to this dtype first, as PyTorch's
             autocast policy does for e.g. layer_norm (``torch.float32``). None: autocast leaves the op alone.
@@ -128,7 +131,7 @@ def op(
 
     def declare(forward: Callable) -> Op:
         new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
-                 save=save, index=index, native=native, autocast=autocast)
+                 save=save, index=index, nondiff=nondiff, native=native, autocast=autocast)
         old = _OPS.get(name)
         if old is None:
             _OPS[name] = new
@@ -201,7 +204,7 @@ class Op:
     """
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
-                 index=(), native=None, autocast=None):
+                 index=(), nondiff=(), native=None, autocast=None):
         if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
             raise ValueError(f"tritongrad.op: name must be 'namespace::name', e.g. 'mylib::softcap', got {name!r}")
         self.qualname = name
@@ -224,7 +227,12 @@ class Op:
         if unknown:
             raise ValueError(f"{self.label}: index={tuple(index)} names {unknown}, which are not tensor arguments")
         self._index = frozenset(self._names.index(n) for n in index)
-        self._diff_positions = tuple(i for i in self.tensor_positions if i not in self._index)
+        unknown = [n for n in nondiff if n not in self._names or self._names.index(n) not in self.tensor_positions]
+        if unknown:
+            raise ValueError(f"{self.label}: nondiff={tuple(nondiff)} names {unknown}, which are not tensor arguments")
+        self._nondiff = frozenset(self._names.index(n) for n in nondiff)
+        self._no_grad = self._index | self._nondiff
+        self._diff_positions = tuple(i for i in self.tensor_positions if i not in self._no_grad)
         total = _count_returns(self.signature.return_annotation, self.label)
         self.residuals = tuple(residuals)
         self.n_outputs = total - len(self.residuals)
@@ -262,7 +270,8 @@ class Op:
         functools.update_wrapper(self, forward, updated=())
 
     def _layout(self) -> tuple:
-        return (str(self.signature), self.outputs, self.residuals, self.save, self._index, self.autocast)
+        return (str(self.signature), self.outputs, self.residuals, self.save, self._index, self._nondiff,
+                self.autocast)
 
     def _take_launchers_of(self, new: "Op") -> None:
         """A re-declaration: keep this op's registration, run the new launchers, reference and checks."""
@@ -301,6 +310,9 @@ class Op:
                     f"{self.label}: {name} has dtype {t.dtype} (shape {tuple(t.shape)}); supported dtypes are "
                     "float16, bfloat16, float32 and float64"
                 )
+            if i in self._nondiff and t.requires_grad and _grad_enabled():
+                raise ValueError(f"{self.label}: {name} {tuple(t.shape)} requires grad, but the op gives no gradient "
+                                 f"for it; pass {name}.detach(), or run under torch.no_grad()")
             if device is None:
                 device, first = t.device, (name, tuple(t.shape))
             elif t.device != device:
@@ -426,7 +438,7 @@ class Op:
             )
         out = []
         for i, g in zip(self.tensor_positions, got):
-            if not bctx.needs_input_grad[i] or i in self._index:
+            if not bctx.needs_input_grad[i] or i in self._no_grad:
                 out.append(None)
             elif g is None:
                 raise RuntimeError(f"{self.label}: the backward returned None for {self._names[i]}, whose gradient "
@@ -555,7 +567,7 @@ def _register(op: Op):
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs[: op.n_outputs]]
 
     def backward(ctx, *grads):
-        needs = [bool(ctx.needs_input_grad[i]) and i not in op._index for i in op.tensor_positions]
+        needs = [bool(ctx.needs_input_grad[i]) and i not in op._no_grad for i in op.tensor_positions]
         if not any(needs):
             return op._pad([None] * len(needs))
         # An output that did not reach the loss gets no gradient from autograd: zeros, as the launcher expects.
