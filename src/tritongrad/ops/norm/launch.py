@@ -12,8 +12,9 @@ Rows longer than one register tile read x (and dy) twice: plans.py. Design and m
 
 from __future__ import annotations
 
+import functools
 import numbers
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -87,64 +88,123 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.dim() == 1 else t.reshape(-1)
 
 
-def _acc(x: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
-    """Accumulation dtype: float32, or float64 when x or any present weight/bias is float64."""
-    dtype = x.dtype
-    for p in params:
-        if p is not None:
-            dtype = torch.promote_types(dtype, p.dtype)
-    return rt.acc_dtype(dtype)
-
-
 def _stride(t) -> int:
     return t.stride(0) if t is not None else 0
 
 
 # ---------------------------------------------------------------- launchers
+# Each launcher's decisions (dtypes, plan, grid shape, constexprs) depend on the input's signature alone, so
+# they are made once per signature (a recipe, cached) and replayed: the eager path's host time per call goes
+# to allocations and launches (docs/host-path.md). N enters a recipe as a plan hint; grids take N itself.
+class _FwdRecipe(NamedTuple):
+    out_dtype: torch.dtype
+    acc: torch.dtype
+    parts: bool  # the parted forward (one row per program)
+    BLOCK_N: int
+    splits: int
+    d_split: int
+    consts: dict  # constexprs and num_warps of the launch
+
+
+@functools.lru_cache(maxsize=4096)
+def _fwd_recipe(N: int, D: int, stride_row: int, x_dtype, w_dtype, b_dtype, layer_norm: bool, llama: bool,
+                sms: int) -> _FwdRecipe:
+    out_dtype = torch.promote_types(x_dtype, w_dtype) if llama else x_dtype
+    acc = rt.acc_dtype(functools.reduce(torch.promote_types, [d for d in (x_dtype, w_dtype, b_dtype) if d]))
+    flags = dict(HAS_W=w_dtype is not None, ACC=rt.tl_acc_dtype(acc))
+    parts = P.fwd_parts(D, x_dtype.itemsize)
+    if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
+        consts = dict(flags, CHUNK=parts.CHUNK, NCH=parts.NCH, HAS_B=b_dtype is not None, CENTERED=layer_norm,
+                      ROUND_XHAT=llama, ALIGN=rt.align(D, stride_row), num_warps=parts.num_warps)
+        return _FwdRecipe(out_dtype, acc, True, 1, 1, D, consts)
+    t = P.fwd_plan(N, D, x_dtype, layer_norm, acc)
+    splits, d_split = P.column_split(N, D, t, sms)
+    consts = dict(flags, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE,
+                  ALIGN=rt.align(D, stride_row, d_split), num_warps=t.num_warps)  # y's row stride is D
+    consts.update(HAS_B=b_dtype is not None) if layer_norm else consts.update(ROUND_XHAT=llama)
+    return _FwdRecipe(out_dtype, acc, False, t.BLOCK_N, splits, d_split, consts)
+
+
+def _dtype(t: torch.Tensor | None):
+    return None if t is None else t.dtype
+
+
 def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool):
     """Normalise x over its last ``k`` dims: ``(y, rstd)``, or ``(y, mean, rstd)`` for layer_norm."""
-    out_dtype = torch.promote_types(x.dtype, weight.dtype) if llama else x.dtype
-    acc = _acc(x, weight, bias)
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    rstd = torch.empty(x.shape[: x.dim() - k], dtype=acc, device=x.device)
-    mean = torch.empty_like(rstd) if layer_norm else None
-    stats = (mean, rstd) if layer_norm else (rstd,)
     x2 = rt.as_rows(x, k)
     N, D = x2.shape
+    D = int(D)
+    r = _fwd_recipe(rt.hint(N), D, int(x2.stride(0)), x.dtype, _dtype(weight), _dtype(bias), layer_norm, llama,
+                    rt.sm_count(x.device))
+    y = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
+    rstd = torch.empty(x.shape[: x.dim() - k], dtype=r.acc, device=x.device)
+    mean = torch.empty_like(rstd) if layer_norm else None
+    stats = (mean, rstd) if layer_norm else (rstd,)
     if N == 0 or D == 0:
         return (y, *[s.fill_(0.0) for s in stats])
-    D = int(D)
     w, b = _flat(weight), _flat(bias)
-    parts = P.fwd_parts(D, x.element_size())
-    if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
-        _parts_kernel[(N,)](
-            x2, w, b, y, mean, rstd, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, *rt.split_float(eps),
-            CHUNK=parts.CHUNK, NCH=parts.NCH, HAS_W=w is not None, HAS_B=b is not None, CENTERED=layer_norm,
-            ROUND_XHAT=llama, ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(D, int(x2.stride(0))),
-            num_warps=parts.num_warps,
-        )
+    eps_hi, eps_lo = rt.split_float(eps)
+    if r.parts:
+        _parts_kernel[(N,)](x2, w, b, y, mean, rstd, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps_hi,
+                            eps_lo, **r.consts)
         return (y, *stats)
-    n_plan = rt.hint(N)
-    t = P.fwd_plan(n_plan, D, x.dtype, layer_norm, acc)
-    splits, d_split = P.column_split(n_plan, D, t, rt.sm_count(x.device))
     # Column-split rows: each split's statistics first (PHASE 1), then the merge and normalisation (PHASE 2).
-    part = rstd if splits == 1 else torch.empty((len(stats), splits, N), dtype=acc, device=x.device)
-    align = rt.align(D, int(x2.stride(0)), d_split)  # y is contiguous: its row stride is D
-    grid = (rt.cdiv(N, t.BLOCK_N), splits)
-    flags = dict(BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_W=w is not None,
-                 ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=t.num_warps)
-    for phase in (0,) if splits == 1 else (1, 2):
+    part = rstd if r.splits == 1 else torch.empty((len(stats), r.splits, N), dtype=r.acc, device=x.device)
+    grid = (rt.cdiv(N, r.BLOCK_N), r.splits)
+    for phase in (0,) if r.splits == 1 else (1, 2):
         if layer_norm:
             _ln_fwd_kernel[grid](
-                x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D,
-                *rt.split_float(eps), d_split, splits, HAS_B=b is not None, PHASE=phase, **flags,
+                x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps_hi,
+                eps_lo, r.d_split, r.splits, PHASE=phase, **r.consts,
             )
         else:
             _rms_fwd_kernel[grid](
-                x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), D, *rt.split_float(eps), d_split,
-                splits, ROUND_XHAT=llama, PHASE=phase, **flags,
+                x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), D, eps_hi, eps_lo, r.d_split,
+                r.splits, PHASE=phase, **r.consts,
             )
     return (y, *stats)
+
+
+class _BwdRecipe(NamedTuple):
+    long: P.LongBwdPlan | None  # the one-kernel long-row backward
+    rowsum: bool  # long rows: the row-sum pass first
+    BLOCK_N: int
+    d_blocks: int
+    rows_per_prog: int
+    splits: int  # the row-sum pass's column splits
+    d_split: int
+    consts: dict  # the main kernel's constexprs and num_warps
+    rowsum_consts: dict
+
+
+@functools.lru_cache(maxsize=4096)
+def _bwd_recipe(N: int, D: int, sx: int, sdy: int, x_dtype, dy_dtype, w_dtype, acc, needs: tuple, layer_norm: bool,
+                llama: bool, sms: int, shared_mem: int) -> _BwdRecipe:
+    need_x, need_w, need_b = needs
+    x_size = x_dtype.itemsize
+    # layer_norm's backward with 32- and 64-bit x steps over fewer elements.
+    tile = P.LN_BWD_TILE_32BIT if layer_norm and x_size >= 4 else P.BWD_TILE
+    t, d_blocks, rows_per_prog = P.bwd_plan(N, D, sms, tile, x_size)
+    align = rt.align(D, sx, sdy)  # dx is contiguous (row stride D)
+    lp = None if t.ONE_TILE else P.long_bwd_plan(N, D, sms, layer_norm, x_size, w_dtype.itemsize if w_dtype else 0,
+                                                 acc.itemsize, align)
+    if lp is not None:
+        rows_per_prog = lp.rows_per_prog
+    # The dw/db partial rows are D or 2D apart (one buffer for both).
+    align = rt.align(align, D * (need_w + need_b))
+    flags = dict(HAS_W=w_dtype is not None, CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc), ALIGN=align,
+                 HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ROUND_XHAT=llama)
+    if lp is not None:
+        consts = dict(flags, CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, num_warps=lp.num_warps)
+        return _BwdRecipe(lp, False, 1, 1, rows_per_prog, 1, D, consts, {})
+    depth = P.BWD_MASKED_16BIT.stages if P.masked_16bit(t, D, x_size) else P.BWD_STAGES
+    consts = dict(flags, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, num_warps=t.num_warps,
+                  STAGES=P.bwd_stages(t, x_size + dy_dtype.itemsize, shared_mem, depth))
+    rowsum = need_x and not t.ONE_TILE
+    splits, d_split = P.column_split(N, D, t, sms) if rowsum else (1, D)
+    rowsum_consts = dict(BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, num_warps=t.num_warps, HAS_W=w_dtype is not None,
+                         CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(align, d_split))
+    return _BwdRecipe(None, rowsum, t.BLOCK_N, d_blocks, rows_per_prog, splits, d_split, consts, rowsum_consts)
 
 
 def _empty_like(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
@@ -170,64 +230,40 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     D = int(D)
     dy2 = rt.as_rows(dy, k)  # a view for contiguous or expanded (stride 0) dy
     w = _flat(weight)
-    stride_w = _stride(w)
     acc = rstd.dtype
-    ACC = rt.tl_acc_dtype(acc)
-    sms = rt.sm_count(x.device)
-    n_plan = rt.hint(N)
-    # layer_norm's backward with 32- and 64-bit x steps over fewer elements.
-    tile = P.LN_BWD_TILE_32BIT if layer_norm and x.element_size() >= 4 else P.BWD_TILE
-    t, d_blocks, rows_per_prog = P.bwd_plan(n_plan, D, sms, tile, x.element_size())
-    # dx is contiguous (row stride D); the dw/db partial rows are D or 2D apart.
-    align = rt.align(D, int(x2.stride(0)), int(dy2.stride(0)))
-    lp = None if t.ONE_TILE else P.long_bwd_plan(
-        n_plan, D, sms, layer_norm, x.element_size(), w.element_size() if w is not None else 0,
-        rstd.element_size(), align,
-    )
-    if lp is not None:
-        rows_per_prog = lp.rows_per_prog
-    chunks = rt.cdiv(N, rows_per_prog)
+    r = _bwd_recipe(rt.hint(N), D, int(x2.stride(0)), int(dy2.stride(0)), x.dtype, dy.dtype, _dtype(w), acc,
+                    (need_x, need_w, need_b), layer_norm, llama, rt.sm_count(x.device), rt.shared_mem_per_sm(x.device))
+    chunks = rt.cdiv(N, r.rows_per_prog)
     part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
     part = None
+    stride_part = 0
     if chunks != 1 and (need_w or need_b):
         # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
-        part = torch.empty((chunks, (need_w + need_b) * D), dtype=acc, device=x.device)
+        stride_part = D * (need_w + need_b)
+        part = torch.empty((chunks, stride_part), dtype=acc, device=x.device)
         part_w, part_b = (part[:, :D] if need_w else None), (part[:, D * need_w:] if need_b else None)
-    stride_pw = D * (need_w + need_b) if (need_w and part is not None) else 0
-    stride_pb = D * (need_w + need_b) if (need_b and part is not None) else 0
-    align = rt.align(align, stride_pw, stride_pb)
-    depth = P.BWD_MASKED_16BIT.stages if P.masked_16bit(t, D, x.element_size()) else P.BWD_STAGES
-    flags = dict(HAS_W=w is not None, CENTERED=layer_norm, ACC=ACC, ALIGN=align)
-    if lp is not None:
-        _long_kernel[(chunks * lp.SPLIT,)](
-            x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), stride_w,
-            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, rows_per_prog, lp.COLS,
-            CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b,
-            ROUND_XHAT=llama, num_warps=lp.num_warps, **flags,
+    stride_pw, stride_pb = (stride_part if need_w else 0), (stride_part if need_b else 0)
+    if r.long is not None:
+        _long_kernel[(chunks * r.long.SPLIT,)](
+            x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
+            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, r.rows_per_prog, r.long.COLS, **r.consts,
         )
     else:
         c = None
-        if need_x and not t.ONE_TILE:
-            # The row sums: c1 (and c2 for layer_norm), one row each.
+        if r.rowsum:
+            # The row sums: c1 (and c2 for layer_norm), one row each; with column splits, a block of partial
+            # row sums per split, added by column_sum.
             c = torch.empty((1 + layer_norm, N), dtype=acc, device=x.device)
-            splits, d_split = P.column_split(n_plan, D, t, sms)
-            # Column-split rows: a block of partial row sums per split, added by column_sum.
-            c_part = c if splits == 1 else torch.empty((splits, (1 + layer_norm) * N), dtype=acc, device=x.device)
-            _rowsum_kernel[(rt.cdiv(N, t.BLOCK_N), splits)](
-                x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), stride_w, dy2.stride(0),
-                dy2.stride(1), N, d_split, c_part.stride(0) if splits > 1 else 0,
-                BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, num_warps=t.num_warps,
-                **dict(flags, ALIGN=rt.align(align, d_split)),
+            c_part = c if r.splits == 1 else torch.empty((r.splits, (1 + layer_norm) * N), dtype=acc, device=x.device)
+            _rowsum_kernel[(rt.cdiv(N, r.BLOCK_N), r.splits)](
+                x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
+                dy2.stride(1), N, r.d_split, c_part.stride(0) if r.splits > 1 else 0, **r.rowsum_consts,
             )
-            if splits > 1:
+            if r.splits > 1:
                 column_sum(c_part, c.view(-1))
-        _bwd_kernel[(chunks, d_blocks)](
-            x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), stride_w,
-            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, rows_per_prog,
-            BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_DX=need_x, HAS_DW=need_w,
-            HAS_DB=need_b, ROUND_XHAT=llama,
-            STAGES=P.bwd_stages(t, x.element_size() + dy.element_size(), rt.shared_mem_per_sm(x.device), depth),
-            num_warps=t.num_warps, **flags,
+        _bwd_kernel[(chunks, r.d_blocks)](
+            x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
+            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, r.rows_per_prog, **r.consts,
         )
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])

@@ -1,0 +1,128 @@
+"""The pattern on a GPU: torch.compile, torch.export and AOTInductor see the ops' Triton kernels.
+
+On a GPU the ops are registered with torch.library.triton_op: Inductor traces through the launchers and
+launches the kernels from its own generated code, with no call back into the Python launcher. These tests
+read the generated code to check that, and compare results with eager mode.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import tritongrad
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Inductor + compiled Triton)")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+
+def _grads(f, *args):
+    args = [a.detach().requires_grad_() for a in args]
+    out = f(*args)
+    return (out, *torch.autograd.grad(out, args))
+
+
+def _compiled_code(f, *args):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    args = [a.detach().requires_grad_() for a in args]
+    compiled = torch.compile(f, fullgraph=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(compiled(*args), args)
+
+    _, code = run_and_get_code(fwd_bwd)
+    return "\n".join(code)
+
+
+@pytest.mark.parametrize("name", ["weighted_sum", "rms_norm", "layer_norm", "softcap"])
+def test_inductor_launches_the_kernels(name):
+    x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, device="cuda", dtype=torch.bfloat16)
+    if name == "softcap":
+        from softcap import softcap
+
+        def f(x, w):
+            return softcap(x * w, 3.0).float().square().sum()
+        kernels = ("_softcap_fwd_kernel", "_softcap_bwd_kernel")
+    else:
+        op = getattr(tritongrad, name)
+
+        def f(x, w):
+            y = op(x, w) if name == "weighted_sum" else op(x, (384,), w)
+            return y.float().square().sum()
+        kernels = {"weighted_sum": ("_weighted_sum_fwd_kernel", "_weighted_sum_bwd_kernel"),
+                   "rms_norm": ("_rms_norm_fwd_kernel", "_norm_bwd_kernel"),
+                   "layer_norm": ("_layer_norm_fwd_kernel", "_norm_bwd_kernel")}[name]
+    code = _compiled_code(f, x, w)
+    for k in kernels:
+        assert k in code, f"{k} is not launched by Inductor's code"
+    # No call back into the registered op (the opaque path).
+    assert f"torch.ops.tritongrad.{name}" not in code and "torch.ops.mylib.softcap" not in code
+    want = _grads(f, x, w)
+    got = _grads(torch.compile(f, fullgraph=True), x, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_dynamic_shapes_do_not_recompile():
+    torch._dynamo.reset()
+    w = torch.randn(256, device="cuda", requires_grad=True)
+
+    def f(x, w):
+        return tritongrad.rms_norm(x, (256,), w, 1e-6).sum() + tritongrad.weighted_sum(x, w).sum()
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for n in (33, 130, 1000, 4099):
+        x = torch.randn(n, 256, device="cuda", requires_grad=True)
+        got = _grads(compiled, x, w)
+        want = _grads(f, x, w)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_reduce_overhead_cuda_graphs():
+    torch._dynamo.reset()
+    m = tritongrad.nn.LayerNorm(512, device="cuda")
+    x = torch.randn(64, 512, device="cuda", requires_grad=True)
+    compiled = torch.compile(lambda x: m(x).square().sum(), mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(x)
+        gx, = torch.autograd.grad(loss, x)
+    want = torch.autograd.grad(m(x).square().sum(), x)[0]
+    torch.testing.assert_close(gx, want, rtol=1e-4, atol=1e-4)
+
+
+def test_export_and_aoti_package(tmp_path):
+    m = torch.nn.Sequential(tritongrad.nn.RMSNorm(256), torch.nn.Linear(256, 256), tritongrad.nn.LayerNorm(256)).cuda()
+    x = torch.randn(8, 256, device="cuda")
+    ep = torch.export.export(m, (x,))
+    assert "tritongrad.rms_norm" in ep.graph_module.code and "tritongrad.layer_norm" in ep.graph_module.code
+    torch.testing.assert_close(ep.module()(x), m(x))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    torch.testing.assert_close(loaded(x), m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_autocast_dtypes_match_pytorch():
+    x = torch.randn(64, 512, device="cuda")
+    w = torch.randn(512, device="cuda")
+    b = torch.randn(512, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        xb = torch.nn.functional.linear(x, torch.eye(512, device="cuda"))  # bf16 under autocast
+        pairs = [
+            (tritongrad.layer_norm(xb, (512,), w, b), torch.nn.functional.layer_norm(xb, (512,), w, b)),
+            (tritongrad.rms_norm(xb, (512,), w), torch.nn.functional.rms_norm(xb, (512,), w)),
+            (tritongrad.weighted_sum(xb, w.bfloat16()), (xb * w.bfloat16()).sum(-1)),
+        ]
+        for ours, theirs in pairs:
+            assert ours.dtype == theirs.dtype, (ours.dtype, theirs.dtype)
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
