@@ -40,6 +40,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=_shapes, help="NxD[,NxD...] rows x features, e.g. 32768x4096,16x1048576")
     p.add_argument("--mode", nargs="+", choices=_MODES, default=list(_MODES), help="default: all three")
     p.add_argument("--provider", nargs="+", metavar="NAME", help="providers to run (default: all; see --list)")
+    p.add_argument(
+        "--op", nargs="+", default=[], metavar="MODULE:NAME", dest="user_ops",
+        help="also run a user's op: an op declared with tritongrad.op, or a tritongrad.bench OpSpec, e.g. "
+             "examples.softcap:softcap (its reference is the eager and torch.compile baseline)",
+    )
     p.add_argument("--out", default="bench-out", help="folder for the JSON, CSV and PNGs (default: bench-out)")
     p.add_argument("--quick", action="store_true", help="a small sweep: three shapes, bf16")
     p.add_argument("--list", action="store_true", help="list ops and providers (and why any is skipped), then exit")
@@ -83,6 +88,10 @@ def run(args) -> int:
     from .ops import OPS
     from .providers import PROVIDERS, probe_all
 
+    from .ops import load
+
+    user = [load(path) for path in args.user_ops]
+    OPS.update((spec.name, spec) for spec in user)
     unknown = [o for o in args.ops if o not in OPS] + [p for p in args.provider or () if p not in PROVIDERS]
     if unknown:
         print(f"tritongrad bench: unknown {', '.join(unknown)}; ops: {', '.join(OPS)}; "
@@ -95,7 +104,7 @@ def run(args) -> int:
         return _list(OPS, probes)
     default_dtypes = ["fp32"] if device != "cuda" else ["bf16"] if args.quick else list(_DTYPES)
     cfg = harness.Config(
-        ops=args.ops or list(OPS),
+        ops=args.ops + [spec.name for spec in user] if args.ops or user else list(OPS),
         dtypes=list(dict.fromkeys(args.dtype or default_dtypes)),
         modes=[m for m in _MODES if m in args.mode],
         providers=list(probes),

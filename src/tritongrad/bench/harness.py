@@ -54,9 +54,10 @@ class Config:
     time_limit_s: float | None = None
 
 
-def _clear_grads(leaves: Sequence[torch.Tensor]) -> None:
+def _clear_grads(leaves: Sequence) -> None:
     for t in leaves:
-        t.grad = None
+        if isinstance(t, torch.Tensor):
+            t.grad = None
 
 
 def _fwd(fn, inputs, g):
@@ -226,7 +227,7 @@ def _error(e: BaseException) -> str:
 
 
 def _measure(provider_name: str, fn: Callable, mode: str, inputs, g, timer: Timer) -> dict:
-    leaves = [t for t in inputs if t.requires_grad]
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     run = _RUNNERS[mode](fn, inputs, g)
     run()  # warm-up outside the guard: Triton's JIT, torch.compile's compilation
     _clear_grads(leaves)

@@ -13,6 +13,8 @@ choice of the implementation, not something the op must move.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +73,7 @@ class OpSpec:
     fwd_bytes: Callable[[int, int, int], int]
     bwd_bytes: Callable[[int, int, int], int]
     shapes: tuple[tuple[int, int], ...] = ROW_SWEEP
+    fn: Callable | None = None  # tritongrad's callable; None: ``tritongrad.<name>``
 
     def bytes(self, mode: str, N: int, D: int, s: int) -> int:
         fwd, bwd = self.fwd_bytes(N, D, s), self.bwd_bytes(N, D, s)
@@ -112,3 +115,51 @@ OPS: dict[str, OpSpec] = {
         ),
     )
 }
+
+
+def from_op(op, inputs: Callable | None = None, fwd_bytes: Callable | None = None, bwd_bytes: Callable | None = None,
+            shapes: tuple[tuple[int, int], ...] = ROW_SWEEP) -> OpSpec:
+    """An :class:`OpSpec` for an op declared with :func:`tritongrad.op` (one output): its reference is the
+    eager baseline and what torch.compile compiles.
+
+    Defaults, for ops whose tensor arguments are all ``[N, D]`` (elementwise and row-wise ops): ``inputs``
+    makes every tensor argument ``[N, D]`` (requiring grad where the op differentiates it) and gives the other
+    arguments their defaults; the bytes are one read of each tensor input and one write of the output
+    forward, and one read of each saved tensor and of the output's gradient plus one write of each input
+    gradient backward."""
+    if op.n_outputs != 1:
+        raise ValueError(f"tritongrad bench: {op.label} has {op.n_outputs} outputs; give an OpSpec with a "
+                         "function returning one tensor")
+    tensors = op.tensor_positions
+    if inputs is None:
+        missing = [n for i, (n, d) in enumerate(zip(op._names, op._defaults))
+                   if i not in tensors and d is inspect.Parameter.empty]
+        if missing:
+            raise ValueError(f"tritongrad bench: {op.label}'s arguments {missing} have no default; give inputs=")
+
+        def inputs(N, D, dtype, device):
+            return tuple(
+                make_rows((N, D), dtype, device).requires_grad_(i in op._diff_positions) if i in tensors else d
+                for i, d in enumerate(op._defaults)
+            )
+
+    n_in, n_diff = len(tensors), len(op._diff_positions)
+    fwd_bytes = fwd_bytes or (lambda N, D, s: (n_in + 1) * N * D * s)
+    bwd_bytes = bwd_bytes or (lambda N, D, s: (len(op.save) + 1 + n_diff) * N * D * s)
+    return OpSpec(op.label, inputs, op.reference, lambda f: f, fwd_bytes, bwd_bytes, shapes, fn=op)
+
+
+def load(path: str) -> OpSpec:
+    """``"package.module:attr"``: an :class:`OpSpec`, or an op declared with :func:`tritongrad.op` (then
+    :func:`from_op`'s defaults)."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"tritongrad bench --op: expected MODULE:NAME such as mypkg.ops:softcap, got {path!r}")
+    obj = getattr(importlib.import_module(module), attr)
+    if isinstance(obj, OpSpec):
+        return obj
+    from .._pattern import Op
+
+    if isinstance(obj, Op):
+        return from_op(obj)
+    raise TypeError(f"tritongrad bench --op {path}: {type(obj).__name__} is neither an OpSpec nor a tritongrad op")

@@ -57,7 +57,7 @@ def _tritongrad_probe() -> str:
 def _tritongrad_build(op: OpSpec) -> Callable:
     import tritongrad
 
-    fn = getattr(tritongrad, op.name, None)
+    fn = op.fn if op.fn is not None else getattr(tritongrad, op.name, None)
     if fn is None:
         raise Unavailable(f"tritongrad.{op.name} does not exist in this version")
     return op.bind(fn)
