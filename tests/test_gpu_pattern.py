@@ -55,8 +55,8 @@ def test_inductor_launches_the_kernels(name):
             y = op(x, w) if name == "weighted_sum" else op(x, (384,), w)
             return y.float().square().sum()
         kernels = {"weighted_sum": ("_weighted_sum_fwd_kernel", "_weighted_sum_bwd_kernel"),
-                   "rms_norm": ("_rms_norm_fwd_kernel", "_norm_bwd_kernel"),
-                   "layer_norm": ("_layer_norm_fwd_kernel", "_norm_bwd_kernel")}[name]
+                   "rms_norm": ("_norm_fwd_kernel", "_norm_bwd_kernel"),
+                   "layer_norm": ("_norm_fwd_kernel", "_norm_bwd_kernel")}[name]
     code = _compiled_code(f, x, w)
     for k in kernels:
         assert k in code, f"{k} is not launched by Inductor's code"

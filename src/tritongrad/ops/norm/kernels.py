@@ -34,10 +34,11 @@ rest (``eps_lo``): Triton passes a Python float as float32, and float64 norms ne
 
 Kernels (which launch shape serves which rows: plans.py and docs/norms.md):
 
-- ``_rms_norm_fwd_kernel``, ``_layer_norm_fwd_kernel``: BLOCK_N rows per program; a row that fits one tile
+- ``_norm_fwd_kernel`` (``CENTERED`` for layer_norm): BLOCK_N rows per program; a row that fits one tile
   (``ONE_TILE``) is read once and kept in registers, a longer one is walked in chunks twice. With fewer
   row tiles than SMs the columns are split too: PHASE 1 writes each split's statistics, PHASE 2 merges them
-  in a fixed order and normalises its split.
+  in a fixed order and normalises its split. Each norm's specializations compile to the same code as two
+  separate kernels did (docs/norms.md).
 - ``_norm_fwd_parts_kernel``: rows of an odd number (3 to 13) of power-of-two chunks (5120 = 5 x 1024), one
   row per program, held in parts of 8, 4, 2 and 1 chunks so that no lane is masked.
 - ``_norm_bwd_kernel``: programs over (row chunk, column block); each writes dL/dx for its rows and columns
@@ -56,32 +57,33 @@ from .._tl import aligned, round_to
 
 
 @triton.jit
-def _scale(
-    b_xhat, w_ptr, o_d, m_d, stride_w,
-    HAS_W: tl.constexpr, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr, ACC: tl.constexpr,
-):
-    """xhat * w (or xhat), in ACC."""
+def _norm_affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                 ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr, ACC: tl.constexpr):
+    """xhat * w + b in ACC (the missing parts skipped); Llama rounds xhat to x's dtype before the weight."""
     if ROUND_XHAT:
-        # Llama: the normalised value is rounded to the input dtype before the weight multiplies it.
         b_xhat = round_to(b_xhat, X_DTYPE).to(ACC)
     if HAS_W:
-        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
-        b_xhat = b_xhat * b_w[None, :]
+        b_xhat = b_xhat * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+    if HAS_B:
+        b_xhat = b_xhat + tl.load(b_ptr + o_d * stride_b, mask=m_d, other=0.0).to(ACC)[None, :]
     return b_xhat
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(
+def _norm_fwd_kernel(
     x_ptr,
     w_ptr,
+    b_ptr,  # None unless HAS_B
     y_ptr,  # [N, D], unit column stride
+    mean_ptr,  # [N], ACC; None unless CENTERED
     rstd_ptr,  # [N], ACC
-    part_ptr,  # [NUM_SPLITS, N], ACC: each column split's sum of squares (PHASE 1 writes, PHASE 2 reads)
+    part_ptr,  # column splits' statistics: [NUM_SPLITS, N] sums of squares, or CENTERED [2, NUM_SPLITS, N] (mean, M2)
     N,
     D,
     stride_x_row,
     stride_x_col,
     stride_w,
+    stride_b,
     stride_y_row,
     eps,  # float32 (Triton passes a Python float so) ...
     eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
@@ -91,6 +93,8 @@ def _rms_norm_fwd_kernel(
     BLOCK_D: tl.constexpr,
     ONE_TILE: tl.constexpr,
     HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    CENTERED: tl.constexpr,  # layer_norm: subtract the mean (and save it)
     ROUND_XHAT: tl.constexpr,
     PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
     ACC: tl.constexpr,
@@ -108,140 +112,51 @@ def _rms_norm_fwd_kernel(
     p_x = x_ptr + o_n[:, None] * stride_x_row
     p_y = y_ptr + o_n[:, None] * stride_y_row
     X_DTYPE = x_ptr.dtype.element_ty
+    if CENTERED:
+        # Statistics of x - K with K = the row's first element (shifted data): a constant row then has
+        # deviations of exactly 0 and a mean of exactly K, instead of the rounding noise of sum(x)/D amplified
+        # by r ~ 1/sqrt(eps); it also shrinks the sums' rounding for offset rows.
+        b_k = tl.load(x_ptr + o_n * stride_x_row, mask=m_n, other=0.0).to(ACC)
     if ONE_TILE:
         # The whole row in registers: read once, then statistics, normalisation and store.
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < D
         mask = m_n[:, None] & m_d[None, :]
-        # Masked lanes load 0, which adds nothing to the sum of squares.
+        # Masked lanes load 0, which adds nothing to a sum of squares.
         b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+        if CENTERED:
+            # Masked lanes would contribute (0 - K) and (0 - mean)^2: zero them.
+            b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
+            b_mean = tl.sum(b_x, axis=1) / D
+            b_x = tl.where(mask, b_x - b_mean[:, None], 0.0)
+            b_mean += b_k
         b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps + eps_lo)
-        b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
+        b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B,
+                           ROUND_XHAT, X_DTYPE, ACC)
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
-        # Rows too long for registers: sum of squares over chunks, then a second read to normalise
-        # (for a few rows per SM the second read mostly hits L2). With few rows the columns are split
-        # across programs too: PHASE 1 writes each split's sum of squares, PHASE 2 adds them in a fixed
-        # order and normalises its split.
-        d_lo = pid_s * D_SPLIT
-        d_hi = tl.minimum(D, d_lo + D_SPLIT)
-        if PHASE == 2:
-            b_ss = tl.zeros([BLOCK_N], dtype=ACC)
-            for s in range(0, NUM_SPLITS):
-                b_ss += tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-            for d0 in range(d_lo, d_hi, BLOCK_D):
-                o_d = d0 + tl.arange(0, BLOCK_D)
-                mask = m_n[:, None] & (o_d < d_hi)[None, :]
-                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-                acc += b_x * b_x
-            b_ss = tl.sum(acc, axis=1)
-        if PHASE == 1:
-            tl.store(part_ptr + pid_s * N + o_n, b_ss, mask=m_n)
-        else:
-            b_rstd = tl.rsqrt(b_ss / D + eps + eps_lo)
-            for d0 in range(d_lo, d_hi, BLOCK_D):
-                o_d = d0 + tl.arange(0, BLOCK_D)
-                m_d = o_d < d_hi
-                mask = m_n[:, None] & m_d[None, :]
-                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-                b_y = _scale(b_x * b_rstd[:, None], w_ptr, o_d, m_d, stride_w, HAS_W, ROUND_XHAT, X_DTYPE, ACC)
-                tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
-    if PHASE != 1:
-        if pid_s == 0:  # one split of a row writes its statistics
-            tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
-
-
-@triton.jit
-def _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-            ACC: tl.constexpr):
-    """xhat * w + b in ACC; the missing parts are skipped."""
-    if HAS_W:
-        b_xhat = b_xhat * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
-    if HAS_B:
-        b_xhat = b_xhat + tl.load(b_ptr + o_d * stride_b, mask=m_d, other=0.0).to(ACC)[None, :]
-    return b_xhat
-
-
-@triton.jit
-def _layer_norm_fwd_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    y_ptr,  # [N, D], unit column stride
-    mean_ptr,  # [N], ACC
-    rstd_ptr,  # [N], ACC
-    part_ptr,  # [2, NUM_SPLITS, N], ACC: each column split's mean and M2 of x - K (PHASE 1 writes, 2 reads)
-    N,
-    D,
-    stride_x_row,
-    stride_x_col,
-    stride_w,
-    stride_b,
-    stride_y_row,
-    eps,  # float32 (Triton passes a Python float so) ...
-    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
-    D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
-    NUM_SPLITS,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
-    ACC: tl.constexpr,
-    ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
-):
-    D = aligned(D, ALIGN)
-    stride_x_row = aligned(stride_x_row, ALIGN)
-    stride_y_row = aligned(stride_y_row, ALIGN)
-    D_SPLIT = aligned(D_SPLIT, ALIGN)
-    # int64 before any multiply by a stride: N * stride can pass 2**31 elements.
-    pid = tl.program_id(0).to(tl.int64)
-    pid_s = tl.program_id(1)
-    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    p_x = x_ptr + o_n[:, None] * stride_x_row
-    p_y = y_ptr + o_n[:, None] * stride_y_row
-    # Statistics of x - K with K = the row's first element (shifted data): a constant row then has
-    # deviations of exactly 0 and a mean of exactly K, as in eager PyTorch, instead of the rounding noise
-    # of sum(x)/D amplified by r ~ 1/sqrt(eps); it also shrinks the sums' rounding for offset rows.
-    b_k = tl.load(x_ptr + o_n * stride_x_row, mask=m_n, other=0.0).to(ACC)
-    if ONE_TILE:
-        # The whole row in registers: read once; mean, then the deviations, then the variance from them.
-        o_d = tl.arange(0, BLOCK_D)
-        m_d = o_d < D
-        mask = m_n[:, None] & m_d[None, :]
-        b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-        # Masked lanes would contribute (0 - K) and (0 - mean)^2: zero them.
-        b_x = tl.where(mask, b_x - b_k[:, None], 0.0)
-        b_mean = tl.sum(b_x, axis=1) / D
-        b_xc = tl.where(mask, b_x - b_mean[:, None], 0.0)
-        b_rstd = tl.rsqrt(tl.sum(b_xc * b_xc, axis=1) / D + eps + eps_lo)
-        b_mean += b_k
-        b_y = _affine(b_xc * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
-        tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Rows too long for registers: per-chunk mean and M2 of x - K, merged with Chan's update (stable),
-        # then a second read to normalise. With few rows the columns are split across programs too:
-        # PHASE 1 writes each split's (mean, M2), PHASE 2 merges them in a fixed order, the same update
-        # with a split for a chunk, and normalises its split.
+        # Rows too long for registers: statistics over chunks (rms_norm: the sum of squares; layer_norm: each
+        # chunk's mean and M2 of x - K, merged with Chan's update), then a second read to normalise. With few
+        # rows the columns are split across programs too: PHASE 1 writes each split's statistics, PHASE 2
+        # merges them in a fixed order (a split merges like a chunk) and normalises its split.
         d_lo = pid_s * D_SPLIT
         d_hi = tl.minimum(D, d_lo + D_SPLIT)
         b_mean = tl.zeros([BLOCK_N], dtype=ACC)
-        b_m2 = tl.zeros([BLOCK_N], dtype=ACC)
+        b_m2 = tl.zeros([BLOCK_N], dtype=ACC)  # rms_norm: the sum of squares
         if PHASE == 2:
             for s in range(0, NUM_SPLITS):
-                n_a = tl.zeros([BLOCK_N], dtype=ACC) + s * D_SPLIT
-                n_b = tl.minimum(n_a * 0 + (D - s * D_SPLIT), D_SPLIT)
-                c_mean = tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
-                c_m2 = tl.load(part_ptr + (NUM_SPLITS + s) * N + o_n, mask=m_n, other=0.0)
-                delta = c_mean - b_mean
-                f_b = n_b / (n_a + n_b)
-                b_mean += delta * f_b
-                b_m2 += c_m2 + delta * delta * (n_a * f_b)
-        else:
+                if CENTERED:
+                    n_a = tl.zeros([BLOCK_N], dtype=ACC) + s * D_SPLIT
+                    n_b = tl.minimum(n_a * 0 + (D - s * D_SPLIT), D_SPLIT)
+                    c_mean = tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
+                    c_m2 = tl.load(part_ptr + (NUM_SPLITS + s) * N + o_n, mask=m_n, other=0.0)
+                    delta = c_mean - b_mean
+                    f_b = n_b / (n_a + n_b)
+                    b_mean += delta * f_b
+                    b_m2 += c_m2 + delta * delta * (n_a * f_b)
+                else:
+                    b_m2 += tl.load(part_ptr + s * N + o_n, mask=m_n, other=0.0)
+        elif CENTERED:
             for d0 in range(d_lo, d_hi, BLOCK_D):
                 o_d = d0 + tl.arange(0, BLOCK_D)
                 mask = m_n[:, None] & (o_d < d_hi)[None, :]
@@ -257,9 +172,20 @@ def _layer_norm_fwd_kernel(
                 f_b = n_b / (n_a + n_b)
                 b_mean += delta * f_b
                 b_m2 += tl.sum(b_xc * b_xc, axis=1) + delta * delta * (n_a * f_b)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+            for d0 in range(d_lo, d_hi, BLOCK_D):
+                o_d = d0 + tl.arange(0, BLOCK_D)
+                mask = m_n[:, None] & (o_d < d_hi)[None, :]
+                b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
+                acc += b_x * b_x
+            b_m2 = tl.sum(acc, axis=1)
         if PHASE == 1:
-            tl.store(part_ptr + pid_s * N + o_n, b_mean, mask=m_n)
-            tl.store(part_ptr + (NUM_SPLITS + pid_s) * N + o_n, b_m2, mask=m_n)
+            if CENTERED:
+                tl.store(part_ptr + pid_s * N + o_n, b_mean, mask=m_n)
+                tl.store(part_ptr + (NUM_SPLITS + pid_s) * N + o_n, b_m2, mask=m_n)
+            else:
+                tl.store(part_ptr + pid_s * N + o_n, b_m2, mask=m_n)
         else:
             b_rstd = tl.rsqrt(b_m2 / D + eps + eps_lo)
             for d0 in range(d_lo, d_hi, BLOCK_D):
@@ -267,13 +193,17 @@ def _layer_norm_fwd_kernel(
                 m_d = o_d < d_hi
                 mask = m_n[:, None] & m_d[None, :]
                 b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
-                b_xhat = ((b_x - b_k[:, None]) - b_mean[:, None]) * b_rstd[:, None]
-                b_y = _affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B, ACC)
+                if CENTERED:
+                    b_x = (b_x - b_k[:, None]) - b_mean[:, None]
+                b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B,
+                                   ROUND_XHAT, X_DTYPE, ACC)
                 tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
-            b_mean += b_k
+            if CENTERED:
+                b_mean += b_k
     if PHASE != 1:
         if pid_s == 0:  # one split of a row writes its statistics
-            tl.store(mean_ptr + o_n, b_mean, mask=m_n)
+            if CENTERED:
+                tl.store(mean_ptr + o_n, b_mean, mask=m_n)
             tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
 
 

@@ -25,8 +25,7 @@ from . import kernels
 from . import plans as P
 from .reference import default_eps, layer_norm_reference, llama_rms_norm_reference, rms_norm_reference
 
-_rms_fwd_kernel = kernel(kernels._rms_norm_fwd_kernel)
-_ln_fwd_kernel = kernel(kernels._layer_norm_fwd_kernel)
+_fwd_kernel = kernel(kernels._norm_fwd_kernel)
 _parts_kernel = kernel(kernels._norm_fwd_parts_kernel)
 _rowsum_kernel = kernel(kernels._norm_bwd_rowsum_kernel)
 _bwd_kernel = kernel(kernels._norm_bwd_kernel)
@@ -119,9 +118,9 @@ def _fwd_recipe(N: int, D: int, stride_row: int, x_dtype, w_dtype, b_dtype, laye
         return _FwdRecipe(out_dtype, acc, True, 1, 1, D, consts)
     t = P.fwd_plan(N, D, x_dtype, layer_norm, acc)
     splits, d_split = P.column_split(N, D, t, sms)
-    consts = dict(flags, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE,
-                  ALIGN=rt.align(D, stride_row, d_split), num_warps=t.num_warps)  # y's row stride is D
-    consts.update(HAS_B=b_dtype is not None) if layer_norm else consts.update(ROUND_XHAT=llama)
+    consts = dict(flags, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_B=b_dtype is not None,
+                  CENTERED=layer_norm, ROUND_XHAT=llama, ALIGN=rt.align(D, stride_row, d_split),  # y's row stride: D
+                  num_warps=t.num_warps)
     return _FwdRecipe(out_dtype, acc, False, t.BLOCK_N, splits, d_split, consts)
 
 
@@ -152,16 +151,10 @@ def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool)
     part = rstd if r.splits == 1 else torch.empty((len(stats), r.splits, N), dtype=r.acc, device=x.device)
     grid = (rt.cdiv(N, r.BLOCK_N), r.splits)
     for phase in (0,) if r.splits == 1 else (1, 2):
-        if layer_norm:
-            _ln_fwd_kernel[grid](
-                x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps_hi,
-                eps_lo, r.d_split, r.splits, PHASE=phase, **r.consts,
-            )
-        else:
-            _rms_fwd_kernel[grid](
-                x2, w, y, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), D, eps_hi, eps_lo, r.d_split,
-                r.splits, PHASE=phase, **r.consts,
-            )
+        _fwd_kernel[grid](
+            x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps_hi, eps_lo,
+            r.d_split, r.splits, PHASE=phase, **r.consts,
+        )
     return (y, *stats)
 
 
