@@ -143,7 +143,8 @@ def _autograd_nodes(t: torch.Tensor) -> set:
 
 
 def _norm_node(family: str) -> str:
-    return "LlamaRmsNormBackward" if FAMILIES[family][0] in ("llama", "mistral", "qwen2", "qwen3") else "RmsNormBackward"
+    llama_kind = FAMILIES[family][0] in ("llama", "mistral", "qwen2", "qwen3")
+    return "LlamaRmsNormBackward" if llama_kind else "RmsNormBackward"
 
 
 @pytest.fixture

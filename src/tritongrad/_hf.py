@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import operator
 
 import torch
 import torch.nn.functional as F
@@ -140,33 +139,35 @@ def norm_kind(cls: type) -> tuple[str | None, str]:
 
 @functools.cache
 def norm_forward(kind: str, eps_name: str):
-    eps = operator.attrgetter(eps_name)
     if kind == "llama":
         def forward(self, hidden_states):
-            return tritongrad.llama_rms_norm(hidden_states, _plain(self.weight), eps(self))
+            return tritongrad.llama_rms_norm(hidden_states, _plain(self.weight), getattr(self, eps_name))
     elif kind == "gemma":
         def forward(self, x):
             w = _plain(self.weight)
-            return tritongrad.rms_norm(x, w.shape, 1.0 + w.float(), eps(self))
+            return tritongrad.rms_norm(x, w.shape, 1.0 + w.float(), getattr(self, eps_name))
     else:
         def forward(self, hidden_states):
             w = _plain(self.weight)
-            return tritongrad.rms_norm(hidden_states, w.shape, w, eps(self))
+            return tritongrad.rms_norm(hidden_states, w.shape, w, getattr(self, eps_name))
     forward.__qualname__ = forward.__name__ = f"{kind}_rms_norm_forward"
     return marked(forward, "rms_norm")
 
 
 # ---------------------------------------------------------------- gated MLP
-@functools.cache
-def silu_types() -> tuple:
-    types = [torch.nn.SiLU]
-    try:
-        from transformers.activations import SiLUActivation
+SILU_TYPES: tuple = (torch.nn.SiLU,)  # with transformers' SiLUActivation once silu_types() ran (at patch time)
 
-        types.append(SiLUActivation)
-    except ImportError:
-        pass
-    return tuple(types)
+
+def silu_types() -> tuple:
+    global SILU_TYPES
+    if len(SILU_TYPES) == 1:
+        try:
+            from transformers.activations import SiLUActivation
+
+            SILU_TYPES = (torch.nn.SiLU, SiLUActivation)
+        except ImportError:
+            pass
+    return SILU_TYPES
 
 
 def looks_like_gated_mlp(m: torch.nn.Module) -> bool:
@@ -212,7 +213,7 @@ def activation_why_not(act) -> str | None:
 
 
 def _swiglu_forward(self, x):
-    if isinstance(self.act_fn, silu_types()):
+    if isinstance(self.act_fn, SILU_TYPES):  # a plain global read: torch.compile traces it without a break
         return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x)))
     # A class patched for SiLU (patch_transformers), built here with another activation.
     return original_forward_of(type(self))(self, x)
@@ -333,32 +334,35 @@ def causal_lm_linear_loss(hidden_states, weight, bias, labels, logit_softcap=Non
     return _mean_or_per_item(loss.float(), num_items_in_batch)
 
 
-def _slice_to_keep(hidden_states, logits_to_keep):
-    try:
-        from transformers.modeling_utils import slice_logits_to_keep
-    except ImportError:  # older transformers: an int keeps the last positions, a tensor indexes them
-        index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden_states[:, index, :]
-    return slice_logits_to_keep(hidden_states, logits_to_keep)
+def _slice_last(hidden_states, logits_to_keep):
+    """transformers before 5.2x: an int keeps the last positions (0: all), a tensor indexes them."""
+    index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden_states[:, index, :]
 
 
-@functools.cache
-def _output_fields() -> tuple[type, frozenset]:
+def _transformers_parts() -> tuple:
+    """What the linear-loss forward takes from the installed transformers, read at patch time (torch.compile
+    traces neither dataclasses.fields nor a failing import): the output class, the fields copied from the
+    model's output (``cache`` since transformers 5.2x, ``past_key_values`` before), the logits_to_keep slicer."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast, frozenset(f.name for f in dataclasses.fields(CausalLMOutputWithPast))
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:
+        slice_logits_to_keep = _slice_last
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    copied = tuple(n for n in ("cache", "past_key_values", "hidden_states", "attentions") if n in fields)
+    return CausalLMOutputWithPast, copied, slice_logits_to_keep
 
 
-def _linear_loss_forward(self, labels, logits_to_keep=0, return_dict=None, **kwargs):
+def _linear_loss_forward(self, parts, labels, logits_to_keep=0, return_dict=None, **kwargs):
+    out_cls, copied, slice_to_keep = parts
     outputs = self.model(**kwargs)
-    hidden_states = _slice_to_keep(outputs[0], logits_to_keep)
+    hidden_states = slice_to_keep(outputs[0], logits_to_keep)
     head = self.lm_head
     loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels,
                                  getattr(self.config, "final_logit_softcapping", None), **kwargs)
-    cls, fields = _output_fields()
-    extra = {name: getattr(outputs, name, None) for name in ("cache", "past_key_values", "hidden_states",
-                                                              "attentions") if name in fields}
-    out = cls(loss=loss, logits=None, **extra)
+    out = out_cls(loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in copied})
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     return out if return_dict is not False else out.to_tuple()
@@ -369,6 +373,7 @@ def causal_lm_forward(original):
     """The forward of a ``*ForCausalLM`` class with linear_cross_entropy: in training with ``labels``, the loss
     from the last hidden states and ``lm_head.weight`` (``logits`` is None in the output); otherwise (no labels,
     eval mode, or an LM head whose weight is still sharded) the original forward, logits and all."""
+    parts = _transformers_parts()
     names = []
     for p in list(inspect.signature(original).parameters.values())[1:]:
         if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY):
@@ -384,7 +389,7 @@ def causal_lm_forward(original):
         if (not self.training or kwargs.get("labels") is None
                 or type(self.lm_head.weight) not in PLAIN_TENSORS):
             return original(self, **kwargs)
-        return _linear_loss_forward(self, **kwargs)
+        return _linear_loss_forward(self, parts, **kwargs)
 
     functools.update_wrapper(forward, original)
     del forward.__wrapped__  # inspect.signature shows the original's parameters through __signature__

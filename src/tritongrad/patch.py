@@ -352,6 +352,7 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
             else:
                 _set(cls, "forward", hf.norm_forward(kind, eps_name), "rms_norm", report, hf.NORM_DETAIL[kind])
         elif name.endswith("MLP") and "swiglu" in on:
+            hf.silu_types()
             why = hf.gated_mlp_why_not(cls) or hf.config_activation_why_not(cls, causal)
             if why is not None:
                 report._add("skipped", "swiglu", f"{mod.__name__}.{name}", why)
