@@ -253,6 +253,14 @@ def test_nothing_to_patch_warns_or_raises():
         tritongrad.patch(gemma, rms_norm=False, rope=False, linear_cross_entropy=False)
 
 
+def test_report_says_what_has_no_candidate():
+    model = _model("llama").model  # the base model: no lm_head
+    report = tritongrad.patch(model, swiglu=False, rope=False)
+    assert report.ops() == {"rms_norm": 5}
+    assert [(e.op, e.detail) for e in report.skipped] == [("linear_cross_entropy", "no module with lm_head and "
+                                                          "model (a *ForCausalLM)")]
+
+
 def test_flags_off_patch_nothing_of_theirs():
     model = _model("llama")
     with pytest.warns(UserWarning):

@@ -25,6 +25,12 @@ _NEEDS = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "swiglu": "swiglu"
           "rope": "apply_rotary_pos_emb", "cross_entropy": "cross_entropy",
           "linear_cross_entropy": "linear_cross_entropy"}
 
+# What patch() looks for in a Hugging Face model, per op (said in the report when none is found).
+_CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps",
+               "swiglu": "no MLP with gate_proj, up_proj, down_proj and act_fn",
+               "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
+               "cross_entropy": "no module with lm_head and model (a *ForCausalLM)",
+               "linear_cross_entropy": "no module with lm_head and model (a *ForCausalLM)"}
 # torch class -> tritongrad subclass overriding forward only.
 _TORCH = {torch.nn.RMSNorm: tg_nn.RMSNorm, torch.nn.LayerNorm: tg_nn.LayerNorm}
 _TORCH_OP = {torch.nn.RMSNorm: "rms_norm", torch.nn.LayerNorm: "layer_norm"}
@@ -191,6 +197,10 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
             for op in new:
                 report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
     rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
+    if any(_from_transformers(type(m)) for m in model.modules()):
+        seen = {e.op for e in report.replaced + report.already + report.skipped}
+        for op in sorted(on - seen - {"layer_norm"}):
+            report._add("skipped", op, "", _CANDIDATES[op])
     for op in sorted({e.op for e in report.replaced}):
         _require(op)
     for m, sub in plan:
@@ -247,9 +257,11 @@ def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
             report._add("skipped", "swiglu", name, f"{base.__name__}: {why}")
             return {}, {}
         return {"forward": hf.swiglu_forward}, {"swiglu": "down_proj(swiglu(gate_proj(x), up_proj(x)))"}
-    if isinstance(getattr(m, "lm_head", None), torch.nn.Linear) and hasattr(m, "model"):
+    if hasattr(m, "lm_head") and hasattr(m, "model"):
         wanted = on & {"cross_entropy", "linear_cross_entropy"}
         why = hf.causal_lm_why_not(base) if wanted else None
+        if why is None and wanted and not isinstance(m.lm_head, torch.nn.Linear):
+            why = f"lm_head is a {type(m.lm_head).__name__}, not a torch.nn.Linear"
         if why is not None:
             for op in sorted(wanted):
                 report._add("skipped", op, name, why)
