@@ -323,6 +323,25 @@ def test_patch_transformers_reports_gemma_mlp_and_unknown_family():
         tritongrad.patch_transformers("no_such_family")
 
 
+def test_multimodal_wrapper_gets_its_text_stack():
+    # Gemma3ForConditionalGeneration: the text stack's norms and the vision tower's LayerNorms are patched; its
+    # loss is reported as left alone (not a *ForCausalLM forward).
+    text = dict(TINY, num_hidden_layers=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(DEVICE)
+    batch = _batch()
+    want = copy.deepcopy(model)(**batch).loss
+    report = tritongrad.patch(model, swiglu=False, rope=False)
+    assert report.ops() == {"rms_norm": 14, "layer_norm": 4}
+    assert [(e.op, e.target) for e in report.skipped] == [("linear_cross_entropy", "")]
+    got = model(**batch).loss
+    assert "RmsNormBackward" in _autograd_nodes(got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- with swiglu, rope and linear_cross_entropy
 @pytest.mark.parametrize("family", FAMILIES)
 def test_all_ops_match_hf(family, spy):
