@@ -18,6 +18,9 @@ The rest need only the norms.
 
 import copy
 import importlib
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -451,3 +454,47 @@ def test_fsdp2_world_size_1(ops, tmp_path):
     finally:
         dist.destroy_process_group()
 
+
+_TWO_RANKS = """
+import os, sys, tempfile
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+
+def main(rank, path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    import tritongrad
+    from tritongrad import _hf
+    mesh = init_device_mesh("cpu", (2,))
+    w = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(r + 1)) for r in range(2)]
+    g = torch.arange(8.0)
+    (tritongrad.rms_norm(xs[rank], [8], _hf._plain(weight), 1e-6) * g).sum().backward()
+    got = weight.grad.full_tensor()
+    want = 0
+    for x in xs:  # FSDP2's gradient: the mean over ranks of each rank's own
+        wr = w.clone().requires_grad_()
+        (torch.nn.functional.rms_norm(x, [8], wr, 1e-6) * g).sum().backward()
+        want = want + wr.grad / 2
+    torch.testing.assert_close(got, want)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(tempfile.mktemp(),), nprocs=2)
+    print("ok")
+"""
+
+
+def test_dtensor_weight_gradient_is_averaged_over_ranks(tmp_path):
+    # A weight still sharded when a patched module runs (called outside its FSDP unit) is gathered; its gradient,
+    # different on each rank, must come back averaged over the ranks, as FSDP2 averages: two gloo ranks on CPU.
+    pytest.importorskip("torch.distributed.tensor")
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

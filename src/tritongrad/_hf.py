@@ -44,7 +44,6 @@ from ._runtime import PLAIN_TENSORS
 SAVED: dict[tuple, tuple] = {}
 
 
-
 def marked(fn, op: str):
     """Tag a replacement so that later calls recognise it (idempotence, reports, unpatching)."""
     fn._tritongrad = op
@@ -58,12 +57,14 @@ def patched_op(obj) -> str | None:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A parameter as the ops take it. FSDP2 all-gathers its sharded parameters into plain tensors before a
-    module's forward, so the ops normally see those; a DTensor still sharded here (a module used outside its
-    FSDP unit) is gathered, differentiably."""
-    if type(t) in PLAIN_TENSORS or t is None:
+    module's forward, so the ops normally see those. A DTensor still sharded here (a module called outside its
+    FSDP unit) is gathered; its gradient, different on each rank, is averaged over the ranks on the way back
+    (a reduce-scatter), as FSDP2 averages the gradients it reduces."""
+    if type(t) in PLAIN_TENSORS or t is None or not hasattr(t, "full_tensor"):
         return t
-    full = getattr(t, "full_tensor", None)
-    return full() if full is not None else t
+    from torch.distributed.tensor import Partial
+
+    return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
 
 
 def _equal(a, b) -> bool:
