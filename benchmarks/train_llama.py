@@ -13,6 +13,9 @@ the run's own. All runs see the same initial weights (each parameter drawn from 
 and the same batches. Under torchrun the runs share the launched processes, one after another (Liger last:
 its patches stay).
 
+"eager" and "compile" say whether the model runs under torch.compile; attention is PyTorch's SDPA (flash
+attention on a GPU) for every provider, so the runs differ in norms, MLP, rotary embedding and loss only.
+
 The data are sequences from a fixed random Markov chain (``MarkovChain``) whose entropy rate, printed as the
 loss floor, is the lowest loss any model can reach. Written under --out (default $OUT, else train-out),
 updated after every run: ``<stem>.json`` (settings, each run's losses, step times, patch report), ``<stem>.csv``
@@ -146,9 +149,8 @@ def build_model(args, device):
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=max(args.seq, 128), tie_word_embeddings=args.tied, use_cache=False,
-        rope_theta=500000.0, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.to(torch.bfloat16)
