@@ -9,9 +9,9 @@ computing in float64 too (Hugging Face's own norms drop to float32).
 Tests that need ops built in their own families (a missing op makes them fail, naming it, not skip):
 
 - ``tritongrad.swiglu``, ``tritongrad.apply_rotary_pos_emb`` and ``tritongrad.linear_cross_entropy``:
-  ``test_all_ops_match_hf``, ``test_linear_cross_entropy_keeps_hf_loss_semantics``,
-  ``test_patch_transformers_all_ops``, ``test_fsdp2_world_size_1[all]``;
-- ``tritongrad.cross_entropy``: ``test_cross_entropy_loss_function``.
+  ``test_all_ops_match_hf`` (8 families), ``test_patch_transformers_all_ops``, ``test_fsdp2_world_size_1[all]``;
+- ``tritongrad.linear_cross_entropy`` alone: ``test_linear_cross_entropy_keeps_hf_loss_semantics`` (2);
+- ``tritongrad.cross_entropy`` alone: ``test_cross_entropy_loss_function`` (2).
 
 The rest need only the norms.
 """
