@@ -29,6 +29,10 @@ _WHERE = {
     "swiglu": ".ops.swiglu",
     "apply_rotary_pos_emb": ".ops.rope",
     "patch": ".patch",
+    "unpatch": ".patch",
+    "patch_transformers": ".patch",
+    "unpatch_transformers": ".patch",
+    "PatchReport": ".patch",
     "nn": ".nn",
     "testing": ".testing",
 }
@@ -42,6 +46,8 @@ def __getattr__(name: str):
     module = importlib.import_module(where, __name__)
     value = module if name in ("nn", "testing") else getattr(module, name)
     globals()[name] = value  # later lookups are plain attribute reads
+    if where == ".patch":  # importing the submodule set tritongrad.patch to it; the name is its function
+        globals()["patch"] = module.patch
     return value
 
 

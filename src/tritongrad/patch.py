@@ -1,113 +1,428 @@
-"""``tritongrad.patch(model)``: make the norm layers of an existing model run tritongrad's kernels."""
+"""Model patching: make an existing model, or every Hugging Face model of a family, run tritongrad's kernels.
+
+- :func:`patch` (an existing model, in place) and :func:`unpatch`;
+- :func:`patch_transformers` (a ``transformers`` family's classes, before or after models are built) and
+  :func:`unpatch_transformers`;
+- both return a :class:`PatchReport`: what was replaced, what already was, and what was left alone and why.
+
+How each Hugging Face class is recognised and what replaces it: ``_hf.py``; usage and semantics:
+docs/models.md.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import textwrap
+import dataclasses
+import sys
+import warnings
+from typing import NamedTuple
 
 import torch
 
 from . import nn as tg_nn
-from .ops.norm import llama_rms_norm
 
+# The public function each op needs (tritongrad.<name>), imported when a candidate for the op is found.
+_NEEDS = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "swiglu": "swiglu",
+          "rope": "apply_rotary_pos_emb", "cross_entropy": "cross_entropy",
+          "linear_cross_entropy": "linear_cross_entropy"}
+
+# What patch() looks for in a Hugging Face model, per op (said in the report when none is found).
+_CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps",
+               "swiglu": "no MLP with gate_proj, up_proj, down_proj and act_fn",
+               "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
+               "cross_entropy": "no module with lm_head and model (a *ForCausalLM)",
+               "linear_cross_entropy": "no module with lm_head and model (a *ForCausalLM)"}
 # torch class -> tritongrad subclass overriding forward only.
 _TORCH = {torch.nn.RMSNorm: tg_nn.RMSNorm, torch.nn.LayerNorm: tg_nn.LayerNorm}
-# Subclasses made for other classes (subclasses of torch's norms, Hugging Face's RMSNorms), made once.
-_SUBCLASSES: dict[type, type] = {}
+_TORCH_OP = {torch.nn.RMSNorm: "rms_norm", torch.nn.LayerNorm: "layer_norm"}
+# Subclasses made for other classes, by (base, attributes): each made once. _BASE maps them back.
+_SUBCLASSES: dict[tuple, type] = {}
+_BASE: dict[type, type] = {}
 
 
-def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return llama_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+class Entry(NamedTuple):
+    op: str      # "rms_norm", "swiglu", ...
+    target: str  # a module's name in the model ("" for the model itself) or a qualified class/function name
+    detail: str  # what replaced it, or why it was left alone
 
 
-def _source(fn) -> str | None:
-    try:
-        return textwrap.dedent(inspect.getsource(fn)).strip()
-    except (OSError, TypeError):
-        return None
+@dataclasses.dataclass
+class PatchReport:
+    """What a patch call did. ``replaced``: patched now; ``already``: patched before (patching is
+    idempotent); ``skipped``: candidates left alone, each with the reason (e.g. Gemma's GELU-gated MLP)."""
+
+    replaced: list = dataclasses.field(default_factory=list)
+    already: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        """How many modules (or classes and functions) were patched by this call."""
+        return len(self.replaced)
+
+    def ops(self) -> dict[str, int]:
+        """Replaced now or before, per op: ``{"rms_norm": 5, "swiglu": 2, ...}``."""
+        out: dict[str, int] = {}
+        for e in self.replaced + self.already:
+            out[e.op] = out.get(e.op, 0) + 1
+        return out
+
+    def targets(self, op: str) -> list[str]:
+        """The targets of ``op`` replaced now or before."""
+        return [e.target for e in self.replaced + self.already if e.op == op]
+
+    def __str__(self) -> str:
+        lines = []
+        for title, entries in (("replaced", self.replaced), ("already patched", self.already),
+                               ("left alone", self.skipped)):
+            groups: dict[tuple, int] = {}
+            for e in entries:
+                groups[(e.op, e.detail)] = groups.get((e.op, e.detail), 0) + 1
+            for (op, detail), n in groups.items():
+                lines.append(f"{title:15} {op:20} x{n:<3} {detail}")
+        return "\n".join(lines) or "nothing to patch"
+
+    def __repr__(self) -> str:
+        return (f"PatchReport({len(self.replaced)} replaced {self.ops()}, {len(self.already)} already patched, "
+                f"{len(self.skipped)} left alone)")
+
+    def _add(self, kind: str, op: str, target: str, detail: str) -> None:
+        getattr(self, kind).append(Entry(op, target, detail))
 
 
-_LLAMA_SOURCE: list = []  # [source of LlamaRMSNorm.forward or None], filled on first need
-
-
-def _llama_source() -> str | None:
-    if not _LLAMA_SOURCE:
-        src = None
-        if importlib.util.find_spec("transformers") is not None:
-            try:
-                from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-                src = _source(LlamaRMSNorm.forward)
-            except Exception:  # a broken or partial transformers install: patch torch's norms only
-                src = None
-        _LLAMA_SOURCE.append(src)
-    return _LLAMA_SOURCE[0]
-
-
-def _is_llama_rms_norm(m: torch.nn.Module) -> bool:
-    """Hugging Face's LlamaRMSNorm and the classes that copy it verbatim (Mistral, Qwen2, Qwen3, ...):
-    a 1-D ``weight``, a float ``variance_epsilon`` and a forward whose source is LlamaRMSNorm's. Classes
-    with other math (Gemma's ``1 + weight``, weights applied before the cast, ...) differ in source and
-    are left alone."""
-    if not hasattr(m, "variance_epsilon") or not isinstance(getattr(m, "weight", None), torch.nn.Parameter):
-        return False
-    if m.weight.dim() != 1 or not isinstance(m.variance_epsilon, float):
-        return False
-    src = _llama_source()
-    return src is not None and _source(type(m).forward) == src
-
-
-def _subclass(cls: type, forward) -> type:
-    """``cls`` with ``forward`` replaced; same name, so reprs read as before."""
-    sub = _SUBCLASSES.get(cls)
+def _subclass(base: type, attrs: dict) -> type:
+    """``base`` with ``attrs`` (forward, ...) replaced; same name and module doc, so reprs read as before."""
+    key = (base, tuple(sorted((k, id(v)) for k, v in attrs.items())))
+    sub = _SUBCLASSES.get(key)
     if sub is None:
-        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__doc__": cls.__doc__})
-        _SUBCLASSES[cls] = sub
+        sub = type(base.__name__, (base,), {**attrs, "__module__": base.__module__, "__doc__": base.__doc__})
+        sub.__qualname__ = base.__qualname__
+        _SUBCLASSES[key] = sub
+        _BASE[sub] = base
     return sub
 
 
-def _replacement(m: torch.nn.Module) -> type | None:
-    cls = type(m)
-    if cls in _TORCH:
-        return _TORCH[cls]
-    if cls in _SUBCLASSES.values() or cls in _TORCH.values():
-        return None  # already patched
-    for torch_cls, tg_cls in _TORCH.items():
-        # A subclass that keeps torch's forward (e.g. only adds an attribute) has the same math.
-        if isinstance(m, torch_cls) and cls.forward is torch_cls.forward:
-            return _subclass(cls, tg_cls.forward)
-    if _is_llama_rms_norm(m):
-        return _subclass(cls, _llama_forward)
-    return None
+def _own_attrs(cls: type) -> dict:
+    """The attributes a tritongrad subclass overrides."""
+    return {k: v for k, v in vars(cls).items() if k in ("forward", "_loss_function")} if cls in _BASE else {}
 
 
-def patch(model: torch.nn.Module) -> int:
-    """Make the norm layers of ``model`` (itself included) run tritongrad's Triton kernels, in place.
+def _require(op: str) -> None:
+    """Import the public function ``op`` needs now, so that a missing op fails here, naming itself."""
+    import tritongrad
 
-    Patched:
+    try:
+        getattr(tritongrad, _NEEDS[op])
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"tritongrad.patch: {op} needs tritongrad.{_NEEDS[op]}, which this install lacks "
+                          f"({type(e).__name__}: {e}); pass {op}=False to patch without it") from e
 
-    - ``torch.nn.RMSNorm`` -> :class:`tritongrad.nn.RMSNorm`, ``torch.nn.LayerNorm`` ->
-      :class:`tritongrad.nn.LayerNorm` (and subclasses of them that keep torch's forward);
-    - when ``transformers`` is installed, Hugging Face's ``LlamaRMSNorm`` and every class whose forward
-      is a verbatim copy of it (Mistral, Qwen2, Qwen3, Phi-3, ... RMSNorms): their forward becomes
-      :func:`tritongrad.ops.rms_norm.llama_rms_norm`, with Llama's exact semantics (normalise in float32,
-      round to the input dtype, multiply by the weight; output in the promoted dtype of input and
-      weight). One difference: float64 inputs are normalised in float64 where Llama's code drops to
-      float32.
 
-    Each module stays the same object: its class is switched to a subclass that overrides ``forward``
-    only. Parameters (the same Parameter objects), buffers, hooks, device, dtype, training mode, reprs
-    and state_dict keys are unchanged, and ``isinstance`` against the original class still holds, so
-    optimizers and references held elsewhere keep working. Modules with any other forward are left alone.
+def _from_transformers(cls: type) -> bool:
+    """Hugging Face's classes and their subclasses (FSDP's among them): the only ones probed."""
+    return any(c.__module__.startswith("transformers.") for c in cls.__mro__)
+
+
+def _flags(kw: dict) -> set:
+    return {op for op, on in kw.items() if on}
+
+
+def _nothing(report: PatchReport, what: str, strict: bool) -> None:
+    if report.replaced or report.already:
+        return
+    why = "; ".join(f"{e.op}: {e.detail}" for e in report.skipped[:6]) or "no candidate module"
+    msg = f"tritongrad.patch: nothing in {what} was patched ({why})"
+    if strict:
+        raise ValueError(msg)
+    warnings.warn(msg, stacklevel=3)
+
+
+# ---------------------------------------------------------------- instances
+def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True,
+          rope: bool = True, cross_entropy: bool = False, linear_cross_entropy: bool = True,
+          strict: bool = False) -> PatchReport:
+    """Make ``model`` (itself included) run tritongrad's Triton kernels, in place.
+
+    Per op (each a flag):
+
+    - ``rms_norm``: ``torch.nn.RMSNorm`` -> :class:`tritongrad.nn.RMSNorm`; Hugging Face RMSNorms with
+      Llama's, Gemma's or Olmo2's exact semantics (recognised by what they compute, in any family);
+    - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`tritongrad.nn.LayerNorm`;
+    - ``swiglu``: Hugging Face gated MLPs (``gate_proj``, ``up_proj``, ``down_proj``) with a SiLU
+      activation -> :func:`tritongrad.swiglu`;
+    - ``rope``: the modeling module's ``apply_rotary_pos_emb`` -> :func:`tritongrad.apply_rotary_pos_emb`.
+      A module-level function: every model of that family in the process gets it;
+    - ``cross_entropy``: the causal-LM loss on the logits -> :func:`tritongrad.cross_entropy`;
+    - ``linear_cross_entropy``: in training with ``labels``, the causal-LM loss from the last hidden states
+      and the LM head -> :func:`tritongrad.linear_cross_entropy`, no logits (``logits`` is None).
+
+    Each module stays the same object: its class is switched to a subclass that overrides ``forward`` (and
+    the loss) only, so parameters, buffers, hooks, state_dict keys, reprs and ``isinstance`` are unchanged.
+    Patching again is a no-op; :func:`unpatch` undoes it. Subclasses of torch's norms are patched only if
+    they keep torch's forward; classes with other math are left alone and listed in the report.
+
+    Args:
+        strict: raise ``ValueError`` when nothing could be patched (default: a warning).
 
     Returns:
-        how many modules were patched (0 for an already patched model).
+        a :class:`PatchReport`. ``report.count`` is how many modules were patched by this call.
+
+    Raises:
+        ImportError: an op is asked for, a module needs it, and this install lacks it (nothing is patched).
     """
+    from . import _hf as hf
+
+    on = _flags(dict(rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, rope=rope,
+                     cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy))
+    report = PatchReport()
+    plan = []  # (module, new class)
+    modeling_modules = {}
+    for name, m in model.named_modules():
+        cls = type(m)
+        base = _BASE.get(cls, cls)
+        if _is_torch_norm(m, base):
+            _plan_torch_norm(m, name, on, plan, report)
+            continue
+        if not _from_transformers(base):
+            continue
+        mod = sys.modules.get(base.__module__)
+        if "rope" in on and base.__name__.endswith("Attention") and "apply_rotary_pos_emb" in vars(mod or {}):
+            modeling_modules[mod.__name__] = mod  # an attention class whose module applies the rotary embedding
+        attrs, ops = _hf_attrs(hf, m, cls, base, name, on, report)
+        new = [op for op in ops if not _patched_before(hf, cls, op)]
+        for op in ops:
+            if op not in new:
+                report._add("already", op, name, base.__name__)
+        if new:
+            plan.append((m, _subclass(base, {**_own_attrs(cls), **attrs})))
+            for op in new:
+                report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
+    rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
+    if any(_from_transformers(type(m)) for m in model.modules()):
+        seen = {e.op for e in report.replaced + report.already + report.skipped}
+        for op in sorted(on - seen - {"layer_norm"}):
+            report._add("skipped", op, "", _CANDIDATES[op])
+    for op in sorted({e.op for e in report.replaced}):
+        _require(op)
+    for m, sub in plan:
+        m.__class__ = sub
+    for mod in rope_plan:
+        _apply_rope(hf, mod, "instance")
+    _nothing(report, type(model).__name__, strict)
+    return report
+
+
+def _patched_before(hf, cls: type, op: str) -> bool:
+    return hf.patched_op(getattr(cls, "_loss_function" if op == "cross_entropy" else "forward", None)) == op
+
+
+def _is_torch_norm(m, base) -> bool:
+    if base in _TORCH or base in _TORCH.values():
+        return True
+    # A subclass that keeps torch's forward (e.g. only adds an attribute) has the same math.
+    return isinstance(m, tuple(_TORCH)) and base.forward in (torch.nn.RMSNorm.forward, torch.nn.LayerNorm.forward)
+
+
+def _plan_torch_norm(m, name, on, plan, report) -> None:
+    cls = type(m)
+    torch_cls = next(c for c in _TORCH if isinstance(m, c))
+    op = _TORCH_OP[torch_cls]
+    if op not in on:
+        return
+    if cls in _TORCH.values() or cls in _BASE:
+        report._add("already", op, name, cls.__name__)
+        return
+    plan.append((m, _TORCH[cls] if cls in _TORCH else _subclass(cls, {"forward": _TORCH[torch_cls].forward})))
+    report._add("replaced", op, name, f"{cls.__name__} -> tritongrad.{op}")
+
+
+def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
+    """The attributes to override on ``m``'s class (``{"forward": fn}``...), and ``{op: detail}``."""
+    if hf.looks_like_rms_norm(m):
+        if "rms_norm" not in on:
+            return {}, {}
+        if _patched_before(hf, cls, "rms_norm"):
+            return {}, {"rms_norm": ""}
+        kind, eps_name = hf.norm_kind(base)
+        if kind is None:
+            report._add("skipped", "rms_norm", name, eps_name)
+            return {}, {}
+        return {"forward": hf.norm_forward(kind, eps_name)}, {"rms_norm": hf.NORM_DETAIL[kind]}
+    if hf.looks_like_gated_mlp(m):
+        if "swiglu" not in on:
+            return {}, {}
+        if _patched_before(hf, cls, "swiglu") and hf.activation_why_not(m.act_fn) is None:
+            return {}, {"swiglu": ""}
+        why = hf.gated_mlp_why_not(base) or hf.activation_why_not(m.act_fn)
+        if why is not None:
+            report._add("skipped", "swiglu", name, f"{base.__name__}: {why}")
+            return {}, {}
+        return {"forward": hf.swiglu_forward}, {"swiglu": "down_proj(swiglu(gate_proj(x), up_proj(x)))"}
+    if hasattr(m, "lm_head") and hasattr(m, "model"):
+        wanted = on & {"cross_entropy", "linear_cross_entropy"}
+        why = hf.causal_lm_why_not(base) if wanted else None
+        if why is None and wanted and not isinstance(m.lm_head, torch.nn.Linear):
+            why = f"lm_head is a {type(m.lm_head).__name__}, not a torch.nn.Linear"
+        if why is not None:
+            for op in sorted(wanted):
+                report._add("skipped", op, name, why)
+            return {}, {}
+        attrs, ops = {}, {}
+        if "linear_cross_entropy" in wanted:
+            attrs["forward"] = hf.causal_lm_forward(hf.original_forward_of(base))
+            ops["linear_cross_entropy"] = "training loss from hidden states and lm_head, no logits"
+        if "cross_entropy" in wanted:
+            attrs["_loss_function"] = hf.LOSS_FUNCTION
+            ops["cross_entropy"] = "loss_function on the logits"
+        return attrs, ops
+    return {}, {}
+
+
+def _plan_rope(hf, mod, report) -> bool:
+    """Whether ``mod.apply_rotary_pos_emb`` is to be replaced; reports it either way."""
+    fn = vars(mod)["apply_rotary_pos_emb"]
+    target = f"{mod.__name__}.apply_rotary_pos_emb"
+    if hf.patched_op(fn) == "rope":
+        report._add("already", "rope", target, "module-wide")
+        return False
+    why = hf.rope_why_not(fn)
+    if why is not None:
+        report._add("skipped", "rope", target, why)
+        return False
+    report._add("replaced", "rope", target, "apply_rotary_pos_emb (module-wide: every model of this family)")
+    return True
+
+
+def _apply_rope(hf, mod, source: str) -> None:
+    fn = vars(mod)["apply_rotary_pos_emb"]
+    hf.SAVED.setdefault((mod, "apply_rotary_pos_emb"), (fn, source))
+    mod.apply_rotary_pos_emb = hf.rope_function(fn)
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Undo :func:`patch` on ``model``: each module gets its class back, and the rotary functions that
+    :func:`patch` replaced in its modeling modules are restored. What :func:`patch_transformers` did stays
+    (see :func:`unpatch_transformers`). Returns how many modules changed class."""
+    from . import _hf as hf
+
+    back = {v: k for k, v in _TORCH.items()}
     count = 0
+    modules = set()
     for m in model.modules():
-        cls = _replacement(m)
-        if cls is not None:
-            m.__class__ = cls
+        cls = type(m)
+        modules.add(cls.__module__)
+        base = _BASE.get(cls) or back.get(cls)
+        if base is not None:
+            m.__class__ = base
             count += 1
+    for (owner, attr), (original, source) in list(hf.SAVED.items()):
+        if source == "instance" and not isinstance(owner, type) and owner.__name__ in modules:
+            setattr(owner, attr, original)
+            del hf.SAVED[(owner, attr)]
+    return count
+
+
+# ---------------------------------------------------------------- transformers families
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2")
+
+
+def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+                       cross_entropy: bool = False, linear_cross_entropy: bool = True,
+                       strict: bool = False) -> PatchReport:
+    """Patch a Hugging Face ``transformers`` family at the class level: every model of it, built before or
+    after (``from_pretrained``, ``from_config``), runs tritongrad's kernels.
+
+    ``family`` names ``transformers.models.<family>.modeling_<family>``: tested are
+    ``llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3`` (text) and ``olmo2``; others whose classes
+    compute the same things are patched too. The flags are :func:`patch`'s. Each class's ``forward`` (and a
+    causal LM's ``loss_function``) is replaced on the class itself; the module's ``apply_rotary_pos_emb``
+    is replaced in the module. :func:`unpatch_transformers` restores them.
+
+    Example::
+
+        tritongrad.patch_transformers("llama")
+        model = LlamaForCausalLM.from_pretrained(...)      # or built before: patched all the same
+        print(tritongrad.patch_transformers("llama"))      # a second call: everything "already patched"
+    """
+    from . import _hf as hf
+
+    on = _flags(dict(rms_norm=rms_norm, swiglu=swiglu, rope=rope, cross_entropy=cross_entropy,
+                     linear_cross_entropy=linear_cross_entropy))
+    try:
+        mod = hf.modeling_module(family)
+    except ImportError as e:
+        raise ValueError(f"tritongrad.patch_transformers: no transformers.models.{family}.modeling_{family} "
+                         f"({e}); tested families: {', '.join(FAMILIES)}") from e
+    report = PatchReport()
+    classes = hf.classes_of(mod)
+    causal = [c for c in classes if c.__name__.endswith("ForCausalLM")]
+    for cls in classes:
+        name = cls.__name__
+        if name.lower().endswith("rmsnorm") and "rms_norm" in on:
+            kind, eps_name = hf.norm_kind(cls)
+            if kind is None:
+                report._add("skipped", "rms_norm", f"{mod.__name__}.{name}", eps_name)
+            else:
+                _set(cls, "forward", hf.norm_forward(kind, eps_name), "rms_norm", report, hf.NORM_DETAIL[kind])
+        elif name.endswith("MLP") and "swiglu" in on:
+            hf.silu_types()
+            why = hf.gated_mlp_why_not(cls) or hf.config_activation_why_not(cls, causal)
+            if why is not None:
+                report._add("skipped", "swiglu", f"{mod.__name__}.{name}", why)
+            else:
+                _set(cls, "forward", hf.swiglu_forward, "swiglu", report,
+                     "down_proj(swiglu(gate_proj(x), up_proj(x))) where act_fn is SiLU")
+        elif cls in causal:
+            why = hf.causal_lm_why_not(cls)
+            for op in sorted(on & {"cross_entropy", "linear_cross_entropy"}):
+                if why is not None:
+                    report._add("skipped", op, f"{mod.__name__}.{name}", why)
+                elif op == "linear_cross_entropy":
+                    _set(cls, "forward", hf.causal_lm_forward(hf.original_forward_of(cls)), op, report,
+                         "training loss from hidden states and lm_head, no logits")
+                else:
+                    _set(cls, "_loss_function", hf.LOSS_FUNCTION, op, report,
+                         "loss_function on the logits")
+    if "rope" in on:
+        if "apply_rotary_pos_emb" in vars(mod):
+            if _plan_rope(hf, mod, report):
+                _require("rope")
+                _apply_rope(hf, mod, "class")
+        else:
+            report._add("skipped", "rope", mod.__name__, "no module-level apply_rotary_pos_emb")
+    _nothing(report, f"transformers family {family!r}", strict)
+    return report
+
+
+def _set(cls: type, attr: str, value, op: str, report: PatchReport, detail: str) -> None:
+    from . import _hf
+
+    target = f"{cls.__module__}.{cls.__qualname__}.{attr.lstrip('_')}"
+    current = cls.__dict__.get(attr)
+    fn = current.__func__ if isinstance(current, staticmethod) else current
+    if _hf.patched_op(fn) == op:
+        report._add("already", op, target, detail)
+        return
+    _require(op)
+    _hf.SAVED.setdefault((cls, attr), (current, "class"))
+    setattr(cls, attr, value)
+    report._add("replaced", op, target, detail)
+
+
+def unpatch_transformers(family: str | None = None) -> int:
+    """Undo :func:`patch_transformers` for ``family`` (None: every family). Returns how many class attributes
+    and functions were restored."""
+    from . import _hf
+
+    count = 0
+    prefix = None if family is None else f"transformers.models.{family}.modeling_{family}"
+    for (owner, attr), (original, _) in list(_hf.SAVED.items()):
+        where = owner.__module__ if isinstance(owner, type) else owner.__name__
+        if prefix is not None and where != prefix:
+            continue
+        if original is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+        del _hf.SAVED[(owner, attr)]
+        count += 1
     return count

@@ -1,0 +1,594 @@
+"""Train a Llama model from random init with Hugging Face eager, tritongrad-patched and Liger-patched kernels,
+eager and under torch.compile, optionally sharded with FSDP2, and compare throughput, peak memory and loss.
+
+    python benchmarks/train_llama.py                                  # ~1.2B Llama (3.2-1B shape), seq 4096
+    python benchmarks/train_llama.py --size tiny --steps 20           # a few seconds (CPU: Triton's interpreter)
+    python benchmarks/train_llama.py --providers tritongrad --modes eager --time-limit 60
+    python benchmarks/train_llama.py --world-sizes 1,2 --fsdp              # FSDP2 at world sizes 1 and 2
+    torchrun --nproc-per-node 2 benchmarks/train_llama.py --fsdp      # the same, launched by hand
+
+Every run (provider x mode x world size) starts in a process of its own (torchrun for FSDP2 at more than one
+GPU), so class-level patches (Liger's) and compile caches never leak into the next run, and the peak memory is
+the run's own. All runs see the same initial weights (each parameter drawn from a generator seeded by its name)
+and the same batches. Under torchrun the runs share the launched processes, one after another (Liger last:
+its patches stay).
+
+"eager" and "compile" say whether the model runs under torch.compile; attention is PyTorch's SDPA (flash
+attention on a GPU) for every provider, so the runs differ in norms, MLP, rotary embedding and loss only.
+
+The data are sequences from a fixed random Markov chain (``MarkovChain``) whose entropy rate, printed as the
+loss floor, is the lowest loss any model can reach. Written under --out (default $OUT, else train-out),
+updated after every run: ``<stem>.json`` (settings, each run's losses, step times, patch report), ``<stem>.csv``
+(one row per run: tokens/s as the median over the steps after warm-up, peak memory, the largest loss
+difference to Hugging Face eager and to the same run at world size 1), ``<stem>-loss.png``,
+``<stem>-throughput.png``, ``<stem>-memory.png``, and ``runs/<run>.json`` as each run goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import gc
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+
+import torch
+
+if not torch.cuda.is_available():  # tritongrad's kernels on CPU: Triton's interpreter, chosen before import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SIZES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, tied embeddings)
+    "tiny": (1024, 128, 384, 2, 4, 2, True),
+    "small": (32000, 1024, 2816, 8, 16, 8, True),
+    "1b": (128256, 2048, 8192, 16, 32, 8, True),    # Llama 3.2 1B: 1.24B parameters
+    "3b": (128256, 3072, 8192, 28, 24, 8, True),    # Llama 3.2 3B
+}
+PROVIDERS = ("hf", "tritongrad", "liger")
+MODES = ("eager", "compile")
+TG_OPS = ("rms_norm", "swiglu", "rope", "linear_cross_entropy", "cross_entropy")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--providers", default=",".join(PROVIDERS), help="comma list of: " + ", ".join(PROVIDERS))
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of: eager, compile")
+    p.add_argument("--size", default="1b", choices=SIZES, help="model shape (default 1b); overridden below")
+    for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv-heads"):
+        p.add_argument(f"--{name}", type=int, help=f"override the size's {name}")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--batch", type=int, default=4, help="global batch in sequences (default 4), split over ranks")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput median (default 5)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--markov-states", type=int, default=4096, help="states of the data's Markov chain")
+    p.add_argument("--markov-branch", type=int, default=8, help="successors per state")
+    p.add_argument("--time-limit", type=float, default=150.0,
+                   help="seconds per run, setup and compile included: no step starts after it (default 150)")
+    p.add_argument("--total-time-limit", type=float, default=None,
+                   help="seconds for all runs: runs not started by then are recorded as skipped")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (any world size, 1 too)")
+    p.add_argument("--world-sizes", default="1", help="world sizes to run, e.g. 1,2 (more than 1: torchrun + FSDP2)")
+    p.add_argument("--tg-ops", default="rms_norm,swiglu,rope,linear_cross_entropy",
+                   help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
+                        "supersedes); an op this install lacks is dropped, and said so")
+    p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
+    p.add_argument("--stem", default=None, help="output file stem (default train-<device>-<time>)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # provider:mode, set by the orchestrator
+    args = p.parse_args(argv)
+    sizes = dict(zip(("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "tied"), SIZES[args.size]))
+    for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads"):
+        if getattr(args, name) is None:
+            setattr(args, name, sizes[name])
+    args.tied = sizes["tied"]
+    args.provider_list = _list(args.providers, PROVIDERS, "provider")
+    args.mode_list = _list(args.modes, MODES, "mode")
+    args.world_size_list = [int(n) for n in args.world_sizes.split(",")]
+    return args
+
+
+def _list(text: str, allowed, what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}(s) {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+# ---------------------------------------------------------------- data
+class MarkovChain:
+    """A fixed random Markov chain over ``states`` tokens (distinct ids drawn from the vocabulary). State s moves
+    to ``succ[s, j]`` with probability ``p[j]`` (Zipf over ``branch`` choices), and each column ``succ[:, j]``
+    is a permutation, so the transition matrix is doubly stochastic: the uniform start is stationary, and every
+    position has the same conditional entropy. Its mean over the states (successors that coincide merged) is the
+    entropy rate: the loss floor of any model, in nats."""
+
+    def __init__(self, vocab: int, states: int, branch: int, seed: int):
+        states = min(states, vocab)
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randperm(vocab, generator=g)[:states]
+        self.succ = torch.stack([torch.randperm(states, generator=g) for _ in range(branch)], 1)
+        p = 1.0 / torch.arange(1, branch + 1, dtype=torch.float64)
+        self.p = p / p.sum()
+        same = self.succ[:, :, None] == self.succ[:, None, :]                  # [S, K, K]
+        q = (same.double() * self.p).sum(-1)                                    # merged probability of each choice
+        self.entropy_rate = float(-(self.p * q.log()).sum(-1).mean())
+
+    def sample(self, rows: int, seq: int, seed: int) -> torch.Tensor:
+        """``[rows, seq]`` token ids, starting from uniform (stationary) states."""
+        g = torch.Generator().manual_seed(seed)
+        s = torch.randint(0, len(self.tokens), (rows,), generator=g)
+        choice = torch.multinomial(self.p.float(), rows * max(seq - 1, 1), replacement=True, generator=g)
+        choice = choice.view(rows, -1)
+        out = torch.empty(rows, seq, dtype=torch.long)
+        out[:, 0] = s
+        for t in range(1, seq):
+            s = self.succ[s, choice[:, t - 1]]
+            out[:, t] = s
+        return self.tokens[out]
+
+
+# ---------------------------------------------------------------- one run
+def _dist_info() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def build_model(args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 128), tie_word_embeddings=args.tied, use_cache=False,
+        rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa",
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16)
+    # The same initial weights whatever the provider built: each parameter from a generator seeded by its name.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # norm weights
+            else:
+                g = torch.Generator(device=p.device).manual_seed(args.seed * 1_000_003 + zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * 0.02)
+    return model.train()
+
+
+def apply_provider(provider: str, args, stage: str, model=None) -> dict:
+    """Patch for ``provider``; ``stage`` is "classes" (before the model is built) or "model"."""
+    info: dict = {}
+    if provider == "liger" and stage == "classes":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
+        import liger_kernel
+
+        info["liger_version"] = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
+    if provider == "tritongrad" and stage == "model":
+        import tritongrad
+
+        wanted = [op.strip() for op in args.tg_ops.split(",") if op.strip()]
+        missing = []
+        for op in wanted:
+            fn = {"rope": "apply_rotary_pos_emb"}.get(op, op)
+            try:
+                getattr(tritongrad, fn)
+            except (ImportError, AttributeError) as e:
+                missing.append(f"{op} ({type(e).__name__}: {e})")
+        ops = {op: op in wanted and not any(m.startswith(op + " ") for m in missing) for op in TG_OPS}
+        report = tritongrad.patch(model, layer_norm=False, strict=True, **ops)
+        info.update(tritongrad_ops=[op for op, on in ops.items() if on], tritongrad_missing=missing,
+                    patch_report=str(report).splitlines())
+        if _dist_info()[0] == 0:
+            if missing:
+                print("WARNING: tritongrad lacks " + "; ".join(missing) + ": those ops are not patched", flush=True)
+            print(report, flush=True)
+    return info
+
+
+def _dist_version(name: str):
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.Tensor, started: float) -> dict:
+    rank, world, local_rank = _dist_info()
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    fsdp = args.fsdp or world > 1
+    result = dict(run=run_name(provider, mode, world, fsdp), provider=provider, mode=mode, world_size=world,
+                  fsdp=fsdp, status="ok", losses=[], step_times=[], loss_floor=chain.entropy_rate)
+    info = apply_provider(provider, args, "classes")
+    model = build_model(args, device)
+    info.update(apply_provider(provider, args, "model", model))
+    result.update(info)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    if mode == "compile":
+        if fsdp:  # one graph per decoder layer, FSDP2's hooks between them (as torchtitan compiles)
+            for layer in model.model.layers:
+                layer.compile()
+        else:
+            model.compile()
+    fused = device.type == "cuda"
+    opt, sched = _optimizer(model, args, fused)
+    result["optimizer"] = "AdamW fused" if fused else "AdamW"
+    per_rank = args.batch // world
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    result["setup_s"] = round(time.time() - started, 2)
+    bar = _progress(args.steps, result["run"]) if rank == 0 else None
+    for step in range(args.steps):
+        if time.time() - started > args.time_limit:
+            result["status"] = f"time limit after {step} steps"
+            break
+        ids = batches[step, rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        try:
+            opt.step()
+        except RuntimeError:
+            if not fused or step:
+                raise
+            fused = False  # fused AdamW refused these parameters (e.g. sharded ones): the default instead
+            opt, sched = _optimizer(model, args, fused)
+            opt.step()
+            result["optimizer"] = "AdamW (fused refused)"
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach().float()
+        if world > 1:
+            torch.distributed.all_reduce(loss)  # the mean over ranks (gloo has no AVG)
+            loss /= world
+        value = loss.item()  # synchronises
+        dt = time.perf_counter() - t0
+        result["step_times"].append(dt)
+        result["losses"].append(value)
+        if bar is not None:
+            bar.update(value, args.batch * args.seq / dt)
+        if not math.isfinite(value):
+            result["status"] = f"non-finite loss at step {step}"
+            break
+    if bar is not None:
+        bar.close()
+    times = result["step_times"][args.warmup:]
+    result["tokens_per_s"] = args.batch * args.seq / statistics.median(times) if times else None
+    if device.type == "cuda":
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                            device=device, dtype=torch.float64)
+        if world > 1:
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        result["peak_mem_gib"], result["peak_reserved_gib"] = (peak / 2**30).tolist()
+    if provider == "tritongrad":
+        import tritongrad
+
+        tritongrad.unpatch(model)  # the module-wide rope too, for the next run in this process
+    del model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return result
+
+
+def _optimizer(model, args, fused: bool):
+    """AdamW on the bf16 parameters (fused where the device has it), the learning rate warmed up over 10 steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            **({"fused": True} if fused else {}))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+
+
+class _progress:
+    """tqdm when importable, else a line every few steps."""
+
+    def __init__(self, total: int, name: str):
+        self.n, self.total, self.name = 0, total, name
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def update(self, loss: float, tps: float) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            self.bar.update(1)
+        elif self.n == 1 or self.n % 5 == 0 or self.n == self.total:
+            print(f"{self.name} step {self.n}/{self.total} loss {loss:.4f} {tps:,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_name(provider: str, mode: str, world: int, fsdp: bool) -> str:
+    return f"{provider}-{mode}" + (f"-fsdp{world}" if fsdp else "")
+
+
+def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
+    """Run ``runs`` one after another in this process (each rank, under torchrun); rank 0 writes each run's
+    JSON and calls ``on_result(result)``."""
+    rank, world, local_rank = _dist_info()
+    if world > 1 or args.fsdp:
+        import torch.distributed as dist
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} does not split over {world} ranks")
+    chain = MarkovChain(args.vocab, args.markov_states, args.markov_branch, args.seed)
+    batches = chain.sample(args.steps * args.batch, args.seq, args.seed + 1).view(args.steps, args.batch, args.seq)
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    runs = sorted(runs, key=lambda r: r[0] == "liger")  # Liger's class-level patches stay: last
+    for provider, mode in runs:
+        started = time.time()
+        if rank == 0:
+            print(f"== {run_name(provider, mode, world, args.fsdp or world > 1)}: world size {world}, "
+                  f"loss floor {chain.entropy_rate:.4f}", flush=True)
+        try:
+            if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
+                raise ModuleNotFoundError("liger_kernel is not installed")
+            result = run_one(args, provider, mode, chain, batches, started)
+        except Exception as e:  # noqa: BLE001 - a failed provider is a result, the next one still runs
+            result = dict(run=run_name(provider, mode, world, args.fsdp or world > 1), provider=provider,
+                          mode=mode, world_size=world, fsdp=args.fsdp or world > 1,
+                          status=f"error: {type(e).__name__}: {e}"[:500], losses=[], step_times=[],
+                          traceback=traceback.format_exc()[-4000:])
+            print(result["traceback"], file=sys.stderr, flush=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        result["wall_s"] = round(time.time() - started, 2)
+        if rank == 0:
+            with open(os.path.join(args.out, "runs", result["run"] + ".json"), "w") as f:
+                json.dump(result, f)
+            _summary_line(result)
+            if on_result is not None:
+                on_result(result)
+    if world > 1 or args.fsdp:
+        torch.distributed.destroy_process_group()
+
+
+def _summary_line(r: dict) -> None:
+    tps = f"{r['tokens_per_s']:,.0f} tok/s" if r.get("tokens_per_s") else "-"
+    mem = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") is not None else "-"
+    loss = f"{r['losses'][-1]:.4f}" if r["losses"] else "-"
+    print(f"{r['run']:28} world {r['world_size']}  {tps:>16}  peak {mem:>10}  last loss {loss:>8}  "
+          f"{len(r['losses'])} steps  {r['status']}", flush=True)
+
+
+# ---------------------------------------------------------------- orchestration and reports
+def _meta(args) -> tuple[str, dict]:
+    """The output stem and the settings every report carries; prints the model and the loss floor."""
+    stem = args.stem or f"train-{_device_tag()}-{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%SZ}"
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    chain = MarkovChain(args.vocab, args.markov_states, args.markov_branch, args.seed)
+    n_params = _count_params(args)
+    print(f"Llama {_params(n_params)} parameters (vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers), "
+          f"seq {args.seq}, global batch {args.batch}, {args.steps} steps; data: Markov chain of "
+          f"{len(chain.tokens)} states, loss floor (entropy rate) {chain.entropy_rate:.4f} nats", flush=True)
+    meta = dict(settings={k: v for k, v in vars(args).items() if not k.endswith("_list") and k != "worker"},
+                parameters=n_params, loss_floor=chain.entropy_rate, device=_device_name(), versions=_versions(),
+                git=os.environ.get("TRITONGRAD_GIT_SHA") or _git_sha(), started=_dt.datetime.now().isoformat())
+    return stem, meta
+
+
+def orchestrate(args, argv: list[str]) -> int:
+    stem, meta = _meta(args)
+    results = []
+    t_start = time.time()
+    for world in args.world_size_list:
+        fsdp = args.fsdp or world > 1
+        for provider in args.provider_list:
+            for mode in args.mode_list:
+                name = run_name(provider, mode, world, fsdp)
+                left = None if args.total_time_limit is None else args.total_time_limit - (time.time() - t_start)
+                if left is not None and left < 10:
+                    results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
+                                        status="skipped: total time limit", losses=[], step_times=[]))
+                    continue
+                if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
+                    results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
+                                        status="skipped: liger_kernel is not installed", losses=[], step_times=[]))
+                    _summary_line(results[-1])
+                    continue
+                limit = args.time_limit if left is None else min(args.time_limit, left)
+                results.append(_spawn(args, argv, provider, mode, world, name, limit))
+                write_reports(args.out, stem, meta, results)
+    print(f"\nloss floor {meta['loss_floor']:.4f}; {meta['device']}")
+    for r in results:
+        _summary_line(r)
+    print(f"written: {os.path.join(args.out, stem)}.json, .csv, -loss.png, -throughput.png, -memory.png")
+    return 0
+
+
+def _spawn(args, argv, provider, mode, world, name, limit) -> dict:
+    path = os.path.join(args.out, "runs", name + ".json")
+    if os.path.exists(path):
+        os.remove(path)
+    child = [a for a in argv if not a.startswith("--time-limit")]
+    cmd = [os.path.abspath(__file__), *child, "--worker", f"{provider}:{mode}", f"--time-limit={limit}"]
+    if world > 1 or args.fsdp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *cmd]
+    else:
+        cmd = [sys.executable, *cmd]
+    grace = 120 + (args.layers * 10 if mode == "compile" else 0)  # a step that started in time may still finish
+    started = time.time()
+    try:
+        rc = subprocess.run(cmd, timeout=limit + grace).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    result = dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=args.fsdp or world > 1,
+                  status=f"no result (exit {rc})", losses=[], step_times=[], wall_s=round(time.time() - started, 2))
+    _summary_line(result)
+    return result
+
+
+def write_reports(out: str, stem: str, meta: dict, results: list[dict]) -> None:
+    ref = next((r for r in results if r["run"] == "hf-eager" and r["losses"]), None) or next(
+        (r for r in results if r["provider"] == "hf" and r["mode"] == "eager" and r["losses"]), None)
+    by_name = {r["run"]: r for r in results}
+    for r in results:
+        r["max_loss_diff_vs_hf_eager"] = _max_diff(r, ref)
+        single = by_name.get(run_name(r["provider"], r["mode"], 1, False))
+        if single is None or not single["losses"] or r["world_size"] == 1:
+            single = by_name.get(run_name(r["provider"], r["mode"], 1, True)) if r["world_size"] > 1 else single
+        r["max_loss_diff_vs_world_size_1"] = _max_diff(r, single) if r["fsdp"] else None
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(dict(meta, runs=results), f, indent=1)
+    cols = ["run", "provider", "mode", "world_size", "fsdp", "steps", "tokens_per_s", "peak_mem_gib",
+            "first_loss", "last_loss", "max_loss_diff_vs_hf_eager", "max_loss_diff_vs_world_size_1", "setup_s",
+            "wall_s", "status"]
+    with open(os.path.join(out, stem + ".csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in results:
+            row = dict(r, steps=len(r["losses"]), first_loss=r["losses"][0] if r["losses"] else None,
+                       last_loss=r["losses"][-1] if r["losses"] else None)
+            w.writerow([_fmt(row.get(c)) for c in cols])
+    try:
+        _plots(out, stem, meta, results)
+    except ImportError:
+        print("matplotlib is not installed: no plots", flush=True)
+
+
+def _max_diff(r: dict, ref: dict | None):
+    if ref is None or ref is r or not r["losses"] or not ref["losses"]:
+        return None
+    return max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else v
+
+
+def _plots(out: str, stem: str, meta: dict, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title = (f"Llama {_params(meta['parameters'])}, seq {meta['settings']['seq']}, batch "
+             f"{meta['settings']['batch']} on {meta['device']}")
+    ref = next((r for r in results if r["provider"] == "hf" and r["mode"] == "eager" and r["losses"]), None)
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=(2, 1))
+    for r in results:
+        if r["losses"]:
+            steps = range(1, len(r["losses"]) + 1)
+            ax.plot(steps, r["losses"], label=r["run"], lw=1.2)
+            if ref is not None:
+                dax.plot(steps[:len(ref["losses"])], [a - b for a, b in zip(r["losses"], ref["losses"])], lw=1)
+    ax.axhline(meta["loss_floor"], color="k", ls="--", lw=0.8, label=f"floor {meta['loss_floor']:.3f}")
+    ax.set(ylabel="loss (nats)", title=title)
+    ax.legend(fontsize=8)
+    dax.set(xlabel="step", ylabel=f"loss - {ref['run'] if ref else 'hf-eager'}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, stem + "-loss.png"), dpi=120)
+    plt.close(fig)
+    for key, label, suffix in (("tokens_per_s", "tokens/s (median after warm-up)", "throughput"),
+                               ("peak_mem_gib", "peak memory allocated (GiB, max over ranks)", "memory")):
+        done = [r for r in results if r.get(key)]
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        bars = ax.bar([r["run"] for r in done], [r[key] for r in done],
+                      color=["C%d" % PROVIDERS.index(r["provider"]) for r in done])
+        ax.bar_label(bars, fmt="{:,.0f}" if key == "tokens_per_s" else "{:.1f}", fontsize=8)
+        ax.set(ylabel=label, title=title)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, f"{stem}-{suffix}.png"), dpi=120)
+        plt.close(fig)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _count_params(args) -> int:
+    h, i, v, L = args.hidden, args.intermediate, args.vocab, args.layers
+    head = args.hidden // args.heads
+    attn = h * head * (2 * args.heads + 2 * args.kv_heads)
+    return v * h * (1 if args.tied else 2) + L * (attn + 3 * h * i + 2 * h) + h
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)"
+
+
+def _device_tag() -> str:
+    return _device_name().lower().replace("nvidia ", "").split(" ")[0].replace("(", "") or "cpu"
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for name in ("transformers", "triton", "liger_kernel"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            out[name] = _dist_version(name.replace("_", "-"))
+    return out
+
+
+def _git_sha():
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker is not None:
+        provider, mode = args.worker.split(":")
+        worker(args, [(provider, mode)])
+        return 0
+    if "LOCAL_RANK" in os.environ:  # launched by torchrun: every run in these processes, rank 0 reports
+        results = []
+        if int(os.environ.get("RANK", 0)) == 0:
+            stem, meta = _meta(args)
+
+            def on_result(r):
+                results.append(r)
+                write_reports(args.out, stem, meta, results)
+        else:
+            on_result = None
+        worker(args, [(p, m) for p in args.provider_list for m in args.mode_list], on_result)
+        return 0
+    return orchestrate(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""tritongrad.patch and tritongrad.patch_transformers on tiny Hugging Face models (2 layers, hidden 64, vocab 512),
+one per family, forward and backward through Triton's interpreter on CPU (compiled kernels on a GPU).
+
+Loss and gradients of the patched model are checked against the unpatched model's with earned tolerances: the
+error of the patched float32 model against a float64 reference may be at most twice the error of the unpatched
+float32 model, plus a few ulps. The float64 reference is the unpatched model in float64 with its RMSNorms
+computing in float64 too (Hugging Face's own norms drop to float32).
+
+Tests that need ops built in their own families (a missing op makes them fail, naming it, not skip):
+
+- ``tritongrad.swiglu``, ``tritongrad.apply_rotary_pos_emb`` and ``tritongrad.linear_cross_entropy``:
+  ``test_all_ops_match_hf`` (8 families), ``test_patch_transformers_all_ops``, ``test_fsdp2_world_size_1[all]``;
+- ``tritongrad.linear_cross_entropy`` alone: ``test_linear_cross_entropy_keeps_hf_loss_semantics`` (2);
+- ``tritongrad.cross_entropy`` alone: ``test_cross_entropy_loss_function`` (2).
+
+The rest need only the norms.
+"""
+
+import copy
+import importlib
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import tritongrad
+from tritongrad import _hf
+from tritongrad.ops.norm.reference import llama_rms_norm_reference, rms_norm_reference
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+# family: (config model_type, RMSNorm modules, SwiGLU MLPs). Why each: Llama, Mistral, Qwen2 copy Llama's
+# norm; Qwen3 adds per-head q_norm/k_norm; Gemma's norm is (1 + w) in float32 and its MLP GELU-gated; Gemma2 and
+# Gemma3 add sandwich norms (and q/k norms) and final-logit softcapping; Olmo2 multiplies before the cast.
+FAMILIES = {
+    "llama": ("llama", 5, 2),
+    "mistral": ("mistral", 5, 2),
+    "qwen2": ("qwen2", 5, 2),
+    "qwen3": ("qwen3", 9, 2),
+    "gemma": ("gemma", 5, 0),
+    "gemma2": ("gemma2", 9, 0),
+    "gemma3": ("gemma3_text", 13, 0),
+    "olmo2": ("olmo2", 9, 2),
+}
+NORMS_ONLY = dict(swiglu=False, rope=False, linear_cross_entropy=False)
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(autouse=True)
+def _restore_transformers():
+    # rope is patched module-wide, and patch_transformers patches classes: restore both after each test.
+    yield
+    tritongrad.unpatch_transformers()
+
+
+def _model(family: str, **config) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(FAMILIES[family][0], **{**TINY, **config})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(DEVICE)
+    with torch.no_grad():  # norm weights away from their constant init, so that their semantics show
+        for m in model.modules():
+            if _hf.looks_like_rms_norm(m):
+                m.weight.add_(0.3 * torch.randn_like(m.weight))
+    return model.train()
+
+
+def _batch(ignore: bool = True) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=g)
+    labels = ids.clone()
+    if ignore:
+        labels[0, :3] = -100  # a prompt that is not trained on
+        labels[1, -2:] = -100
+    return dict(input_ids=ids.to(DEVICE), labels=labels.to(DEVICE))
+
+
+def _reference_norm_forward(kind: str, eps_name: str):
+    def forward(self, x):
+        eps, w = getattr(self, eps_name), self.weight
+        if kind == "llama":
+            return llama_rms_norm_reference(x, w, eps)
+        return rms_norm_reference(x, [x.shape[-1]], 1.0 + w if kind == "gemma" else w, eps)
+    return forward
+
+
+def _float64(model: torch.nn.Module) -> torch.nn.Module:
+    """The float64 reference: the model in float64, its RMSNorms computing in float64 too."""
+    ref = copy.deepcopy(model).double()
+    for m in ref.modules():
+        if _hf.looks_like_rms_norm(m):
+            kind, eps_name = _hf.norm_kind(type(m))
+            m.__class__ = type(type(m).__name__, (type(m),), {"forward": _reference_norm_forward(kind, eps_name)})
+    return ref
+
+
+def _run(model, batch, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kwargs)
+    out.loss.backward()
+    grads = {n: _full(p.grad).double() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _references(model, batch, **kwargs):
+    """(float32 output and grads, float64 output and grads) of the unpatched model; run before patching (rope is
+    patched module-wide)."""
+    return _run(copy.deepcopy(model), batch, **kwargs), _run(_float64(model), batch, **kwargs)
+
+
+def _assert_earned(got, ref32, ref64, what: str) -> None:
+    got, ref32, ref64 = got.double(), ref32.double(), ref64.double()
+    err, base = (got - ref64).abs().max().item(), (ref32 - ref64).abs().max().item()
+    atol = 8 * EPS32 * max(1.0, ref64.abs().max().item())
+    assert err <= 2 * base + atol, f"{what}: error {err:.3g} vs float64, unpatched float32's {base:.3g}"
+
+
+def _assert_matches(out, grads, refs) -> None:
+    (out32, grads32), (out64, grads64) = refs
+    _assert_earned(out.loss, out32.loss, out64.loss, "loss")
+    assert grads.keys() == grads32.keys()
+    for name in grads:
+        _assert_earned(grads[name], grads32[name], grads64[name], f"grad of {name}")
+
+
+def _autograd_nodes(t: torch.Tensor) -> set:
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def _norm_node(family: str) -> str:
+    llama_kind = FAMILIES[family][0] in ("llama", "mistral", "qwen2", "qwen3")
+    return "LlamaRmsNormBackward" if llama_kind else "RmsNormBackward"
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls of tritongrad's public ops (the real ones run). A missing op fails here."""
+    calls = {}
+
+    def wrap(name):
+        fn = getattr(tritongrad, name)
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(tritongrad, name, counted)
+
+    def start(*names):
+        for name in names:
+            wrap(name)
+        return calls
+    return start
+
+
+# ---------------------------------------------------------------- norms (no other op needed)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norms_match_hf(family):
+    model = _model(family)
+    batch = _batch()
+    refs = _references(model, batch)
+    report = tritongrad.patch(model, **NORMS_ONLY)
+    assert report.ops() == {"rms_norm": FAMILIES[family][1]}
+    assert {"model.norm", "model.layers.1.post_attention_layernorm"} <= set(report.targets("rms_norm"))
+    assert not report.skipped
+    out, grads = _run(model, batch)
+    assert _norm_node(family) in _autograd_nodes(out.loss)
+    _assert_matches(out, grads, refs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+def test_norm_semantics_bf16(family):
+    # Each family's rounding and dtype rules, with bfloat16 activations and float32 or bfloat16 weights: the
+    # patched norm gives the dtype Hugging Face's gives, and values within one bfloat16 rounding (two in
+    # Triton's interpreter, which truncates to bfloat16).
+    model = _model(family)
+    norm = copy.deepcopy(model.model.norm)
+    x = torch.randn(3, 5, 64, device=DEVICE).bfloat16()
+    for wdtype in (torch.float32, torch.bfloat16):
+        norm = norm.to(wdtype)
+        want = norm(x)
+        patched = copy.deepcopy(norm)
+        assert tritongrad.patch(patched).count == 1
+        got = patched(x)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_patch_twice_is_idempotent(family):
+    model = _model(family)
+    first = tritongrad.patch(model, **NORMS_ONLY)
+    classes = [type(m) for m in model.modules()]
+    second = tritongrad.patch(model, **NORMS_ONLY)
+    assert second.count == 0 and not second.replaced
+    assert sorted(e.target for e in second.already) == sorted(e.target for e in first.replaced)
+    assert [type(m) for m in model.modules()] == classes
+
+
+def test_patch_keeps_modules_parameters_and_state():
+    model = _model("llama")
+    params = dict(model.named_parameters())
+    keys, text = list(model.state_dict()), repr(model)
+    norm_type = type(model.model.norm)
+    tritongrad.patch(model, **NORMS_ONLY)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys and repr(model) == text
+    assert isinstance(model.model.norm, norm_type) and type(model.model.norm).__name__ == norm_type.__name__
+
+
+def test_unpatch():
+    model = _model("qwen3")
+    classes = [type(m) for m in model.modules()]
+    assert tritongrad.patch(model, **NORMS_ONLY).count == 9
+    assert tritongrad.unpatch(model) == 9
+    assert [type(m) for m in model.modules()] == classes
+    assert tritongrad.patch(model, **NORMS_ONLY).count == 9  # and again
+
+
+def test_report_says_why_gemma_mlp_is_left_alone():
+    model = _model("gemma")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nothing patched: the warning is tested below
+        report = tritongrad.patch(model, rms_norm=False, swiglu=True, rope=False, linear_cross_entropy=False)
+    assert report.count == 0 and len(report.skipped) == 2
+    assert all(e.op == "swiglu" and "GELU" in e.detail and "not SwiGLU" in e.detail for e in report.skipped)
+    assert "GemmaMLP" in str(report)
+
+
+def test_nothing_to_patch_warns_or_raises():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    with pytest.warns(UserWarning, match="nothing in Sequential was patched"):
+        report = tritongrad.patch(model)
+    assert report.count == 0 and str(report) == "nothing to patch"
+    with pytest.raises(ValueError, match="nothing in Sequential was patched"):
+        tritongrad.patch(model, strict=True)
+    gemma = _model("gemma")
+    with pytest.warns(UserWarning, match="GELU"):  # the reason is in the warning
+        tritongrad.patch(gemma, rms_norm=False, rope=False, linear_cross_entropy=False)
+
+
+def test_report_says_what_has_no_candidate():
+    model = _model("llama").model  # the base model: no lm_head
+    report = tritongrad.patch(model, swiglu=False, rope=False)
+    assert report.ops() == {"rms_norm": 5}
+    assert [(e.op, e.detail) for e in report.skipped] == [("linear_cross_entropy", "no module with lm_head and "
+                                                          "model (a *ForCausalLM)")]
+
+
+def test_flags_off_patch_nothing_of_theirs():
+    model = _model("llama")
+    with pytest.warns(UserWarning):
+        report = tritongrad.patch(model, rms_norm=False, **NORMS_ONLY)
+    assert report.count == 0 and all(type(m).__module__.startswith("transformers.") for m in model.modules()
+                                     if "RMSNorm" in type(m).__name__)
+
+
+def test_missing_op_patches_nothing(monkeypatch):
+    monkeypatch.setitem(importlib.import_module("tritongrad.patch")._NEEDS, "swiglu", "no_such_op")
+    model = _model("llama")
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(ImportError, match="swiglu needs tritongrad.no_such_op"):
+        tritongrad.patch(model, rope=False, linear_cross_entropy=False)
+    assert [type(m) for m in model.modules()] == classes  # the norms were not patched either
+
+
+def test_torch_norms_and_subclasses():
+    class KeepsForward(torch.nn.LayerNorm):
+        pass
+
+    class OwnForward(torch.nn.RMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.RMSNorm(8), KeepsForward(8), OwnForward(8)).to(DEVICE)
+    x = torch.randn(3, 8, device=DEVICE)
+    want = model(x)
+    report = tritongrad.patch(model)
+    assert report.ops() == {"layer_norm": 2, "rms_norm": 1}
+    assert type(model[0]) is tritongrad.nn.LayerNorm and type(model[1]) is tritongrad.nn.RMSNorm
+    assert type(model[3]) is OwnForward
+    torch.testing.assert_close(model(x), want)
+    assert tritongrad.patch(model).count == 0
+    assert tritongrad.unpatch(model) == 3 and type(model[0]) is torch.nn.LayerNorm and type(model[2]) is KeepsForward
+
+
+def test_patch_transformers_norms():
+    modeling = _hf.modeling_module("llama")
+    original = modeling.LlamaRMSNorm.forward
+    report = tritongrad.patch_transformers("llama", **NORMS_ONLY)
+    assert [e.target for e in report.replaced] == ["transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"]
+    model = _model("llama")  # built after: patched through its classes
+    again = tritongrad.patch(model, **NORMS_ONLY)
+    assert again.count == 0 and again.ops() == {"rms_norm": 5}
+    batch = _batch()
+    assert "LlamaRmsNormBackward" in _autograd_nodes(model(**batch).loss)
+    assert tritongrad.patch_transformers("llama", **NORMS_ONLY).count == 0  # idempotent
+    assert tritongrad.unpatch_transformers("llama") == 1
+    assert modeling.LlamaRMSNorm.forward is original
+    assert "LlamaRmsNormBackward" not in _autograd_nodes(model(**batch).loss)
+
+
+def test_patch_transformers_reports_gemma_mlp_and_unknown_family():
+    with pytest.warns(UserWarning, match="GELU"):
+        report = tritongrad.patch_transformers("gemma", rms_norm=False, rope=False, linear_cross_entropy=False)
+    assert [e.target.rsplit(".", 1)[-1] for e in report.skipped] == ["GemmaMLP"]
+    assert "GELU" in report.skipped[0].detail and "GemmaConfig" in report.skipped[0].detail
+    with pytest.raises(ValueError, match="tested families"):
+        tritongrad.patch_transformers("no_such_family")
+
+
+def test_multimodal_wrapper_gets_its_text_stack():
+    # Gemma3ForConditionalGeneration: the text stack's norms and the vision tower's LayerNorms are patched; its
+    # loss is reported as left alone (not a *ForCausalLM forward).
+    text = dict(TINY, num_hidden_layers=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(DEVICE)
+    batch = _batch()
+    want = copy.deepcopy(model)(**batch).loss
+    report = tritongrad.patch(model, swiglu=False, rope=False)
+    assert report.ops() == {"rms_norm": 14, "layer_norm": 4}
+    assert [(e.op, e.target) for e in report.skipped] == [("linear_cross_entropy", "")]
+    got = model(**batch).loss
+    assert "RmsNormBackward" in _autograd_nodes(got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- with swiglu, rope and linear_cross_entropy
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_ops_match_hf(family, spy):
+    calls = spy("swiglu", "apply_rotary_pos_emb", "linear_cross_entropy")
+    model = _model(family)
+    batch = _batch()
+    refs = _references(model, batch)
+    model.eval()
+    with torch.no_grad():
+        logits_want = model(input_ids=batch["input_ids"]).logits
+    model.train()
+    report = tritongrad.patch(model)
+    n_norms, n_mlps = FAMILIES[family][1:]
+    assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1,
+                            **({"swiglu": n_mlps} if n_mlps else {})}
+    assert len(report.skipped) == (2 if n_mlps == 0 else 0)  # Gemma's GELU-gated MLPs
+    out, grads = _run(model, batch)
+    assert out.logits is None  # no logits in training with labels
+    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, **({"swiglu": 2} if n_mlps else {})}
+    _assert_matches(out, grads, refs)
+    # No labels, or eval mode: the logits, as Hugging Face computes them.
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+        evaluated = model(**batch)
+    torch.testing.assert_close(logits, logits_want, rtol=1e-4, atol=1e-5)
+    assert evaluated.logits is not None
+    torch.testing.assert_close(evaluated.loss, refs[0][0].loss, rtol=1e-5, atol=1e-5)
+    assert tritongrad.patch(model).count == 0  # idempotent with every op
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
+    # Gemma2: final-logit softcapping (30 by default) maps to logit_softcap.
+    calls = spy("linear_cross_entropy")
+    model = _model(family)
+    batch = _batch()
+    n = torch.tensor(7)  # num_items_in_batch: the loss is a sum over labelled tokens divided by it
+    refs = _references(model, batch, num_items_in_batch=n)
+    tritongrad.patch(model, rms_norm=False, swiglu=False, rope=False)
+    out, grads = _run(model, batch, num_items_in_batch=n)
+    assert calls == {"linear_cross_entropy": 1}
+    _assert_matches(out, grads, refs)
+    # Positional arguments, and return_dict=False (a tuple, loss first, no logits).
+    loss = model(batch["input_ids"], None, None, None, None, batch["labels"], return_dict=False)[0]
+    torch.testing.assert_close(loss, refs[0][0].loss * 7 / (batch["labels"][:, 1:] != -100).sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_patch_transformers_all_ops():
+    modeling = _hf.modeling_module("qwen3")
+    report = tritongrad.patch_transformers("qwen3")
+    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1}
+    model = _model("qwen3")
+    assert tritongrad.patch(model).count == 0
+    assert _hf.patched_op(modeling.apply_rotary_pos_emb) == "rope"
+    out = model(**_batch())
+    assert out.logits is None
+    out.loss.backward()
+    assert tritongrad.unpatch_transformers("qwen3") == 4
+    assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
+
+
+# ---------------------------------------------------------------- with cross_entropy
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_cross_entropy_loss_function(family, spy):
+    calls = spy("cross_entropy")
+    model = _model(family)
+    batch = _batch()
+    refs = _references(model, batch)
+    report = tritongrad.patch(model, rms_norm=False, swiglu=False, rope=False, linear_cross_entropy=False,
+                              cross_entropy=True)
+    assert report.ops() == {"cross_entropy": 1}
+    out, grads = _run(model, batch)
+    assert calls == {"cross_entropy": 1} and out.logits is not None
+    _assert_matches(out, grads, refs)
+
+
+# ---------------------------------------------------------------- FSDP2
+@pytest.mark.parametrize("ops", ["norms", "all"])
+def test_fsdp2_world_size_1(ops, tmp_path):
+    # fully_shard over the decoder layers and the root, one process (gloo): the patched ops see the plain
+    # tensors FSDP2 all-gathers, and loss and gradients match the unsharded model's.
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
+        pytest.skip("torch.distributed.fsdp.fully_shard is not available")
+    model = _model("llama")
+    batch = _batch()
+    refs = _references(model, batch)
+    dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", init_method=f"file://{tmp_path}/pg", rank=0,
+                            world_size=1)
+    try:
+        tritongrad.patch(model, **(NORMS_ONLY if ops == "norms" else {}))
+        for layer in model.model.layers:
+            fsdp.fully_shard(layer)
+        fsdp.fully_shard(model)
+        assert type(model.model.norm.weight).__name__ == "DTensor"  # sharded outside the forward
+        out, grads = _run(model, batch)
+        _assert_matches(out, grads, refs)
+        # A patched norm called outside its FSDP unit gets a sharded DTensor weight: it is gathered.
+        norm = model.model.norm
+        x = torch.randn(2, 3, 64, device=DEVICE)
+        y = norm(x)
+        want = llama_rms_norm_reference(x, norm.weight.full_tensor().detach(), norm.variance_epsilon)
+        assert type(y) is torch.Tensor
+        torch.testing.assert_close(y, want)
+    finally:
+        dist.destroy_process_group()
+
+
+_TWO_RANKS = """
+import os, sys, tempfile
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+
+def main(rank, path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    import tritongrad
+    from tritongrad import _hf
+    mesh = init_device_mesh("cpu", (2,))
+    w = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(r + 1)) for r in range(2)]
+    g = torch.arange(8.0)
+    (tritongrad.rms_norm(xs[rank], [8], _hf._plain(weight), 1e-6) * g).sum().backward()
+    got = weight.grad.full_tensor()
+    want = 0
+    for x in xs:  # FSDP2's gradient: the mean over ranks of each rank's own
+        wr = w.clone().requires_grad_()
+        (torch.nn.functional.rms_norm(x, [8], wr, 1e-6) * g).sum().backward()
+        want = want + wr.grad / 2
+    torch.testing.assert_close(got, want)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(tempfile.mktemp(),), nprocs=2)
+    print("ok")
+"""
+
+
+def test_dtensor_weight_gradient_is_averaged_over_ranks(tmp_path):
+    # A weight still sharded when a patched module runs (called outside its FSDP unit) is gathered; its gradient,
+    # different on each rank, must come back averaged over the ranks, as FSDP2 averages: two gloo ranks on CPU.
+    pytest.importorskip("torch.distributed.tensor")
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
