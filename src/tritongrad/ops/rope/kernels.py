@@ -28,8 +28,9 @@ once, on store (eager PyTorch in bfloat16 rounds x * c, rotate_half(x) * s and t
 
 Layout: q and k are read in place as [B, T, H, Dh] through four strides each (the transposed views of
 [B, T, H, Dh] projections, or contiguous [B, H, T, Dh]); cos and sin [Bc, T, Dh] with Bc = 1 broadcast
-over the batch (batch stride 0). A program covers BLOCK_T tokens x BLOCK_H heads of q or of k (a 1-D grid,
-head blocks of q then of k fastest), loads the tokens' cos and sin rows once and rotates the heads.
+over the batch (batch stride 0). Grid: (token blocks x head blocks, B). A program covers BLOCK_T tokens of
+one sequence and BLOCK_HQ heads of q or BLOCK_HK heads of k (head blocks of q, then of k, fastest, so that
+neighbouring programs cover neighbouring memory), loads its tokens' cos and sin rows and rotates its heads.
 """
 
 import triton
@@ -49,12 +50,13 @@ def _rotate_heads(
     start at row_x (x), row_y (y), row_c (cos) and row_s (sin), [BLOCK_T] offsets each."""
     o_h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
     o_d = tl.arange(0, BLOCK_HALF).to(tl.int64)
-    # Masked: tokens past N, heads past H, and columns past the half (when Dh/2 is not a power of two).
+    # Masked: tokens past T, heads past H, and columns past the half (when Dh/2 is not a power of two).
     m_d = (o_d < HALF)[None, None, :]
     mask = m_t[:, None, None] & (o_h < H)[None, :, None] & m_d
     # cos and sin are loaded with the heads' shape (head stride 0): in the layout of x, so that no layout
-    # conversion through shared memory is needed; threads of one warp that read the same address share
-    # one transaction, and the other warps of the block find the rows in L1.
+    # conversion through shared memory is needed (a [BLOCK_T, 1, BLOCK_HALF] load broadcast over the heads
+    # takes one); threads of a warp that read one address share one transaction, and the block's other
+    # warps find the rows in L1.
     zero_h = tl.zeros([1, BLOCK_H, 1], dtype=tl.int64)
     m_cs = m_t[:, None, None] & m_d & (zero_h == 0)
     p_c = cos_ptr + row_c[:, None, None] + zero_h + (o_d * stride_c_d)[None, None, :]
@@ -66,10 +68,10 @@ def _rotate_heads(
     if BACKWARD:
         # The adjoint is the forward with s -> [-s2, -s1] (module docstring).
         s1, s2 = -s2, -s1
+    # No eviction hint: evict-first loads were slower on an H200 (docs/swiglu-rope.md).
     p_x = x_ptr + row_x[:, None, None] + (o_h * stride_x_h)[None, :, None] + (o_d * stride_x_d)[None, None, :]
-    # Read once: evict first, so that the cos/sin rows shared by the other head blocks stay in L2.
-    b_x1 = tl.load(p_x, mask=mask, other=0.0, eviction_policy="evict_first").to(ACC)
-    b_x2 = tl.load(p_x + HALF * stride_x_d, mask=mask, other=0.0, eviction_policy="evict_first").to(ACC)
+    b_x1 = tl.load(p_x, mask=mask, other=0.0).to(ACC)
+    b_x2 = tl.load(p_x + HALF * stride_x_d, mask=mask, other=0.0).to(ACC)
     p_y = y_ptr + row_y[:, None, None] + (o_h * stride_y_h)[None, :, None] + (o_d * stride_y_d)[None, None, :]
     Y = y_ptr.dtype.element_ty
     tl.store(p_y, round_to(b_x1 * c1 - b_x2 * s1, Y), mask=mask)
@@ -81,7 +83,7 @@ def _rope_kernel(
     q_ptr, k_ptr,  # x: q and k (forward), or the gradients of q_embed and k_embed (backward)
     qo_ptr, ko_ptr,  # y: q_embed and k_embed, or the gradients of q and k; None when not wanted
     cos_ptr, sin_ptr,  # [Bc, T, Dh]
-    N, T, HQ, HK,  # N = B * T tokens
+    T, HQ, HK,
     stride_q_b, stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_t, stride_k_h, stride_k_d,
     stride_qo_b, stride_qo_t, stride_qo_h, stride_qo_d,
@@ -91,7 +93,8 @@ def _rope_kernel(
     Q_BLOCKS, H_BLOCKS,  # head blocks of q (0 without q), of q and k together
     HALF: tl.constexpr,  # Dh / 2
     BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,  # heads per program of q ...
+    BLOCK_HK: tl.constexpr,  # ... and of k
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     HAS_Q: tl.constexpr,
     HAS_K: tl.constexpr,
@@ -115,27 +118,29 @@ def _rope_kernel(
     stride_c_t = aligned(stride_c_t, ALIGN)
     stride_s_b = aligned(stride_s_b, ALIGN)
     stride_s_t = aligned(stride_s_t, ALIGN)
+    # Grid: (token blocks x head blocks, batch); head blocks fastest, so that neighbouring programs cover
+    # neighbouring heads of the same tokens.
     pid = tl.program_id(0)
     pid_t = pid // H_BLOCKS
     pid_h = pid - pid_t * H_BLOCKS
-    # Tokens (b, t) of this program; int64: B * stride_b can pass 2**31 elements.
-    o_n = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    m_t = o_n < N
-    o_b = o_n // T
-    o_t = o_n - o_b * T
-    row_c = o_b * stride_c_b + o_t * stride_c_t
-    row_s = o_b * stride_s_b + o_t * stride_s_t
+    pid_b = tl.program_id(1).to(tl.int64)  # int64: B * stride_b can pass 2**31 elements
+    o_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_t = o_t.to(tl.int64)
+    row_c = pid_b * stride_c_b + o_t * stride_c_t
+    row_s = pid_b * stride_s_b + o_t * stride_s_t
     if HAS_Q:
         if pid_h < Q_BLOCKS:
             _rotate_heads(
-                q_ptr, qo_ptr, cos_ptr, sin_ptr, pid_h * BLOCK_H, HQ, o_b * stride_q_b + o_t * stride_q_t,
-                o_b * stride_qo_b + o_t * stride_qo_t, row_c, row_s, m_t, stride_q_h, stride_q_d, stride_qo_h,
-                stride_qo_d, stride_c_d, stride_s_d, HALF, BLOCK_H, BLOCK_HALF, BACKWARD, ACC,
+                q_ptr, qo_ptr, cos_ptr, sin_ptr, pid_h * BLOCK_HQ, HQ, pid_b * stride_q_b + o_t * stride_q_t,
+                pid_b * stride_qo_b + o_t * stride_qo_t, row_c, row_s, m_t, stride_q_h, stride_q_d, stride_qo_h,
+                stride_qo_d, stride_c_d, stride_s_d, HALF, BLOCK_HQ, BLOCK_HALF, BACKWARD, ACC,
             )
     if HAS_K:
         if pid_h >= Q_BLOCKS:
             _rotate_heads(
-                k_ptr, ko_ptr, cos_ptr, sin_ptr, (pid_h - Q_BLOCKS) * BLOCK_H, HK, o_b * stride_k_b + o_t * stride_k_t,
-                o_b * stride_ko_b + o_t * stride_ko_t, row_c, row_s, m_t, stride_k_h, stride_k_d, stride_ko_h,
-                stride_ko_d, stride_c_d, stride_s_d, HALF, BLOCK_H, BLOCK_HALF, BACKWARD, ACC,
+                k_ptr, ko_ptr, cos_ptr, sin_ptr, (pid_h - Q_BLOCKS) * BLOCK_HK, HK,
+                pid_b * stride_k_b + o_t * stride_k_t, pid_b * stride_ko_b + o_t * stride_ko_t, row_c, row_s, m_t,
+                stride_k_h, stride_k_d, stride_ko_h, stride_ko_d, stride_c_d, stride_s_d, HALF, BLOCK_HK,
+                BLOCK_HALF, BACKWARD, ACC,
             )

@@ -6,8 +6,7 @@ sq, sk, cos and sin [Bc, T, Dh] (Bc = 1 or B) of sc, outputs of so (q_embed, k_e
             = B*T*Dh*(HQ*(sq + so) + HK*(sk + so)) + 2*Bc*T*Dh*sc
   backward: read dq_embed + read dk_embed + read cos + read sin + write dq + write dk: the same count
             (only the gradients asked for: dk alone reads dk_embed, cos and sin and writes dk).
-cos and sin are read from HBM once per program's tokens and from L2 by the other head blocks of the same
-tokens. At Llama-8B's attention, 16384 tokens x (32 + 8) heads x 128 in bfloat16 with [B, T, Dh] tables:
+cos and sin are read from HBM once and from L2 (or L1) by every other head block of the same tokens. At Llama-8B's attention, 16384 tokens x (32 + 8) heads x 128 in bfloat16 with [B, T, Dh] tables:
 336 MB of q and k plus 8.4 MB of cos and sin each way, 0.69 GB in all, 0.16 ms at 4.25 TB/s.
 docs/swiglu-rope.md.
 """
@@ -85,13 +84,14 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool) -> None:
     yk = _bthd(yk, dim) if yk is not None else None
     B, T, HQ, Dh = xq.shape
     HK = xk.shape[2]
-    N = B * T
-    if N == 0 or Dh == 0:
+    if B == 0 or T == 0 or Dh == 0:
         return
     HQ, HK, Dh = int(HQ), int(HK), int(Dh)
-    p = P.plan(rt.hint(N), HQ, HK, Dh, max(xq.element_size(), xk.element_size()))
-    q_blocks = rt.cdiv(HQ, p.BLOCK_H) if yq is not None else 0
-    h_blocks = q_blocks + (rt.cdiv(HK, p.BLOCK_H) if yk is not None else 0)
+    # Heads left out (the backward of k alone) do not size the tile: k's blocks then take more tokens.
+    p = P.plan(rt.hint(T), HQ if yq is not None else 0, HK if yk is not None else 0, Dh,
+               min(xq.element_size(), xk.element_size()))
+    q_blocks = rt.cdiv(HQ, p.BLOCK_HQ) if yq is not None else 0
+    h_blocks = q_blocks + (rt.cdiv(HK, p.BLOCK_HK) if yk is not None else 0)
     if h_blocks == 0:
         return
     # cos and sin of one row for the whole batch: batch stride 0.
@@ -103,11 +103,11 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool) -> None:
     align = rt.align(*[int(s) for st in (q_strides, k_strides, qo_strides, ko_strides) for s in st[:3]],
                      *[int(s) for s in (*c_strides[:2], *s_strides[:2])])
     acc = torch.float64 if torch.float64 in (xq.dtype, xk.dtype, cos.dtype, sin.dtype) else torch.float32
-    _kernel[(rt.cdiv(N, p.BLOCK_T) * h_blocks,)](
-        xq, xk, yq, yk, cos, sin, N, T, HQ, HK, *q_strides, *k_strides, *qo_strides, *ko_strides,
-        *c_strides, *s_strides, q_blocks, h_blocks, HALF=Dh // 2, BLOCK_T=p.BLOCK_T, BLOCK_H=p.BLOCK_H,
-        BLOCK_HALF=p.BLOCK_HALF, HAS_Q=yq is not None, HAS_K=yk is not None, BACKWARD=backward,
-        ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=p.num_warps,
+    _kernel[(rt.cdiv(T, p.BLOCK_T) * h_blocks, B)](
+        xq, xk, yq, yk, cos, sin, T, HQ, HK, *q_strides, *k_strides, *qo_strides, *ko_strides,
+        *c_strides, *s_strides, q_blocks, h_blocks, HALF=Dh // 2, BLOCK_T=p.BLOCK_T, BLOCK_HQ=p.BLOCK_HQ,
+        BLOCK_HK=p.BLOCK_HK, BLOCK_HALF=p.BLOCK_HALF, HAS_Q=yq is not None, HAS_K=yk is not None,
+        BACKWARD=backward, ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=p.num_warps,
     )
 
 

@@ -32,7 +32,8 @@ def _validate(gate, up) -> None:
 
 
 def _plan(N, D: int, *tensors: torch.Tensor) -> P.Tile:
-    return P.tile(rt.hint(N), D, max(t.element_size() for t in tensors))
+    # The narrowest element sets the tile, so that each of its loads is still a 16-byte vector.
+    return P.tile(rt.hint(N), D, min(t.element_size() for t in tensors))
 
 
 @op("tritongrad::swiglu", reference=swiglu_reference, validate=_validate)

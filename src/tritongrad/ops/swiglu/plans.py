@@ -19,10 +19,11 @@ class Tile(NamedTuple):
     num_warps: int
 
 
-# Bytes of each input a program reads: at 4 warps, four 16-byte vectors per thread and input in flight,
-# and a small enough tile that three or more programs stay resident per SM (registers of the backward).
-TILE_BYTES = 8192
-NUM_WARPS = 4
+# Bytes of each input a program reads, and its warps: one 16-byte vector per thread and input, many small
+# programs. On an H200 at 16384 x 14336 bfloat16 this reached copy bandwidth forward and backward; 2 KiB to
+# 8 KiB tiles at 4 or 8 warps were within 1%, 32 KiB tiles 20-60% slower (docs/swiglu-rope.md).
+TILE_BYTES = 4096
+NUM_WARPS = 8
 # Column blocks: the widest power of two dividing D, up to the tile (14336 = 7 x 2048, 11008 = 43 x 256),
 # so that no lane is masked; if D has no such divisor of at least MIN_EXACT_BLOCK_D columns, the next
 # power of two above D (capped by the tile), masked at the row's end.
@@ -31,7 +32,7 @@ MIN_EXACT_BLOCK_D = 256
 
 @functools.lru_cache(maxsize=256)
 def tile(N: int, D: int, elem: int) -> Tile:
-    """The tile for rows of D elements of ``elem`` bytes (the widest input's); N is a plan hint."""
+    """The tile for rows of D elements of ``elem`` bytes (the narrowest tensor's); N is a plan hint."""
     elems = TILE_BYTES // elem
     exact = min(D & -D, elems)
     BLOCK_D = exact if exact >= MIN_EXACT_BLOCK_D else min(rt.next_pow2(D), elems)
