@@ -63,3 +63,30 @@ class LayerNorm(torch.nn.LayerNorm):
 
 
 # ---------------------------------------------------------------- MLP (ops/swiglu)
+from .ops.swiglu import swiglu  # noqa: E402  (kept with its module, below the marker)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """Hugging Face's ``LlamaMLP`` with tritongrad's SwiGLU: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``,
+    where ``swiglu(g, u) = silu(g) * u`` (:func:`tritongrad.swiglu`).
+
+    Same parameters, names and state_dict as ``LlamaMLP`` (``gate_proj``, ``up_proj``: ``hidden_size ->
+    intermediate_size``, ``down_proj``: ``intermediate_size -> hidden_size``, biases when ``bias``, as
+    ``config.mlp_bias``), so ``SwiGLUMLP(h, i).load_state_dict(llama_mlp.state_dict())`` takes a model's
+    weights. Input ``[..., hidden_size]``, output the same shape, in the parameters' dtype.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"

@@ -1,0 +1,13 @@
+"""Plain PyTorch SwiGLU: the float64 reference of the tests and the CPU path without Triton. Imports torch
+only."""
+
+import torch
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` computed in float32 (float64 when either input is float64) and rounded once to
+    ``torch.promote_types(gate.dtype, up.dtype)``. Differentiable; gradients come back in each input's
+    dtype."""
+    out_dtype = torch.promote_types(gate.dtype, up.dtype)
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(out_dtype)

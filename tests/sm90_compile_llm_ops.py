@@ -1,0 +1,161 @@
+"""Compile, for an H100/H200 (sm_90), every kernel specialization that the swiglu and rotary-embedding
+launchers request at realistic shapes, without a GPU, and check that 16-byte aligned rows get vector loads
+and stores. The launchers run on CPU tensors (never filled: nothing executes) with kernel launches
+replaced by ``triton.compile``. Run as a script, without TRITON_INTERPRET:
+
+    python tests/sm90_compile_llm_ops.py swiglu|rope [--resources]
+
+prints one line per failure and a final count (``--resources``: each specialization's registers, spills
+and shared memory, from the cubin by the cuobjdump that Triton ships). tests/test_swiglu.py and
+tests/test_rope.py run it.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import tritongrad  # noqa: E402
+from tritongrad import _pattern, _runtime  # noqa: E402
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+# 16-byte vector accesses to global memory: four 32-bit words (two for 64-bit elements).
+_VECTOR_LOAD = re.compile(r"ld\.global[\w:.]*\.(v4\.(b|f|u|s)32|v2\.(b|f|u|s)64)")
+_VECTOR_STORE = re.compile(r"st\.global[\w:.]*\.(v4\.(b|f|u|s)32|v2\.(b|f|u|s)64)")
+_RESOURCES = "--resources" in sys.argv
+_seen: set = set()
+_failures: list = []
+_want_vectors = [True]
+
+
+def _resources(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:4])
+
+
+def _compile(self, grid, *args, num_warps=4, **constexprs):
+    # The specialization Triton makes at run time: integers equal to 1 and None become constants, pointers
+    # aligned to 16 bytes and integers divisible by 16 are marked so (what enables 16-byte vectors).
+    names = [p.name for p in self.fn.params]
+    signature, constants, attrs = {}, {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
+        if isinstance(a, torch.Tensor):
+            signature[name] = "*" + _TYPES[a.dtype]
+            aligned = a.data_ptr() % 16 == 0
+        elif isinstance(a, bool) or a is None or a == 1:
+            signature[name], constants[name] = "constexpr", a
+            continue
+        elif isinstance(a, int):
+            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+            aligned = a % 16 == 0
+        else:
+            signature[name] = "fp32"
+            continue
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in names[len(args):]:
+        signature[name], constants[name] = "constexpr", constexprs[name]
+    key = (self.fn.__name__, tuple(signature.items()), repr(sorted(constants.items(), key=str)), repr(attrs),
+           num_warps)
+    if key in _seen:
+        return
+    _seen.add(key)
+    shown = {k: v for k, v in constants.items() if k.isupper()}
+    try:
+        compiled = triton.compile(
+            ASTSource(self.fn, signature=signature, constexprs=constants, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps},
+        )
+    except Exception as e:  # report every failing specialization, not just the first
+        _failures.append(f"{self.fn.__name__} {shown}: {type(e).__name__}: {str(e)[:500]}")
+        return
+    ptx = compiled.asm["ptx"]
+    if _want_vectors[0] and not (_VECTOR_LOAD.search(ptx) and _VECTOR_STORE.search(ptx)):
+        _failures.append(f"{self.fn.__name__} {shown}: no 16-byte vector load/store for 16-byte aligned rows")
+    if _RESOURCES:
+        print(f"{self.fn.__name__:20s} warps={num_warps} {_resources(compiled.asm['cubin'])} {shown}")
+
+
+def _empty(*shape, dtype):
+    return torch.empty(shape, dtype=dtype)
+
+
+def swiglu_cases():
+    bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    # Rows of (why): 14336 Llama-3-8B (7 x 2048), 11008 Llama-2-7B (43 x 256), 13824 Llama-2-13B (27 x 512),
+    # 8192 one power of two, 1000 (8-element aligned, no 256-wide divisor: a masked block). dtypes: bf16, fp16,
+    # fp32, fp64 and bf16 gate with fp32 up (float32 out). Layouts: separate projections and the two halves
+    # of one fused [N, 2I] projection.
+    for D in (14336, 11008, 13824, 8192, 1000):
+        for gdt, udt in ((bf, bf), (f16, f16), (f32, f32), (f64, f64), (bf, f32)):
+            for fused in (False, True):
+                if fused and gdt is not udt:
+                    continue
+                if fused:
+                    x = _empty(64, 2 * D, dtype=gdt)
+                    g, u = x[:, :D], x[:, D:]
+                else:
+                    g, u = _empty(64, D, dtype=gdt), _empty(64, D, dtype=udt)
+                yield f"swiglu D={D} {gdt} {udt} fused={fused}", g, u
+
+
+def run_swiglu() -> None:
+    for name, g, u in swiglu_cases():
+        for need in ((True, True), (False, True), (True, False)):
+            gg, uu = g.detach().requires_grad_(need[0]), u.detach().requires_grad_(need[1])
+            out = tritongrad.swiglu(gg, uu)
+            out.backward(_empty(*out.shape, dtype=out.dtype))
+
+
+def rope_cases():
+    bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    # (HQ, HK, Dh), why: Llama-3-8B (GQA 4:1), Llama-2-7B (MHA), Qwen2-7B (28/4: head blocks of 4), Qwen2.5-0.5B
+    # (14/2, Dh 64), Phi-3-mini (Dh 96: a masked half of 48), Gemma-2B (8/1, Dh 256).
+    for HQ, HK, Dh in ((32, 8, 128), (32, 32, 128), (28, 4, 128), (14, 2, 64), (32, 32, 96), (8, 1, 256)):
+        for qdt, cdt in ((bf, bf), (f16, f16), (f32, f32), (f64, f64), (bf, f32)):
+            for dim, Bc in ((1, 1), (1, 2), (2, 2)):
+                B, T = 2, 64
+                q = _empty(B, T, HQ, Dh, dtype=qdt)  # the [B, T, H, Dh] projection
+                k = _empty(B, T, HK, Dh, dtype=qdt)
+                if dim == 1:
+                    q, k = q.transpose(1, 2), k.transpose(1, 2)
+                cos, sin = _empty(Bc, T, Dh, dtype=cdt), _empty(Bc, T, Dh, dtype=cdt)
+                yield f"rope {HQ}/{HK}x{Dh} {qdt} {cdt} dim={dim} Bc={Bc}", q, k, cos, sin, dim
+
+
+def run_rope() -> None:
+    for name, q, k, cos, sin, dim in rope_cases():
+        for need in ((True, True), (False, True)):
+            qq, kk = q.detach().requires_grad_(need[0]), k.detach().requires_grad_(need[1])
+            qe, ke = tritongrad.apply_rotary_pos_emb(qq, kk, cos, sin, dim)
+            grads = [_empty(*t.shape, dtype=t.dtype).transpose(1, 2) if dim == 1 else _empty(*t.shape, dtype=t.dtype)
+                     for t in (qe.transpose(1, 2) if dim == 1 else qe, ke.transpose(1, 2) if dim == 1 else ke)]
+            torch.autograd.backward([qe, ke], grads)
+
+
+def main(which: str) -> int:
+    _runtime.Kernel._launch = _compile
+    _runtime.uses_triton = _pattern.rt.uses_triton = lambda device: True
+    _runtime.sm_count = lambda device: 132
+    {"swiglu": run_swiglu, "rope": run_rope}[which]()
+    for f in _failures:
+        print("FAIL", f)
+    print(f"compiled {len(_seen)} specializations, {len(_failures)} failures")
+    return 1 if _failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

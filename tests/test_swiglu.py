@@ -1,0 +1,241 @@
+"""swiglu (``silu(gate) * up``) and the SwiGLUMLP module: the OpSuite battery, then what is special to them:
+Hugging Face's LlamaMLP in float64, the halves of a fused projection read in place, inputs never written,
+determinism, bad inputs, export, CUDA graphs and the sm_90 compile of every specialization."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, run_without_interpreter
+
+import tritongrad
+from tritongrad.ops.swiglu import launch as sw_launch
+from tritongrad.ops.swiglu import swiglu, swiglu_reference
+from tritongrad.testing import OpSuite
+
+# large_gate's e^-g overflows to inf on purpose (the interpreter's numpy says so).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def randn(*shape, dtype, device):
+    return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
+
+
+# Samples, and why each is here.
+def odd_sizes(dtype, device):
+    # D = 37: no power-of-two divisor, a masked column block; 5 rows, not a multiple of the row block.
+    return randn(5, 37, dtype=dtype, device=device), randn(5, 37, dtype=dtype, device=device)
+
+
+def fused_halves(dtype, device):
+    # gate and up as the two halves of one [N, 2I] projection: row stride 2I, read in place.
+    x = randn(6, 2 * 48, dtype=dtype, device=device)
+    return x[:, :48], x[:, 48:]
+
+
+def leading_dims(dtype, device):
+    # [B, T, I] activations: leading dims merged into rows.
+    return randn(2, 3, 40, dtype=dtype, device=device), randn(2, 3, 40, dtype=dtype, device=device)
+
+
+def column_blocks(dtype, device):
+    # 1536 = 3 x 512 columns (float32: 512-column blocks): several programs per row, the grid's column index.
+    return randn(3, 1536, dtype=dtype, device=device), randn(3, 1536, dtype=dtype, device=device)
+
+
+def large_gate(dtype, device):
+    # gate out to +-120: sigmoid saturates (e^-g overflows to inf for g < -88 in float32): no NaN, silu' -> 0.
+    g = torch.linspace(-120, 120, 64, device=device).to(dtype).reshape(2, 32)
+    return g, randn(2, 32, dtype=dtype, device=device)
+
+
+def eager(gate, up):
+    """What a user writes in PyTorch: the error baseline (silu rounded to the dtype before the product)."""
+    return F.silu(gate) * up
+
+
+suite = OpSuite(swiglu, [odd_sizes, fused_halves, leading_dims, column_blocks, large_gate], baseline=eager,
+                leading=("gate", "up"), mixed=True)
+test_swiglu_suite = suite.pytest()
+
+
+# ---------------------------------------------------------------- Hugging Face's LlamaMLP
+def _llama_mlp(hidden, inter, bias):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu", mlp_bias=bias,
+                      num_attention_heads=4, num_key_value_heads=4)
+    return LlamaMLP(cfg).to(device=DEVICE, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_module_is_a_drop_in_for_llama_mlp(bias):
+    hf = _llama_mlp(24, 40, bias)
+    ours = tritongrad.nn.SwiGLUMLP(24, 40, bias=bias, device=DEVICE, dtype=torch.float64)
+    assert list(ours.state_dict()) == list(hf.state_dict())
+    assert [(k, v.shape) for k, v in ours.named_parameters()] == [(k, v.shape) for k, v in hf.named_parameters()]
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 5, 24, dtype=torch.float64, device=DEVICE)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), hf(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
+    for (name, pa), (_, pb) in zip(ours.named_parameters(), hf.named_parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_module_runs_the_op():
+    m = tritongrad.nn.SwiGLUMLP(8, 12, device=DEVICE)
+    seen = []
+    m.down_proj.register_forward_pre_hook(lambda mod, args: seen.append(type(args[0].grad_fn).__name__))
+    m(torch.randn(3, 8, device=DEVICE))
+    assert seen == ["SwigluBackward"]
+    assert "hidden_size=8, intermediate_size=12" in repr(m)
+
+
+def test_float64_equals_hugging_face_activation():
+    # LlamaMLP's act_fn(gate) * up with ACT2FN["silu"], in float64: the same values to the last bits.
+    from transformers.activations import ACT2FN
+
+    g = torch.randn(4, 33, dtype=torch.float64, device=DEVICE)
+    u = torch.randn(4, 33, dtype=torch.float64, device=DEVICE)
+    torch.testing.assert_close(swiglu(g, u), ACT2FN["silu"](g) * u, rtol=1e-14, atol=1e-15)
+
+
+# ---------------------------------------------------------------- memory: in place, no copies, no writes
+class _Spy:
+    """Wraps a launcher's kernel and records the data_ptr of every tensor argument of each launch."""
+
+    def __init__(self, kern):
+        self.kern, self.ptrs = kern, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.ptrs.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
+            return self.kern[grid](*args, **kw)
+
+        return launch
+
+
+def test_fused_halves_are_read_in_place(monkeypatch):
+    I = 40
+    x = torch.randn(2, 3, 2 * I, device=DEVICE)
+    fwd, bwd = _Spy(sw_launch._fwd_kernel), _Spy(sw_launch._bwd_kernel)
+    monkeypatch.setattr(sw_launch, "_fwd_kernel", fwd)
+    monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
+    xr = x.clone().requires_grad_()
+    out = swiglu(xr[..., :I], xr[..., I:])
+    out.sum().backward()
+    base, step = xr.data_ptr(), I * xr.element_size()
+    assert fwd.ptrs[0][:2] == [base, base + step]  # gate and up: the projection's own memory
+    assert bwd.ptrs[0][:2] == [base, base + step]
+    torch.testing.assert_close(xr.grad, torch.func.grad(lambda t: swiglu_reference(t[..., :I], t[..., I:]).sum())(x))
+
+
+def test_inputs_are_never_written_and_results_are_deterministic():
+    g = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
+    u = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
+    dout = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
+    before = [t.clone() for t in (g, u, dout)]
+    runs = []
+    for _ in range(2):
+        gr, ur = g.detach().requires_grad_(), u.detach().requires_grad_()
+        out = swiglu(gr, ur)
+        out.backward(dout)
+        runs.append((out, gr.grad, ur.grad))
+    for a, b in zip(before, (g, u, dout)):
+        assert torch.equal(a, b)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_output_dtypes_follow_promotion():
+    g = torch.randn(3, 16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(3, 16, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    out = swiglu(g, u)
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    out.sum().backward()
+    assert g.grad.dtype == torch.bfloat16 and u.grad.dtype == torch.float32
+
+
+def test_empty_inputs():
+    for shape in ((0, 8), (4, 0), (2, 0, 3)):
+        g = torch.randn(shape, device=DEVICE, requires_grad=True)
+        u = torch.randn(shape, device=DEVICE, requires_grad=True)
+        out = swiglu(g, u)
+        assert out.shape == shape
+        out.sum().backward()
+        assert g.grad.shape == shape and u.grad.shape == shape
+
+
+# ---------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: (torch.randn(3, 8), torch.randn(3, 9)), ValueError, ["gate (3, 8)", "up (3, 9)", "same shape"]),
+    (lambda: (torch.randn(3, 8), torch.randn(8)), ValueError, ["gate (3, 8)", "up (8,)", "broadcast"]),
+    (lambda: (torch.ones(3, 8, dtype=torch.int64), torch.randn(3, 8)), TypeError, ["gate", "torch.int64", "(3, 8)"]),
+    (lambda: (torch.randn(3, 8), torch.ones(3, 8, dtype=torch.int32)), TypeError, ["up", "torch.int32"]),
+    (lambda: (torch.randn(3, 8), torch.randn(3, 8, device="meta")), ValueError, ["one device", "meta"]),
+    (lambda: (torch.randn(3, 8), 2.0), TypeError, ["up must be a Tensor"]),
+])
+def test_bad_inputs_name_shapes_dtypes_devices(make, error, words):
+    gate, up = make()
+    gate = gate.to(DEVICE)
+    if isinstance(up, torch.Tensor) and up.device.type != "meta":
+        up = up.to(DEVICE)
+    with pytest.raises(error) as info:
+        swiglu(gate, up)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_double_backward_is_refused():
+    g = torch.randn(3, 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(3, 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(swiglu(g, u).sum(), g, create_graph=True)
+
+
+# ---------------------------------------------------------------- graphs: export, CUDA graphs
+def test_export_of_the_module():
+    m = tritongrad.nn.SwiGLUMLP(8, 24, device=DEVICE)
+    x = torch.randn(2, 5, 8, device=DEVICE)
+    ep = torch.export.export(m, (x,))
+    assert any("swiglu" in str(n.target) for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(x), m(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_and_replay():
+    g = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up: compile the kernels outside the capture
+        for _ in range(2):
+            g.grad = u.grad = None
+            swiglu(g, u).backward(dout)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    g.grad = u.grad = None
+    with torch.cuda.graph(graph):
+        out = swiglu(g, u)
+        out.backward(dout)
+    with torch.no_grad():
+        g.copy_(torch.randn_like(g))
+    graph.replay()
+    ref = swiglu_reference(g.detach(), u.detach())
+    torch.testing.assert_close(out, ref)
+
+
+# ---------------------------------------------------------------- sm_90
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
+def test_kernels_compile_for_sm90_with_vector_access():
+    script = os.path.join(os.path.dirname(__file__), "sm90_compile_llm_ops.py")
+    out = run_without_interpreter([script, "swiglu"], timeout=900)
+    assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]
