@@ -499,6 +499,8 @@ class Op:
                                f"backward, which needs {missing} saved (save={self.save})")
         args = [bctx.__dict__.get(n) for n in self._names]
         wanted = [i for i in self._diff_positions if bctx.needs_input_grad[i]]
+        if rt.is_fake(grads[0]):  # shapes only (torch.compile, export): torch.func cannot run on fake tensors
+            return [torch.empty_like(args[i]) if i in wanted else None for i in self.tensor_positions]
 
         def f(*diff):
             full = list(args)
