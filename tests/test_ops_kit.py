@@ -169,18 +169,18 @@ bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float6
     [
         # weighted_sum: y in the promoted dtype, each gradient in its own input's dtype
         ("weighted_sum", f16, bf16),   # promotes to float32
-        ("weighted_sum", f32, f64),
+        ("weighted_sum", f32, f64),    # promotes to float64: float64 accumulation
         ("weighted_sum", bf16, f64),   # float64 accumulation, grad_x stored to bfloat16
         # the norms: y in x's dtype whatever the parameters' (as torch.nn.functional)
-        ("rms_norm", f16, f32),
-        ("rms_norm", f32, bf16),       # 16-bit parameters of float32 rows
+        ("rms_norm", f16, f32),        # float16 rows with float32 parameters (the kit's mixed case is bfloat16)
+        ("rms_norm", f32, bf16),       # 16-bit parameters of float32 rows: dw rounded to bfloat16
         ("rms_norm", bf16, f64),       # float64 statistics stored to bfloat16 (through float32)
-        ("layer_norm", f16, f32),
-        ("layer_norm", f32, bf16),
-        ("layer_norm", f32, f64),
-        ("layer_norm", bf16, f64),
+        ("layer_norm", f16, f32),      # as rms_norm's, with a bias beside the weight
+        ("layer_norm", f32, bf16),     # dw and db rounded to bfloat16, side by side in one partial buffer
+        ("layer_norm", f32, f64),      # float64 statistics for float32 rows, y still float32
+        ("layer_norm", bf16, f64),     # float64 statistics stored to bfloat16 (through float32)
         ("llama_rms_norm", f16, f32),  # y promoted to float32, xhat rounded to float16 first
-        ("llama_rms_norm", f32, bf16),
+        ("llama_rms_norm", f32, bf16),  # y stays float32; dw sums in float32, rounded to bfloat16
     ],
     ids=str,
 )
