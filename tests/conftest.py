@@ -1,22 +1,53 @@
-"""Without a GPU, the Triton kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before
-triton is imported, so it is set here, before anything imports tritongrad."""
+"""Shared by every test module. Without a GPU the Triton kernels run in Triton's interpreter, a choice Triton
+reads once, when it is imported: ``use_interpreter()`` comes first, before anything imports tritongrad's ops."""
 
-import os
-import subprocess
-import sys
-import zlib
+from tritongrad.testing import default_device, use_interpreter
 
-import pytest
-import torch
+use_interpreter()
 
-if not torch.cuda.is_available():
-    assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tritongrad import _runtime as rt  # noqa: E402
+from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol  # noqa: E402
+
+DEVICE = default_device()
+ROOT = Path(__file__).resolve().parents[1]
 
 # Absolute slack on top of "2x eager PyTorch's error": a few ulps of each dtype at the magnitudes tested.
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+# Modules whose tests share a long module-scoped fixture (test_bench.py's sweep): under pytest-xdist all their
+# tests go to one worker, so that the fixture runs once; other tests go one by one to whichever worker is free.
+# (pytest-xdist's own --dist loadgroup tags node ids, which pytest 9 no longer lets a plugin change.)
+ONE_WORKER_MODULES = ("tests/test_bench.py",)
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.split("::", 1)[0]
+                return module if module in ONE_WORKER_MODULES else nodeid
+
+        return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Slow tests first: under pytest-xdist each then starts at once on a worker of its own, beside the many
+    # short tests, instead of finishing alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)
@@ -32,12 +63,93 @@ def _kernels_at_every_size():
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    # Different data per test, reproducible per test id.
+    # Different data per test, reproducible per test id (whichever worker runs it).
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+class Launch(NamedTuple):
+    kernel: str  # the @triton.jit function's name
+    grid: tuple
+    args: tuple
+    kw: dict  # constexprs and num_warps
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """Every kernel launch through ``tritongrad.kernel`` while the test runs, in order: which kernel served a
+    shape, on which grid, with which constexprs. The launches still run."""
+    seen: list = []
+    launch = rt.Kernel._launch
+
+    def spy(self, grid, *args, **kw):
+        seen.append(Launch(self.fn.__name__, tuple(grid), args, kw))
+        return launch(self, grid, *args, **kw)
+
+    monkeypatch.setattr(rt.Kernel, "_launch", spy)
+    return seen
+
+
+def kernel_names(seen: list) -> list:
+    return [launch.kernel for launch in seen]
+
+
+@pytest.fixture
+def four_sms(monkeypatch):
+    """Plans made for 4 SMs on any device (the interpreter's count), so that a test's shapes take the
+    launch path it names on a GPU too."""
+    monkeypatch.setattr(rt, "sm_count", lambda device: 4)
+
+
+def check_values(op, *args, baseline=None) -> None:
+    """The kit's value check on these arguments: outputs and gradients (for a random upstream gradient) against
+    the float64 reference, within the earned tolerance, and the op's own autograd node in the graph. The ulps
+    on top of the baseline's error grow with the square root of the rows that a parameter's gradient sums
+    (where the baseline computes as the reference does, in float64 say, its error is 0)."""
+    x = next(a for a in args if isinstance(a, torch.Tensor))
+    rows = x.numel() // max(1, x.shape[-1]) if x.dim() else 1
+    OpSuite(op, [], baseline=baseline, ulps=4.0 * max(1.0, rows**0.5)).check_values(lambda dtype, device: args,
+                                                                                      x.dtype)
+
+
+def check_forward(op, *args, baseline) -> tuple:
+    """The outputs alone, without a graph, against the float64 reference within the kit's earned tolerance
+    (``baseline``'s error in the same dtype, plus 4 ulps); returns all the registered op returns (outputs and
+    residuals)."""
+    with torch.no_grad():
+        returned = op.opoverload(*args)
+        got = returned[0] if isinstance(returned, tuple) else returned
+        ref = op.reference(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+        base = baseline(*args)
+    assert_close_earned(op.label, got, ref, base, atol=ulp_atol(got.dtype, ref, 4.0))
+    return returned
+
+
+def check_upstream_grad(op, args: tuple, grad: torch.Tensor) -> None:
+    """Gradients of ``op(*args)`` for an upstream gradient of unusual strides (expanded by ``sum()``, sliced)
+    against the float64 reference's for the same gradient: the backward must read it through its strides."""
+    diff = [i for i in op.tensor_positions if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
+    ours = [a.detach().requires_grad_() if i in diff else a for i, a in enumerate(args)]
+    ref = [a.detach().double().requires_grad_() if i in diff else a for i, a in enumerate(args)]
+    got = torch.autograd.grad(op(*ours), [ours[i] for i in diff], grad)
+    want = torch.autograd.grad(op.reference(*ref), [ref[i] for i in diff], grad.double())
+    for i, g, w in zip(diff, got, want):
+        torch.testing.assert_close(g.double(), w, atol=ATOL[g.dtype], rtol=ATOL[g.dtype],
+                                   msg=lambda m: f"gradient of argument {i}: {m}")
+
+
+def import_example(name: str):
+    """``examples/<name>.py`` as the module ``name`` (once per process, so its op is declared once)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def run_without_interpreter(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python *args`` in a fresh process without TRITON_INTERPRET: there CPU tensors take the
     PyTorch path and triton.jit builds GPU kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import tritongrad  # noqa: E402
 from tritongrad import _pattern, _runtime  # noqa: E402
-from tritongrad.ops.rms_norm import llama_rms_norm  # noqa: E402
+from tritongrad.ops.norm import llama_rms_norm  # noqa: E402
 from tritongrad.ops.weighted_sum import launch as ws_launch  # noqa: E402
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}

@@ -17,6 +17,10 @@ from tritongrad.bench.ops import OPS
 from tritongrad.bench.providers import PROVIDERS
 from tritongrad.cli import main
 
+# One sweep for the module (on one worker under pytest-xdist: conftest.ONE_WORKER_MODULES), started early: it
+# takes tens of seconds.
+pytestmark = pytest.mark.slow
+
 # Explicit shapes and dtype, so the same few seconds of work on a GPU machine as on CPU.
 ARGS = ["--shapes", "4x64,16x256", "--dtype", "fp32", "--rep", "5", "--warmup", "0"]
 

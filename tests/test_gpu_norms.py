@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from conftest import ATOL
 
 import tritongrad
-from tritongrad.ops.layer_norm import layer_norm_reference
-from tritongrad.ops.rms_norm import rms_norm_reference
+from tritongrad.ops.norm import layer_norm_reference, rms_norm_reference
 from tritongrad.testing import assert_close_earned, make_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

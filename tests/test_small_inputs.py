@@ -13,10 +13,10 @@ from conftest import ATOL, DEVICE
 import tritongrad
 from tritongrad import _pattern
 from tritongrad import _runtime as rt
-from tritongrad.ops.layer_norm import layer_norm_reference
-from tritongrad.ops.rms_norm import llama_rms_norm_reference, rms_norm_reference
-from tritongrad.ops.rms_norm.launch import _LLAMA_OP, llama_rms_norm
-from tritongrad.ops.weighted_sum import weighted_sum_reference
+from tritongrad.ops.norm import (
+    layer_norm_op, layer_norm_reference, llama_rms_norm, llama_rms_norm_reference, rms_norm_op, rms_norm_reference,
+)
+from tritongrad.ops.weighted_sum import weighted_sum, weighted_sum_reference
 from tritongrad.testing import assert_close_earned
 
 DEFAULT = _pattern.SMALL_INPUT_THRESHOLD
@@ -74,11 +74,11 @@ def test_native_versions_compute_the_op(name):
     x, params = _inputs((3, 5, 48), n, torch.float64, "cpu")
     g = torch.randn((3, 5) if name == "weighted_sum" else (3, 5, 48), dtype=torch.float64)
     natives = {
-        "weighted_sum": lambda x, p: tritongrad.ops.weighted_sum.launch._OP.native(x, p[0]),
-        "rms_norm": lambda x, p: tritongrad.ops.rms_norm.launch._OP.native(x, [48], p[0], None),
-        "rms_norm_no_weight": lambda x, p: tritongrad.ops.rms_norm.launch._OP.native(x, [48], None, None),
-        "layer_norm": lambda x, p: tritongrad.ops.layer_norm.launch._OP.native(x, [48], p[0], p[1], 1e-5),
-        "llama_rms_norm": lambda x, p: _LLAMA_OP.native(x, p[0], 1e-6),
+        "weighted_sum": lambda x, p: weighted_sum.native(x, p[0]),
+        "rms_norm": lambda x, p: rms_norm_op.native(x, [48], p[0], None),
+        "rms_norm_no_weight": lambda x, p: rms_norm_op.native(x, [48], None, None),
+        "layer_norm": lambda x, p: layer_norm_op.native(x, [48], p[0], p[1], 1e-5),
+        "llama_rms_norm": lambda x, p: llama_rms_norm.native(x, p[0], 1e-6),
     }
     got, _ = _run(natives[name], x, params, g)
     want, _ = _run(ref, x, params, g)
@@ -90,12 +90,11 @@ def test_native_versions_compute_the_op(name):
 def test_native_versions_decline_long_rows(name):
     # PyTorch's norms give each row to one block, and its matrix-vector product of one long row is slow:
     # long rows stay with the kernels.
-    ops = tritongrad.ops
     native = {
-        "weighted_sum": lambda x, w: ops.weighted_sum.launch._OP.native(x, w),
-        "rms_norm": lambda x, w: ops.rms_norm.launch._OP.native(x, [x.shape[-1]], w, None),
-        "layer_norm": lambda x, w: ops.layer_norm.launch._OP.native(x, [x.shape[-1]], w, None, 1e-5),
-        "llama_rms_norm": lambda x, w: _LLAMA_OP.native(x, w, 1e-6),
+        "weighted_sum": lambda x, w: weighted_sum.native(x, w),
+        "rms_norm": lambda x, w: rms_norm_op.native(x, [x.shape[-1]], w, None),
+        "layer_norm": lambda x, w: layer_norm_op.native(x, [x.shape[-1]], w, None, 1e-5),
+        "llama_rms_norm": lambda x, w: llama_rms_norm.native(x, w, 1e-6),
     }[name]
     for D, declined in ((rt.NATIVE_MAX_D, False), (rt.NATIVE_MAX_D + 1, True)):
         out = native(torch.randn(1, D, dtype=torch.float64), torch.ones(D, dtype=torch.float64))

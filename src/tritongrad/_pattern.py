@@ -163,6 +163,21 @@ def _count_returns(annotation, label: str) -> int:
     )
 
 
+def _positional(fn: Callable | None, params: list) -> Callable | None:
+    """``fn`` (with the launcher's signature ``params``) callable with every argument positionally, where the
+    signature has keyword-only parameters: those are passed by name."""
+    k = next((i for i, p in enumerate(params) if p.kind is p.KEYWORD_ONLY), None)
+    if fn is None or k is None:
+        return fn
+    names = [p.name for p in params[k:]]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args[:k], **dict(zip(names, args[k:])), **kwargs)
+
+    return call
+
+
 def _as_tuple(outs) -> tuple:
     return outs if isinstance(outs, tuple) else tuple(outs) if isinstance(outs, list) else (outs,)
 
@@ -259,7 +274,9 @@ class Op:
         self._defaults = [p.default for p in params]
         self._first = self.tensor_positions[0]
         self.autocast = autocast
-        self.forward, self.reference, self._validate, self.native = forward, reference, validate, native
+        # The pattern passes every argument positionally; keyword-only parameters are then bound by name.
+        self.forward, self.reference, self._validate, self.native = (
+            _positional(f, params) for f in (forward, reference, validate, native))
         self._backward_fn = None
         self._fwd_def = None
         # A Function subclass per op, so that y.grad_fn reads e.g. <SoftcapBackward>.
@@ -482,6 +499,8 @@ class Op:
                                f"backward, which needs {missing} saved (save={self.save})")
         args = [bctx.__dict__.get(n) for n in self._names]
         wanted = [i for i in self._diff_positions if bctx.needs_input_grad[i]]
+        if rt.is_fake(grads[0]):  # shapes only (torch.compile, export): torch.func cannot run on fake tensors
+            return [torch.empty_like(args[i]) if i in wanted else None for i in self.tensor_positions]
 
         def f(*diff):
             full = list(args)

@@ -327,10 +327,14 @@ class OpSuite:
         """No graph and nothing saved under no_grad, nor when no input requires grad."""
         args = self._args(sample, torch.float32)
         wanted = self._diff(args)
-        with torch.no_grad():
-            run = self._run(self.op, args, wanted, None)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.no_grad():
+                run = self._run(self.op, args, wanted, None)
+            plain = _tuple(self.op(*args))
         assert all(o.grad_fn is None and not o.requires_grad for o in run.outs), f"{self.op.label}: a graph under no_grad"
-        assert all(o.grad_fn is None for o in _tuple(self.op(*args))), f"{self.op.label}: a graph without requires_grad"
+        assert all(o.grad_fn is None for o in plain), f"{self.op.label}: a graph without requires_grad"
+        assert not saved, f"{self.op.label}: {len(saved)} tensors saved for a backward that cannot run"
 
     def check_gradcheck(self, sample) -> None:
         """``torch.autograd.gradcheck`` in float64 on every differentiable input."""

@@ -1,0 +1,690 @@
+"""The public op API (``tritongrad.op``, ``tritongrad.kernel``, ``tritongrad.testing``) from a user's side: ops
+declared here in their own namespace, each for one feature of the pattern, run through the kit and through
+what the kit does not cover (re-declaration, error messages, vmap, double backward, export, the CPU path
+without Triton's interpreter, the kit's own refusals and its power to catch a wrong kernel)."""
+
+import re
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from conftest import DEVICE, ROOT, import_example, run_without_interpreter
+
+import tritongrad
+from tritongrad.testing import OpSuite
+
+BLOCK = 128
+
+
+def blocks(n: int) -> tuple:
+    return (triton.cdiv(n, BLOCK),)
+
+
+def acc_of(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@triton.jit
+def _acc(v):
+    # float32 math, float64 for float64
+    return v.to(tl.float64 if v.dtype == tl.float64 else tl.float32)
+
+
+# ---------------------------------------------------------------- keyword-only arguments with defaults
+@triton.jit
+def _affine_kernel(x_ptr, y_ptr, n, scale, shift, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = _acc(tl.load(x_ptr + o, mask=o < n))
+    tl.store(y_ptr + o, (x * scale + shift).to(y_ptr.dtype.element_ty), mask=o < n)
+
+
+affine_kernel = tritongrad.kernel(_affine_kernel)
+
+
+def affine_reference(x: torch.Tensor, *, scale: float = 2.0, shift: float = 0.0) -> torch.Tensor:
+    return (x.to(acc_of(x.dtype)) * scale + shift).to(x.dtype)
+
+
+@tritongrad.op("mylib::affine", reference=affine_reference, save=())
+def affine(x: torch.Tensor, *, scale: float = 2.0, shift: float = 0.0) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    affine_kernel[blocks(x.numel())](x, y, x.numel(), scale, shift, BLOCK=BLOCK)
+    return y
+
+
+@affine.backward
+def _(ctx, dy):
+    # Nothing saved: the gradient needs the scale alone.
+    dx = torch.empty_like(dy)
+    affine_kernel[blocks(dx.numel())](dy.contiguous(), dx, dx.numel(), ctx.scale, 0.0, BLOCK=BLOCK)
+    return dx
+
+
+# ---------------------------------------------------------------- several outputs, saved instead of the input
+@triton.jit
+def _sincos_kernel(x_ptr, s_ptr, c_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = _acc(tl.load(x_ptr + o, mask=o < n))
+    tl.store(s_ptr + o, tl.sin(x).to(s_ptr.dtype.element_ty), mask=o < n)
+    tl.store(c_ptr + o, tl.cos(x).to(c_ptr.dtype.element_ty), mask=o < n)
+
+
+@triton.jit
+def _sincos_bwd_kernel(s_ptr, c_ptr, ds_ptr, dc_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+    # d/dx (sin, cos) = (cos, -sin): dx = ds * c - dc * s, from the saved outputs.
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    s = _acc(tl.load(s_ptr + o, mask=o < n))
+    c = _acc(tl.load(c_ptr + o, mask=o < n))
+    ds = _acc(tl.load(ds_ptr + o, mask=o < n))
+    dc = _acc(tl.load(dc_ptr + o, mask=o < n))
+    tl.store(dx_ptr + o, (ds * c - dc * s).to(dx_ptr.dtype.element_ty), mask=o < n)
+
+
+sincos_kernel, sincos_bwd_kernel = tritongrad.kernel(_sincos_kernel), tritongrad.kernel(_sincos_bwd_kernel)
+
+
+def sincos_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.to(acc_of(x.dtype))
+    return xf.sin().to(x.dtype), xf.cos().to(x.dtype)
+
+
+@tritongrad.op("mylib::sincos", reference=sincos_reference, outputs=("s", "c"), save=("s", "c"))
+def sincos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    s, c = torch.empty_like(x), torch.empty_like(x)
+    sincos_kernel[blocks(x.numel())](x, s, c, x.numel(), BLOCK=BLOCK)
+    return s, c
+
+
+@sincos.backward
+def _(ctx, ds, dc):
+    dx = torch.empty_like(ctx.s)
+    sincos_bwd_kernel[blocks(dx.numel())](ctx.s, ctx.c, ds.contiguous(), dc.contiguous(), dx, dx.numel(),
+                                          BLOCK=BLOCK)
+    return dx
+
+
+# ---------------------------------------------------------------- a residual: a tensor for the backward only
+@triton.jit
+def _softplus_kernel(x_ptr, y_ptr, sig_ptr, n, BLOCK: tl.constexpr):
+    # y = log(1 + e^x) = max(x, 0) + log(1 + e^-|x|); the residual sigmoid(x) is dy/dx.
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = _acc(tl.load(x_ptr + o, mask=o < n))
+    e = tl.exp(-tl.abs(x))
+    tl.store(y_ptr + o, (tl.maximum(x, 0.0) + tl.log(1.0 + e)).to(y_ptr.dtype.element_ty), mask=o < n)
+    tl.store(sig_ptr + o, tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)), mask=o < n)
+
+
+@triton.jit
+def _mul_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    a = _acc(tl.load(a_ptr + o, mask=o < n))
+    b = tl.load(b_ptr + o, mask=o < n).to(a.dtype)
+    tl.store(out_ptr + o, (a * b).to(out_ptr.dtype.element_ty), mask=o < n)
+
+
+softplus_kernel, mul_kernel = tritongrad.kernel(_softplus_kernel), tritongrad.kernel(_mul_kernel)
+
+
+def softplus_reference(x: torch.Tensor) -> torch.Tensor:
+    # log(1 + e^x) exactly (F.softplus returns x itself above a threshold)
+    xf = x.to(acc_of(x.dtype))
+    return torch.logaddexp(xf, torch.zeros_like(xf)).to(x.dtype)
+
+
+@tritongrad.op("mylib::softplus", reference=softplus_reference, residuals=("sig",), save=("sig",))
+def softplus(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    y, sig = torch.empty_like(x), torch.empty(x.shape, dtype=acc_of(x.dtype), device=x.device)
+    softplus_kernel[blocks(x.numel())](x, y, sig, x.numel(), BLOCK=BLOCK)
+    return y, sig
+
+
+@softplus.backward
+def _(ctx, dy):
+    dx = torch.empty(ctx.sig.shape, dtype=dy.dtype, device=dy.device)
+    mul_kernel[blocks(dx.numel())](dy.contiguous(), ctx.sig, dx, dx.numel(), BLOCK=BLOCK)
+    return dx
+
+
+# ---------------------------------------------------------------- an index argument: class targets
+@triton.jit
+def _pick_kernel(x_ptr, t_ptr, y_ptr, n, stride_x_row, stride_x_col, BLOCK: tl.constexpr):
+    # y[i] = x[i, target[i]]
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.load(t_ptr + o, mask=o < n, other=0).to(tl.int64)
+    tl.store(y_ptr + o, tl.load(x_ptr + o * stride_x_row + t * stride_x_col, mask=o < n), mask=o < n)
+
+
+@triton.jit
+def _pick_bwd_kernel(dy_ptr, t_ptr, dx_ptr, n, stride_dx_row, BLOCK: tl.constexpr):
+    # dx is zeros but for dx[i, target[i]] = dy[i].
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.load(t_ptr + o, mask=o < n, other=0).to(tl.int64)
+    tl.store(dx_ptr + o * stride_dx_row + t, tl.load(dy_ptr + o, mask=o < n), mask=o < n)
+
+
+pick_kernel, pick_bwd_kernel = tritongrad.kernel(_pick_kernel), tritongrad.kernel(_pick_bwd_kernel)
+
+
+def pick_reference(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, target.long()[:, None])[:, 0]
+
+
+def pick_validate(x, target) -> None:
+    if x.dim() != 2 or tuple(target.shape) != tuple(x.shape[:1]):
+        raise ValueError(f"mylib.pick: x must be [N, C] and target [N], got {tuple(x.shape)} and "
+                         f"{tuple(target.shape)}")
+
+
+@tritongrad.op("mylib::pick", reference=pick_reference, validate=pick_validate, index=("target",))
+def pick(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    target = target.contiguous()
+    y = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    pick_kernel[blocks(x.shape[0])](x, target, y, x.shape[0], x.stride(0), x.stride(1), BLOCK=BLOCK)
+    return y
+
+
+@pick.backward
+def pick_backward(ctx, dy):
+    dx = torch.zeros(ctx.x.shape, dtype=ctx.x.dtype, device=ctx.x.device)
+    pick_bwd_kernel[blocks(dx.shape[0])](dy.contiguous(), ctx.target.contiguous(), dx, dx.shape[0], dx.stride(0),
+                                         BLOCK=BLOCK)
+    return dx, None
+
+
+# ---------------------------------------------------------------- a nondiff argument: a table without gradient
+def scale_reference(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return (x.to(acc_of(x.dtype)) * table.to(acc_of(x.dtype))).to(x.dtype)
+
+
+def scale_validate(x, table) -> None:
+    if x.shape != table.shape:
+        raise ValueError(f"mylib.scale: x {tuple(x.shape)} and table {tuple(table.shape)} differ in shape")
+
+
+@tritongrad.op("mylib::scale", reference=scale_reference, validate=scale_validate, nondiff=("table",),
+               save=("table",))
+def scale(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    x, table = x.contiguous(), table.contiguous()
+    y = torch.empty_like(x)
+    mul_kernel[blocks(x.numel())](x, table, y, x.numel(), BLOCK=BLOCK)
+    return y
+
+
+@scale.backward
+def _(ctx, dy):
+    dx = torch.empty_like(dy, memory_format=torch.contiguous_format)
+    mul_kernel[blocks(dx.numel())](dy.contiguous(), ctx.table.contiguous(), dx, dx.numel(), BLOCK=BLOCK)
+    return dx, None
+
+
+# ---------------------------------------------------------------- the kit on every feature
+def randn(*shape, dtype, device, scale=1.0):
+    return (scale * torch.randn(shape, device=device)).to(dtype)
+
+
+def affine_given(dtype, device):
+    # keyword-only arguments given (exact in float32, as Triton passes them)
+    return {"x": randn(5, 37, dtype=dtype, device=device), "scale": 0.5, "shift": -1.25}
+
+
+def affine_defaults(dtype, device):
+    # the declared defaults
+    return {"x": randn(3, 300, dtype=dtype, device=device)}
+
+
+def sincos_sample(dtype, device):
+    # two blocks, the second ragged; values over several periods
+    return (randn(3, 50, dtype=dtype, device=device, scale=4.0),)
+
+
+def softplus_sample(dtype, device):
+    # both signs, tails where e^-|x| underflows in float32
+    return (randn(4, 40, dtype=dtype, device=device, scale=30.0),)
+
+
+def pick_int64(dtype, device):
+    # int64 targets; more rows than a block
+    return randn(150, 10, dtype=dtype, device=device), torch.randint(0, 10, (150,), device=device)
+
+
+def pick_int32(dtype, device):
+    # int32 targets
+    return randn(7, 3, dtype=dtype, device=device), torch.randint(0, 3, (7,), device=device, dtype=torch.int32)
+
+
+def scale_sample(dtype, device):
+    # the table in x's dtype, without gradient
+    return randn(4, 33, dtype=dtype, device=device), randn(4, 33, dtype=dtype, device=device)
+
+
+USER_SUITES = {
+    "affine": OpSuite(affine, [affine_given, affine_defaults], leading=("x",)),
+    "sincos": OpSuite(sincos, [sincos_sample], leading=("x",)),
+    "softplus": OpSuite(softplus, [softplus_sample], leading=("x",)),
+    "pick": OpSuite(pick, [pick_int64, pick_int32]),
+    "scale": OpSuite(scale, [scale_sample], leading=("x", "table")),
+}
+
+
+@pytest.mark.parametrize("check", [pytest.param(check, id=f"{name}-{case}") for name, suite in USER_SUITES.items()
+                                   for case, check in suite.cases])
+def test_user_ops_pass_the_kit(check):
+    check()
+
+
+# ---------------------------------------------------------------- declaration and registration
+def test_ops_live_in_their_own_namespace():
+    assert sincos.opoverload is torch.ops.mylib.sincos.default
+    assert sincos.backward_opoverload is torch.ops.mylib.sincos_backward.default
+    assert str(torch.ops.mylib.sincos.default._schema) == "mylib::sincos(Tensor x) -> (Tensor, Tensor)"
+    assert str(affine.opoverload._schema) == "mylib::affine(Tensor x, float scale, float shift) -> Tensor"
+    # residuals are returned by the registered op, not by the public call
+    assert str(softplus.opoverload._schema) == "mylib::softplus(Tensor x) -> (Tensor, Tensor)"
+    assert repr(affine) == "<tritongrad op mylib::affine(x: torch.Tensor, *, scale: float = 2.0, shift: float = 0.0)" \
+        " -> torch.Tensor>"
+
+
+def test_keyword_only_arguments_and_defaults():
+    x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    for kwargs in ({}, {"shift": 1.5}, {"scale": -3.0, "shift": 0.25}):
+        y = affine(x, **kwargs)
+        torch.testing.assert_close(y, affine_reference(x.detach(), **kwargs))
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        torch.testing.assert_close(dx, torch.full_like(x, kwargs.get("scale", 2.0)))
+    with pytest.raises(TypeError, match=r"mylib.affine\(\) got an unexpected keyword argument 'bias'"):
+        affine(x, bias=1.0)
+    with pytest.raises(TypeError, match=r"mylib.affine\(\) missing required argument\(s\): x"):
+        affine(scale=1.0)
+    with pytest.raises(TypeError, match=r"mylib.affine\(\) got multiple values for argument 'x'"):
+        affine(x, x=x)
+
+
+def test_several_outputs_one_used():
+    # Only one output reaches the loss: the other's gradient is zeros, eager and compiled.
+    x = torch.randn(3, 70, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    s, c = sincos(x)
+    assert s.grad_fn is c.grad_fn and type(s.grad_fn).__name__ == "SincosBackward"
+    (dx,) = torch.autograd.grad(c.sum(), x)
+    torch.testing.assert_close(dx, -x.detach().sin())
+    compiled = torch.compile(lambda x: sincos(x)[0].sum(), fullgraph=True, backend="aot_eager")
+    (dx,) = torch.autograd.grad(compiled(x), x)
+    torch.testing.assert_close(dx, x.detach().cos())
+
+
+def saved_by(fn, *args) -> tuple:
+    """``fn(*args)``, and the tensors autograd keeps for its backward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn(*args)
+    return out, saved
+
+
+def test_saved_outputs_and_residuals():
+    x = torch.randn(5, 8, device=DEVICE, requires_grad=True)
+    # save=("s", "c"): the two outputs, not x
+    (s, c), saved = saved_by(sincos, x)
+    assert [t.data_ptr() for t in saved] == [s.data_ptr(), c.data_ptr()]
+    # save=("sig",): the residual alone, a float32 tensor the caller never sees
+    y, saved = saved_by(softplus, x)
+    assert isinstance(y, torch.Tensor) and len(saved) == 1
+    torch.testing.assert_close(saved[0], torch.sigmoid(x.detach()))
+    # save=(): nothing; the default: every tensor input
+    _, saved = saved_by(affine, x)
+    assert saved == []
+    t = torch.randint(0, 8, (5,), device=DEVICE)
+    _, saved = saved_by(pick, x, t)
+    assert [a.data_ptr() for a in saved] == [x.data_ptr(), t.data_ptr()]
+
+
+def test_backward_reading_what_is_not_saved():
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return affine(x.detach(), scale=3.0)
+
+    op = tritongrad.op("mylib::unsaved", reference=lambda x: 3.0 * x, save=())(forward)
+    op.backward(lambda ctx, dy: 3.0 * dy * ctx.x / ctx.x)
+    with pytest.raises(AttributeError, match=r"mylib.unsaved: the backward reads ctx.x, which is not saved; add 'x' "
+                                             r"to the op's save=\.\.\. \(saved now: nothing\)"):
+        op(torch.randn(3, requires_grad=True)).sum().backward()
+
+
+def test_index_arguments():
+    x = torch.randn(6, 5, device=DEVICE, requires_grad=True)
+    for t in (torch.randint(0, 5, (6,), device=DEVICE), torch.randint(0, 5, (6,), device=DEVICE, dtype=torch.int32)):
+        (dx,) = torch.autograd.grad(pick(x, t).sum(), x)
+        assert torch.equal(dx, F.one_hot(t.long(), 5).float())
+    for bad in (torch.float32, torch.int16, torch.uint8):
+        with pytest.raises(TypeError, match=rf"mylib.pick: target holds class indices and must be int64 or int32, "
+                                            rf"got {bad} of shape \(6,\)"):
+            pick(x, torch.zeros(6, dtype=bad, device=DEVICE))
+
+
+def test_nondiff_arguments():
+    x = torch.randn(4, 3, device=DEVICE, requires_grad=True)
+    table = torch.randn(4, 3, device=DEVICE)
+    (dx,) = torch.autograd.grad(scale(x, table).sum(), x)
+    torch.testing.assert_close(dx, table)
+    table.requires_grad_()
+    # A missing gradient would be silent: asking for one is an error that says what to do.
+    with pytest.raises(ValueError, match=r"mylib.scale: table \(4, 3\) requires grad, but the op gives no gradient "
+                                         r"for it; pass table.detach\(\), or run under torch.no_grad\(\)"):
+        scale(x, table)
+    with torch.no_grad():
+        torch.testing.assert_close(scale(x, table), x * table)
+    torch.testing.assert_close(scale(x, table.detach()), x * table)
+
+
+def test_redeclaring_in_place():
+    # A notebook cell run twice: the same name and signature take the new launchers, reference and checks.
+    def declare(factor):
+        def reference(x: torch.Tensor) -> torch.Tensor:
+            return x * factor
+
+        @tritongrad.op("mylib::redeclared", reference=reference, save=())
+        def redeclared(x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            y = torch.empty_like(x)
+            affine_kernel[blocks(x.numel())](x, y, x.numel(), factor, 0.0, BLOCK=BLOCK)
+            return y
+
+        @redeclared.backward
+        def _(ctx, dy):
+            return dy * factor
+
+        return redeclared
+
+    first = declare(2.0)
+    x = torch.randn(9, device=DEVICE, requires_grad=True)
+    torch.testing.assert_close(first(x), 2 * x)
+    second = declare(3.0)
+    assert second is first
+    y = first(x)
+    torch.testing.assert_close(y, 3 * x)
+    torch.testing.assert_close(torch.ops.mylib.redeclared(x.detach()), 3 * x.detach())
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(dx, torch.full_like(x, 3.0))
+    # A new signature cannot replace a registered schema: the message says what to do.
+    with pytest.raises(RuntimeError, match=r"mylib.redeclared is already declared in this process as \(x: "
+                                           r"torch.Tensor\).*Keep the declaration, choose another name, or restart "
+                                           r"Python"):
+        tritongrad.op("mylib::redeclared", reference=lambda x, k: x)(_two_args)
+
+
+def _two_args(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x
+
+
+# ---------------------------------------------------------------- error messages
+def _x(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+CALL_ERRORS = [
+    # each names the op, the argument, and its shape, dtype or device
+    (lambda: scale(_x(4, 3), _x(4, 3, dtype=torch.int32)), TypeError,
+     r"mylib.scale: table has dtype torch.int32 \(shape \(4, 3\)\); supported dtypes are float16, bfloat16, "
+     r"float32 and float64"),
+    (lambda: sincos(_x(2, dtype=torch.complex64)), TypeError,
+     r"mylib.sincos: x has dtype torch.complex64 \(shape \(2,\)\)"),
+    (lambda: scale(_x(4, 3), "table"), TypeError, r"mylib.scale: table must be a Tensor, got str"),
+    (lambda: pick(None, _x(2, dtype=torch.int64)), TypeError, r"mylib.pick: x must be a Tensor, got NoneType"),
+    (lambda: scale(_x(4, 3), _x(4, 3, device="meta")), ValueError,
+     rf"mylib.scale: all tensors must be on one device, got x \(4, 3\) on {DEVICE}\S* and table \(4, 3\) on meta"),
+    (lambda: pick(_x(4, 3), _x(5, dtype=torch.int64)), ValueError, r"mylib.pick: x must be \[N, C\] and target \[N\], "
+                                                                  r"got \(4, 3\) and \(5,\)"),
+    (lambda: affine(_x(2), 1.0, 2.0, 3.0), TypeError, r"mylib.affine\(\) takes 3 arguments but 4 were given"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", CALL_ERRORS)
+def test_call_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def _declare(name="mylib::bad", **kw):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    return tritongrad.op(name, reference=lambda x: x, **kw)(forward)
+
+
+def _untyped(x: torch.Tensor):
+    return x
+
+
+def _varargs(x: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _no_tensor(n: int) -> torch.Tensor:
+    return torch.zeros(n)
+
+
+DECLARATION_ERRORS = [
+    (lambda: _declare("softcap"), ValueError, r"name must be 'namespace::name', e.g. 'mylib::softcap', got 'softcap'"),
+    (lambda: tritongrad.op("mylib::bad", reference=None)(_untyped), TypeError,
+     r"mylib.bad: annotate the forward launcher's return as Tensor or tuple\[Tensor, \.\.\.\]"),
+    (lambda: tritongrad.op("mylib::bad", reference=None)(_varargs), TypeError,
+     r"mylib.bad: the forward launcher takes named arguments only"),
+    (lambda: tritongrad.op("mylib::bad", reference=None)(_no_tensor), TypeError,
+     r"mylib.bad: the forward launcher takes no Tensor argument"),
+    (lambda: _declare(index=("y",)), ValueError, r"mylib.bad: index=\('y',\) names \['y'\], which are not tensor"),
+    (lambda: _declare(nondiff=("n",)), ValueError, r"mylib.bad: nondiff=\('n',\) names \['n'\], which are not tensor"),
+    (lambda: _declare(save=("out", "w")), ValueError, r"mylib.bad: save=\('out', 'w'\) names \['w'\]: neither a tensor "
+                                                      r"input \(x\) nor an output or residual \(out\)"),
+    (lambda: _declare(residuals=("r",)), ValueError, r"mylib.bad: 1 returned tensors leave no output after residuals"),
+    (lambda: _declare(outputs=("a", "b")), ValueError, r"mylib.bad: outputs=\('a', 'b'\) names 2 outputs; the launcher "
+                                                       r"returns 1"),
+]
+
+
+@pytest.mark.parametrize("declare,exc,match", DECLARATION_ERRORS)
+def test_declaration_errors(declare, exc, match):
+    with pytest.raises(exc, match=match):
+        declare()
+
+
+@pytest.mark.parametrize(
+    "backward,match",
+    [
+        (None, r"mylib.no_backward has no backward: declare one with @no_backward.backward"),
+        (lambda ctx, dy: (dy, dy, dy), r"mylib.wrong_count: the backward returned 3 gradients; expected one per "
+                                       r"tensor input \(1: x\) or one per argument \(2\)"),
+        (lambda ctx, dy: None, r"mylib.none_grad: the backward returned None for x, whose gradient was asked for"),
+    ],
+    ids=["missing", "wrong count", "None"],
+)
+def test_backward_errors(backward, match):
+    name = re.match(r"mylib\.(\w+)", match).group(1)
+
+    def forward(x: torch.Tensor, k: float = 1.0) -> torch.Tensor:
+        return affine(x.detach(), scale=k)
+
+    op = tritongrad.op(f"mylib::{name}", reference=lambda x, k=1.0: x * k)(forward)
+    if backward is not None:
+        op.backward(backward)
+    with pytest.raises(RuntimeError, match=match):
+        op(torch.randn(3, device=DEVICE, requires_grad=True)).sum().backward()
+
+
+# ---------------------------------------------------------------- transforms, double backward, export
+def test_vmap_without_grad():
+    # torch.func.vmap runs the registered op once per batch element (no batching rule of the op's own).
+    x = torch.randn(3, 4, 9, device=DEVICE)
+    table = torch.randn(4, 9, device=DEVICE)
+    t = torch.randint(0, 9, (3, 4), device=DEVICE)
+    torch.testing.assert_close(torch.func.vmap(scale, in_dims=(0, None))(x, table), x * table)
+    s, c = torch.func.vmap(sincos)(x)
+    torch.testing.assert_close((s, c), (x.sin(), x.cos()))
+    torch.testing.assert_close(torch.func.vmap(pick)(x, t), x.gather(2, t[..., None])[..., 0])
+    torch.testing.assert_close(torch.func.vmap(lambda x: affine(x, shift=1.0))(x), 2 * x + 1)
+
+
+@pytest.mark.parametrize("op,args", [(sincos, lambda x: (x,)), (pick, lambda x: (x, torch.zeros(3, dtype=torch.long))),
+                                     (affine, lambda x: (x,))], ids=["saved outputs", "saved inputs", "nothing saved"])
+def test_double_backward_is_refused(op, args):
+    # create_graph=True would differentiate launchers that autograd cannot see through: a gradient penalty
+    # would silently lose terms. A loss that is not linear in the output puts a graph on dy, which is refused
+    # too, also for an op that saves nothing (its backward is linear in dy).
+    x = torch.randn(3, 4, device=DEVICE, requires_grad=True)
+    out = op(*args(x))
+    out = out[0] if isinstance(out, tuple) else out
+    with pytest.raises(RuntimeError, match=f"{op.label}: double backward"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+def test_export_of_a_module_calling_user_ops():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(6, 6)
+
+        def forward(self, x, target):
+            s, c = sincos(self.proj(x))
+            return pick(softplus(s + c), target)
+
+    m = Head().to(DEVICE)
+    x, t = torch.randn(5, 6, device=DEVICE), torch.randint(0, 6, (5,), device=DEVICE)
+    ep = torch.export.export(m, (x, t))
+    code = ep.graph_module.code
+    assert all(f"torch.ops.mylib.{name}.default" in code for name in ("sincos", "softplus", "pick")), code
+    torch.testing.assert_close(ep.module()(x, t), m(x, t))
+    x2, t2 = torch.randn(5, 6, device=DEVICE), torch.randint(0, 6, (5,), device=DEVICE)
+    torch.testing.assert_close(ep.module()(x2, t2), m(x2, t2))
+
+
+# ---------------------------------------------------------------- without the interpreter, the kit, the example
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors take the PyTorch path only where no GPU kernels serve them")
+def test_cpu_path_without_interpreter():
+    # A fresh process without TRITON_INTERPRET: CPU tensors take each op's reference (PyTorch's autograd, no
+    # launch), eager and compiled; the registered ops run the reference too (opcheck); patch() works.
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "examples")
+        import torch, tritongrad
+        import torch.nn.functional as F
+        from tritongrad import _runtime
+        from softcap import softcap
+        assert not _runtime.INTERPRET
+        x = torch.randn(4, 3, 9, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(9, requires_grad=True)
+        b = torch.randn(9, requires_grad=True)
+        cases = [
+            (lambda x, w, b: tritongrad.weighted_sum(x, w), lambda x, w, b: (x.float() * w).sum(-1)),
+            (lambda x, w, b: tritongrad.rms_norm(x, (9,), w),
+             lambda x, w, b: F.rms_norm(x.float(), (9,), w).bfloat16()),
+            (lambda x, w, b: tritongrad.layer_norm(x, (9,), w, b),
+             lambda x, w, b: F.layer_norm(x.float(), (9,), w, b).bfloat16()),
+            (lambda x, w, b: tritongrad.llama_rms_norm(x, w, 1e-6),
+             lambda x, w, b: w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()),
+            (lambda x, w, b: softcap(x.float() * w, cap=2.0), lambda x, w, b: 2.0 * torch.tanh(x.float() * w / 2.0)),
+        ]
+        for f, ref in cases:
+            y = f(x, w, b)
+            want = ref(x, w, b)
+            assert y.dtype == want.dtype
+            assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction), type(y.grad_fn)
+            g = torch.randn_like(y)
+            got = torch.autograd.grad(y, (x, w), g)
+            exp = torch.autograd.grad(want, (x, w), g)
+            torch.testing.assert_close(y, want, atol=0.05, rtol=0.02)
+            for a, e in zip(got, exp):
+                assert a.dtype == e.dtype
+                torch.testing.assert_close(a, e, atol=0.05, rtol=0.02)
+            fc = torch.compile(lambda x, w, b: f(x, w, b).float().sum(), fullgraph=True)
+            gc = torch.autograd.grad(fc(x, w, b), (x, w))
+            ge = torch.autograd.grad(f(x, w, b).float().sum(), (x, w))
+            torch.testing.assert_close(gc, ge, atol=0.01, rtol=0.02)  # bfloat16 x: Inductor may round otherwise
+        xf = x.detach().float()
+        torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (xf.requires_grad_(), w))
+        torch.library.opcheck(torch.ops.tritongrad.rms_norm.default, (xf, [9], w, None))
+        torch.library.opcheck(torch.ops.tritongrad.layer_norm.default, (xf, [9], w, b, 1e-5))
+        m = torch.nn.Sequential(torch.nn.LayerNorm(9), torch.nn.RMSNorm(9))
+        assert tritongrad.patch(m) == 2
+        m(xf).sum().backward()
+        print("ok")
+    """)
+    out = run_without_interpreter(["-c", code])
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="with a GPU the kit tests the compiled kernels")
+def test_kit_refuses_without_gpu_or_interpreter():
+    # Without either, the kit would compare the reference with itself: it refuses, and says what to do.
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "examples")
+        import torch
+        from tritongrad.testing import OpSuite, use_interpreter
+        from softcap import softcap
+        try:
+            OpSuite(softcap, [lambda dtype, device: (torch.randn(3, 5, dtype=dtype, device=device),)]).run_all()
+        except RuntimeError as e:
+            print("kit:", e)
+        try:
+            use_interpreter()
+        except RuntimeError as e:
+            print("use_interpreter:", e)
+    """)
+    out = run_without_interpreter(["-c", code])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kit: tritongrad.testing: no GPU and Triton's interpreter is off" in out.stdout
+    assert "Call tritongrad.testing.use_interpreter() before triton is imported" in out.stdout
+    assert "use_interpreter: tritongrad.testing.use_interpreter(): triton is already imported" in out.stdout
+
+
+def test_kit_catches_wrong_kernels():
+    example = import_example("softcap")
+
+    # softcap whose backward omits the factor 1/cap^2 of (y/cap)^2 (it passes cap = 1 to the kernel)
+    @tritongrad.op("kitcheck::softcap_no_factor", reference=example.softcap_reference, save=("out",))
+    def softcap_no_factor(x: torch.Tensor, cap: float = 30.0) -> torch.Tensor:
+        y = torch.empty_like(x)
+        example.fwd[blocks(x.numel())](x.contiguous(), y, x.numel(), cap, BLOCK=BLOCK)
+        return y
+
+    @softcap_no_factor.backward
+    def _(ctx, dy):
+        dx = torch.empty_like(ctx.out)
+        example.bwd[blocks(dx.numel())](ctx.out, dy.contiguous(), dx, dx.numel(), 1.0, BLOCK=BLOCK)
+        return dx
+
+    def sample(dtype, device):
+        return randn(7, 33, dtype=dtype, device=device), 5.0
+
+    suite = OpSuite(softcap_no_factor, [sample])
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(AssertionError, match=r"kitcheck.softcap_no_factor\(torch.\w+\) grad x: error"):
+            suite.check_values(sample, dtype)
+
+    # pick that ignores x's column stride: right on a contiguous x, wrong on a transposed one
+    @tritongrad.op("kitcheck::pick_unit_stride", reference=pick_reference, index=("target",))
+    def pick_unit_stride(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+        pick_kernel[blocks(x.shape[0])](x, target.contiguous(), y, x.shape[0], x.stride(0), 1, BLOCK=BLOCK)
+        return y
+
+    pick_unit_stride.backward(pick_backward)
+    wrong = OpSuite(pick_unit_stride, [pick_int64])
+    wrong.check_values(pick_int64, torch.float32)
+    with pytest.raises(AssertionError, match=r"kitcheck.pick_unit_stride\(torch.float32, transposed\) output 0"):
+        wrong.check_values(pick_int64, torch.float32, layout="transposed")
+
+
+def test_example_runs():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "softcap.py")], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SoftcapBackward" in out.stdout
+    errors = [float(v) for v in re.findall(r"= ([0-9.e+-]+)$", out.stdout, re.M)]
+    assert len(errors) == 2 and max(errors) < 1e-5, out.stdout
