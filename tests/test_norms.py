@@ -17,13 +17,14 @@ from conftest import DEVICE, check_forward, check_upstream_grad, check_values, k
 import tritongrad
 from tritongrad import _runtime as rt
 from tritongrad.ops.norm import layer_norm_op, llama_rms_norm, llama_rms_norm_reference, rms_norm_op
+from tritongrad.ops.norm import launch as norm_launch
 from tritongrad.ops.norm import plans as P
 from tritongrad.ops.norm.reference import default_eps
 from tritongrad.testing import OpSuite, make_rows
 
 NORMS = ["rms_norm", "layer_norm"]
 OPS = {"rms_norm": rms_norm_op, "layer_norm": layer_norm_op}
-FWD = {"rms_norm": "_rms_norm_fwd_kernel", "layer_norm": "_layer_norm_fwd_kernel"}
+FWD = {"rms_norm": "_norm_fwd_kernel", "layer_norm": "_norm_fwd_kernel"}
 PARTS, ROWSUM = "_norm_fwd_parts_kernel", "_norm_bwd_rowsum_kernel"
 BWD, LONG = "_norm_bwd_kernel", "_norm_bwd_long_kernel"
 COLUMN_SUM = "_column_sum_kernel"
@@ -99,7 +100,9 @@ def bwd_kernels(seen):
 
 
 def _clear_plans():
-    for plan in (P.fwd_plan, P.fwd_parts, P.bwd_plan, P.bwd_stages, P.column_split, P.long_bwd_plan):
+    # The launchers' per-signature recipes cache what the plans decided: cleared with them.
+    for plan in (P.fwd_plan, P.fwd_parts, P.bwd_plan, P.bwd_stages, P.column_split, P.long_bwd_plan,
+                 norm_launch._fwd_recipe, norm_launch._bwd_recipe):
         plan.cache_clear()
 
 
