@@ -607,7 +607,7 @@ def test_cpu_path_without_interpreter():
         torch.library.opcheck(torch.ops.tritongrad.rms_norm.default, (xf, [9], w, None))
         torch.library.opcheck(torch.ops.tritongrad.layer_norm.default, (xf, [9], w, b, 1e-5))
         m = torch.nn.Sequential(torch.nn.LayerNorm(9), torch.nn.RMSNorm(9))
-        assert tritongrad.patch(m) == 2
+        assert tritongrad.patch(m).count == 2
         m(xf).sum().backward()
         print("ok")
     """)
