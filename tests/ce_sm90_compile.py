@@ -123,7 +123,7 @@ def main() -> int:
     _runtime.sm_count = launch.rt.sm_count = lambda device: 132
     # Plans see the row count of the target shapes (the tensors here have few rows, to spare the CPU).
     _runtime.hint = lambda n: 16384
-    launch._eager_backward = lambda ctx: True
+    launch._take_buffer = lambda ctx: True
     bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     # Why each: the two target vocabularies (bf16); a vocabulary held in one chunk; an odd vocabulary (GPT-2,
     # unaligned rows); rows of a padded vocabulary; float16, float32 and float64 logits.

@@ -58,20 +58,21 @@ def _host_checkable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and not rt.is_fake(t)
 
 
-def _eager_backward(ctx) -> bool:
-    """Whether the backward runs in the op's own eager autograd node, where it may hand back the gradient
-    buffer its forward saved (written in place). The registered backward op (torch.compile, torch.export,
-    opcheck) must return fresh tensors. The pattern does not say which path called: the running autograd
-    node tells (docs/cross-entropy.md, 'what the pattern could offer')."""
+def _take_buffer(ctx) -> bool | None:
+    """How the backward may use the gradient buffers its forward saved: True where it runs in the op's own
+    eager autograd node for the first time, and may scale them in place and hand them back (they become the
+    caller's gradients); None on a later backward through that node (retain_graph=True, gradcheck), when
+    they were handed back already and must not be read; False in the registered backward op (torch.compile,
+    torch.export, opcheck), which must return fresh tensors and may read the buffers. The pattern does not
+    say which path called: the running autograd node tells (docs/cross-entropy.md, 'what the pattern could
+    offer')."""
     node = torch._C._current_autograd_node()
-    return node is not None and type(node) is ctx.op._function._backward_cls
-
-
-def _consume(t: torch.Tensor) -> None:
-    """Mark a saved buffer that the backward scaled in place and handed back: a second backward through the
-    same graph (retain_graph=True) then raises PyTorch's 'modified by an inplace operation' error instead of
-    returning a twice-scaled gradient."""
-    torch.autograd.graph.increment_version(t)
+    if node is None or type(node) is not ctx.op._function._backward_cls:
+        return False
+    if getattr(node, "_tritongrad_buffers_taken", False):
+        return None
+    node._tritongrad_buffers_taken = True
+    return True
 
 
 def _splits(label_smoothing: float, z_loss: float, logit_softcap: float | None) -> tuple:
@@ -188,19 +189,18 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     acc = lse.dtype
     softcap = ctx.logit_softcap is not None
     cap = rt.split_float(float(ctx.logit_softcap) if softcap else 1.0)
-    if grad.numel():  # the forward wrote the gradient for an upstream 1: scale it, add the lse's term
-        in_place = _eager_backward(ctx)
-        dx = grad if in_place else torch.empty_like(grad)
+    take = _take_buffer(ctx) if grad.numel() else None
+    if take is not None:  # the forward wrote the gradient for an upstream 1: scale it, add the lse's term
+        dx = grad if take else torch.empty_like(grad)
         rows = P.bwd_rows(rt.hint(N), rt.sm_count(x.device))
         _bwd_kernel[(rt.cdiv(N, rows),)](
             grad, dx, x, lse, grad_loss, grad_lse, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0), *cap,
-            ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()], IN_PLACE=in_place, HAS_SOFTCAP=softcap, ACC=rt.tl_acc_dtype(acc),
-            ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
+            ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()], IN_PLACE=take, HAS_SOFTCAP=softcap,
+            ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
         )
-        if in_place:
-            _consume(grad)
         return dx, None, None
-    # The gradient from the logits and the saved lse: one read of the logits, one write.
+    # The gradient from the logits and the saved lse (reduction="none", compute_grad off, or the buffer
+    # handed back by an earlier backward): one read of the logits, one write.
     weight, target, reduction = ctx.weight, ctx.target, ctx.reduction
     mean, smoothing = reduction == "mean", ctx.label_smoothing > 0
     stats = _stats(target, weight, C, ctx.ignore_index, acc) if mean or (weight is not None and smoothing) else None
@@ -252,7 +252,7 @@ def cross_entropy(
         reproducible. For reduction mean/sum the forward computes it (one read of the logits, one write of the
         gradient) and ``loss.backward()`` only scales it by the upstream gradient, on the device, skipping
         even that when it is 1. The logits are never written. A second backward through the same graph
-        (``retain_graph=True``) raises: the eager backward hands back the gradient buffer it scaled in place.
+        (``retain_graph=True``) recomputes the gradient from the logits: the first handed its buffer back.
     """
     if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError(f"tritongrad.cross_entropy: input and target must be Tensors, got "
@@ -399,16 +399,14 @@ def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
     need = (need_x, need_w, need_b and ctx.bias is not None)
     have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0, ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
             ctx.grad_bias.numel() > 0 or (ctx.bias is not None and ctx.bias.numel() == 0))
-    if ctx.reduction != "none" and all(h or not n for n, h in zip(need, have)):
+    take = _take_buffer(ctx) if ctx.reduction != "none" and all(h or not n for n, h in zip(need, have)) else None
+    if take is not None:
         # The forward computed them for an upstream gradient of 1: scale (on the device; nothing when it is 1).
-        in_place = _eager_backward(ctx)
-        out = []
-        for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)):
-            out.append(_scale(g, grad_loss, in_place) if n else None)
-            if n and in_place:
-                _consume(g)
+        out = [_scale(g, grad_loss, take) if n else None
+               for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias))]
         return out[0], out[1], None, out[2]
-    # Not computed in the forward (reduction="none": per-row upstream gradients): recompute, in chunks.
+    # Not computed in the forward (reduction="none": per-row upstream gradients), or handed back by an earlier
+    # backward: recompute, in chunks.
     gi, gw, gb = _lce_pass(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.ignore_index, ctx.reduction,
                            ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, None, need, dloss=grad_loss)
     return gi, gw, None, gb

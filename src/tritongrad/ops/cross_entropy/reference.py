@@ -31,12 +31,18 @@ def check_targets(target: torch.Tensor, C: int, ignore_index: int, op: str = "cr
         )
 
 
+def _readable(t: torch.Tensor) -> bool:
+    """CPU tensors with values (not fake, not traced): their targets are checked on the host."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not isinstance(t, torch._subclasses.fake_tensor.FakeTensor))
+
+
 def _rows(input: torch.Tensor, target: torch.Tensor, weight, ignore_index: int, reduction: str,
           label_smoothing: float, logit_softcap, z_loss: float):
     """(per-row loss, lse, denominator of the mean) in the accumulation dtype; input [N, C], target [N]."""
     acc = acc_dtype(input, weight)
     C = input.shape[-1]
-    if input.device.type == "cpu" and not torch.compiler.is_compiling():
+    if _readable(target):
         check_targets(target, C, ignore_index)
     z = input.to(acc)
     u = z if logit_softcap is None else logit_softcap * torch.tanh(z / logit_softcap)
