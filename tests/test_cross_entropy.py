@@ -444,6 +444,23 @@ def test_cuda_graph_capture():
     torch.testing.assert_close(x.grad, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast")
+def test_autocast_dtypes_match_functional():
+    # under autocast F.linear runs in bfloat16 and F.cross_entropy returns float32: the same dtypes here
+    h = torch.randn(16, 32, device="cuda", requires_grad=True)
+    W = torch.randn(100, 32, device="cuda", requires_grad=True)
+    t = torch.randint(0, 100, (16,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours, theirs = linear_cross_entropy(h, W, t), F.cross_entropy(F.linear(h, W), t)
+        logits = F.linear(h, W)
+        assert cross_entropy(logits, t).dtype == F.cross_entropy(logits, t).dtype == torch.float32
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+    a, b = torch.autograd.grad(ours, (h, W)), torch.autograd.grad(theirs, (h, W))
+    assert [g.dtype for g in a] == [g.dtype for g in b] == [torch.float32, torch.float32]
+
+
 # ---------------------------------------------------------------- sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
 def test_kernels_compile_for_sm90_without_spills():

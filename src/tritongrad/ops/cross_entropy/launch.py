@@ -253,6 +253,7 @@ def cross_entropy(
         gradient) and ``loss.backward()`` only scales it by the upstream gradient, on the device, skipping
         even that when it is 1. The logits are never written. A second backward through the same graph
         (``retain_graph=True``) recomputes the gradient from the logits: the first handed its buffer back.
+        Under CUDA autocast the loss is float32, as F's; the logits are read in their own dtype (not copied).
     """
     if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError(f"tritongrad.cross_entropy: input and target must be Tensors, got "
@@ -279,6 +280,8 @@ def cross_entropy(
     compute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
     loss, lse = cross_entropy_op(x, t, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                                  compute_grad)
+    if input.is_cuda and torch.is_autocast_enabled():
+        loss = loss.float()  # autocast runs F.cross_entropy in float32 (here: the logits stay as they are)
     if reduction == "none" and input.dim() != 2:
         loss = loss.reshape(target.shape)
     if not return_lse:
@@ -442,7 +445,9 @@ def linear_cross_entropy(
         and the backward only scales them by the upstream gradient (nothing when it is 1): three matrix
         products in all. grad_weight adds one product per chunk in a fixed order (deterministic), each
         accumulated in float32 and rounded to weight's dtype; grad_bias accumulates in float32. For
-        reduction="none" the backward recomputes the logits (four products in all).
+        reduction="none" the backward recomputes the logits (four products in all). Under CUDA autocast, input,
+        weight and bias are cast to the autocast dtype first and the loss is float32, as F.linear and
+        F.cross_entropy behave there.
     """
     if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError(f"tritongrad.linear_cross_entropy: input and target must be Tensors, got "
@@ -453,6 +458,11 @@ def linear_cross_entropy(
     if input.dim() == 0 or tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"tritongrad.linear_cross_entropy: target of shape {tuple(target.shape)} must be input's "
                          f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
+    autocast = input.is_cuda and torch.is_autocast_enabled()
+    if autocast:  # as F.linear under autocast: the products in the autocast dtype
+        dtype = torch.get_autocast_dtype("cuda")
+        input, weight = input.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     x, t = input.reshape(-1, input.shape[-1]), target.reshape(-1)
     grads = None
     if reduction != "none" and torch.is_grad_enabled():
@@ -460,4 +470,5 @@ def linear_cross_entropy(
                  isinstance(bias, torch.Tensor) and bias.requires_grad]
     loss = linear_cross_entropy_op(x, weight, t, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                                    grads)
+    loss = loss.float() if autocast else loss  # and the loss in float32, as F.cross_entropy under autocast
     return loss.reshape(target.shape) if reduction == "none" else loss

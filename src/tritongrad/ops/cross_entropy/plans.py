@@ -27,14 +27,18 @@ class RowPlan(NamedTuple):
 ONE_CHUNK_MAX = {2: 4096, 4: 2048, 8: 1024}
 # Longer rows step over chunks of that many columns (8 KiB) ...
 CHUNK_WARPS = 8
-# ... with this many chunks in flight per program: the loads of the next chunks are issued (cp.async into
-# shared memory) while this one is reduced; 32 KiB in flight per program for 16-bit logits.
-STAGES = {2: 4, 4: 3, 8: 3}
+# ... with this many chunks in flight per program (cp.async into shared memory while one is reduced): 24 KiB
+# a program with two programs per SM, 40 KiB with one (rows too long for two to share L2), so that each SM
+# keeps about the 30 KiB in flight that 4.3 TB/s over 132 SMs needs at ~1 us of latency (Little's law).
+STAGES = {2: 4, 4: 4, 8: 4}
+STAGES_ALONE = {2: 6, 4: 4, 8: 4}  # 32/64-bit rows: 6 stages spill in the soft-capped kernels
 # Pass 2 re-reads a row that pass 1 just read; it comes from L2 if the rows in flight fit. H100/H200 have
 # 50-60 MB of L2; the gradient's write-back shares it, so the rows in flight are held to this many bytes.
-L2_ROWS_BYTES = 32 << 20
-# At most this many resident programs per SM (rows in one chunk: bounded by occupancy, not L2).
-MAX_PROGRAMS_PER_SM = 8
+L2_ROWS_BYTES = 40 << 20
+# At most this many programs per SM over chunked rows: the persistent grid must be resident all at once (a
+# program that starts only when another ends runs its rows in a half-empty last wave); the main kernel's
+# 8 warps at up to 128 registers fit twice in an SM's 64K registers.
+MAX_PROGRAMS_PER_SM = 2
 
 # The backward scale kernel: rows per program chosen so that about this many programs cover N, each
 # reading its rows' lse gradients in one vector load (all of them exit at once when there is nothing to do).
@@ -52,8 +56,8 @@ SCALE_PROGRAMS_PER_SM = 4
 # linear_cross_entropy: logits are made in chunks of rows whose buffer holds at most this many bytes
 # (192 MiB is 4.6% of the 4.2 GB logits of 16384 tokens x 128256 classes in bfloat16) ...
 LCE_CHUNK_BYTES = 192 << 20
-# ... a multiple of this many rows (the matrix products' tile height) ...
-LCE_ROW_MULTIPLE = 128
+# ... of equal size (a ragged last chunk would be a small, inefficient product), a multiple of this many rows ...
+LCE_ROW_MULTIPLE = 16
 # ... and at least this many rows, whatever the vocabulary: smaller products run far from the GPU's peak.
 LCE_MIN_ROWS = 128
 
@@ -65,13 +69,12 @@ def row_plan(N: int, C: int, elem: int, sms: int, narrow: int = 0) -> RowPlan:
     load a weight per logit; rows not 16-byte aligned load element by element, each with its own address)."""
     width = ONE_CHUNK_MAX[elem] >> narrow
     if C <= width:
+        # One chunk: nothing is re-read, so no L2 bound; a program per row lets the GPU balance the rows.
         block = rt.next_pow2(max(C, 1))
-        warps = max(1, min(CHUNK_WARPS, block * elem // 512))  # 16 bytes a thread at least
-        per_sm = MAX_PROGRAMS_PER_SM
-    else:
-        block, warps = width, CHUNK_WARPS
-        per_sm = max(1, min(MAX_PROGRAMS_PER_SM, L2_ROWS_BYTES // (sms * C * elem)))
-    return RowPlan(block, warps, STAGES[elem], max(1, min(N, per_sm * sms)))
+        return RowPlan(block, max(1, min(CHUNK_WARPS, block * elem // 512)), STAGES[elem], max(1, N))
+    per_sm = max(1, min(MAX_PROGRAMS_PER_SM, L2_ROWS_BYTES // (sms * C * elem)))
+    stages = STAGES[elem] if per_sm > 1 else STAGES_ALONE[elem]
+    return RowPlan(width, CHUNK_WARPS, stages, max(1, min(N, per_sm * sms)))
 
 
 def bwd_rows(N: int, sms: int) -> int:
@@ -80,6 +83,9 @@ def bwd_rows(N: int, sms: int) -> int:
 
 
 def lce_chunk_rows(N: int, V: int, elem: int) -> int:
-    """Rows of logits linear_cross_entropy makes at once (N a hint): as many as LCE_CHUNK_BYTES holds."""
-    rows = LCE_CHUNK_BYTES // max(1, V * elem) // LCE_ROW_MULTIPLE * LCE_ROW_MULTIPLE
-    return max(1, min(N, max(LCE_MIN_ROWS, rows)))
+    """Rows of logits linear_cross_entropy makes at once (N a hint): as many as LCE_CHUNK_BYTES holds, then
+    evened out over the chunks that takes (16384 x 128256 bf16: 21 chunks of 784 rows, the last of 704)."""
+    most = max(LCE_MIN_ROWS, LCE_CHUNK_BYTES // max(1, V * elem))
+    chunks = rt.cdiv(max(N, 1), most)
+    rows = rt.cdiv(rt.cdiv(max(N, 1), chunks), LCE_ROW_MULTIPLE) * LCE_ROW_MULTIPLE
+    return max(1, min(N, rows))
