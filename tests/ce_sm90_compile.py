@@ -5,8 +5,8 @@ failure and a final count. Used by tests/test_cross_entropy.py.
 
     python tests/ce_sm90_compile.py --resources
 
-also prints each specialization's registers, stack (spills) and shared memory, read from the cubin by the
-cuobjdump that Triton ships. Row counts are small (the specialization does not depend on them: only on
+also prints each specialization's registers, stack, register spills (local-memory stores in the SASS) and
+shared memory, read from the cubin by the cuobjdump that Triton ships. More than two spill stores fail the run. Row counts are small (the specialization does not depend on them: only on
 dtypes, alignment and the plan, which depends on the class count); class counts are the real ones.
 """
 
@@ -31,16 +31,25 @@ _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", 
 _seen: set = set()
 _failures: list = []
 _RESOURCES = "--resources" in sys.argv
-_SPILL = re.compile(r"STACK:(\d+)")
+_SPILL_STORE = re.compile(r"\bSTL(\.\w+)*\s")
+# Local stores a kernel may have without failing: one-off saves, e.g. a predicate register kept in local
+# memory from the kernel's entry to its end (seen once, in a soft-capped kernel: P2R then STL, one load
+# later), cost nothing per element. Spills in loops come by the dozen.
+_ONE_OFF_STORES = 2
 
 
-def _resources(cubin: bytes) -> str:
+def _resources(cubin: bytes) -> tuple[str, int]:
+    """(registers, stack and shared memory as cuobjdump reports them; register spills: the local-memory
+    stores in the SASS). A stack frame alone is not a spill: calls to slow-path subroutines (a division's,
+    float64's) take one."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:3])
+        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    res = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:3])
+    return res, len(_SPILL_STORE.findall(sass))
 
 
 def _compile(self, grid, *args, num_warps=4, **constexprs):
@@ -76,13 +85,13 @@ def _compile(self, grid, *args, num_warps=4, **constexprs):
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": num_warps},
         )
-        res = _resources(compiled.asm["cubin"])
-        spill = _SPILL.search(res)
-        if spill and int(spill.group(1)) > 0:
-            _failures.append(f"{self.fn.__name__} {constants}: spills ({res})")
+        res, spills = _resources(compiled.asm["cubin"])
+        if spills > _ONE_OFF_STORES:
+            _failures.append(f"{self.fn.__name__} {constants}: {spills} register spill stores ({res})")
         if _RESOURCES:
             shown = {k: v for k, v in constants.items() if k.isupper()}
-            print(f"{self.fn.__name__:30s} warps={num_warps} {res} dyn_smem={compiled.metadata.shared} {shown}")
+            print(f"{self.fn.__name__:30s} warps={num_warps} {res} spills={spills} dyn_smem={compiled.metadata.shared} "
+                  f"{shown}")
     except Exception as e:  # report every failing specialization, not just the first
         _failures.append(f"{self.fn.__name__} {constants}: {type(e).__name__}: {str(e)[:500]}")
 
@@ -123,17 +132,20 @@ def main() -> int:
     _runtime.sm_count = launch.rt.sm_count = lambda device: 132
     # Plans see the row count of the target shapes (the tensors here have few rows, to spare the CPU).
     _runtime.hint = lambda n: 16384
-    launch._take_buffer = lambda ctx: True
     bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-    # Why each: the two target vocabularies (bf16); a vocabulary held in one chunk; an odd vocabulary (GPT-2,
-    # unaligned rows); rows of a padded vocabulary; float16, float32 and float64 logits.
-    for dtype, N, C, padded in ((bf, 64, 32000, 0), (bf, 64, 128256, 0), (bf, 64, 4096, 0), (bf, 64, 50257, 0),
-                                (bf, 64, 128256, 256), (f16, 64, 32000, 0), (f32, 64, 32000, 0), (f32, 64, 128256, 0),
-                                (f64, 16, 1000, 0)):
-        _ce_calls(dtype, N, C, padded)
-    # The linear op's chunks at the target vocabulary (the hidden size does not change the loss kernels).
-    for dtype, bias in ((bf, False), (bf, True), (f32, False)):
-        _lce_calls(dtype, 96, 32, 128256, bias)
+    # The three backward paths: the eager first backward (in place), the registered backward op under
+    # torch.compile (fresh tensors), a later backward through one graph (recompute from the logits).
+    for take in (True, False, None):
+        launch._take_buffer = lambda ctx, take=take: take
+        # Why each: the two target vocabularies (bf16); a vocabulary held in one chunk; an odd vocabulary
+        # (GPT-2, unaligned rows); rows of a padded vocabulary; float16, float32 and float64 logits.
+        for dtype, N, C, padded in ((bf, 64, 32000, 0), (bf, 64, 128256, 0), (bf, 64, 4096, 0), (bf, 64, 50257, 0),
+                                    (bf, 64, 128256, 256), (f16, 64, 32000, 0), (f32, 64, 32000, 0),
+                                    (f32, 64, 128256, 0), (f64, 16, 1000, 0)):
+            _ce_calls(dtype, N, C, padded)
+        # The linear op's chunks at the target vocabulary (the hidden size does not change the loss kernels).
+        for dtype, bias in ((bf, False), (bf, True), (f32, False)):
+            _lce_calls(dtype, 96, 32, 128256, bias)
     for f in _failures:
         print("FAIL", f)
     print(f"compiled {len(_seen)} specializations, {len(_failures)} failures")

@@ -38,13 +38,15 @@ def _targets(N, C, ignored=(1,), device=DEVICE):
 
 # ---------------------------------------------------------------- the error baseline: eager PyTorch
 def _eager_ce(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-              logit_softcap=None, z_loss=0.0, compute_grad=True):
+              logit_softcap=None, z_loss=0.0, compute_grad=True, return_lse=True):
     """What a user writes in plain PyTorch, in the logits' dtype (the cap and z-loss as extra ops);
     lse as a user would take it for logging, in float32 (float64 for float64)."""
     acc = torch.float64 if torch.float64 in (input.dtype, getattr(weight, "dtype", None)) else torch.float32
     u = input if logit_softcap is None else logit_softcap * torch.tanh(input / logit_softcap)
     w = weight.to(input.dtype) if weight is not None else None
     lse = torch.logsumexp(u.to(acc), -1)
+    if not return_lse:
+        lse = torch.where(target != ignore_index, lse, 0.0)
     loss = F.cross_entropy(u, target, w, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
     if z_loss:
@@ -69,8 +71,10 @@ def _eager_lce(input, weight, target, bias=None, ignore_index=-100, reduction="m
 
 # ---------------------------------------------------------------- OpSuite: cross_entropy
 def ce_basic(dtype, device):
-    # the default call: mean over rows, one ignored row
-    return (torch.randn(6, 40, device=device).to(dtype), _targets(6, 40, device=device))
+    # the default call of the public function: mean over rows, one ignored row, whose logits are not read
+    # (return_lse off: its lse is 0, with no gradient)
+    return {"input": torch.randn(6, 40, device=device).to(dtype), "target": _targets(6, 40, device=device),
+            "return_lse": False}
 
 
 def ce_strided_rows_sum(dtype, device):
@@ -304,6 +308,21 @@ def test_backward_through_one_graph_twice():
     b = torch.autograd.grad(loss, (h, W))
     for u, v in zip(a, b):
         torch.testing.assert_close(u, 2.0 * v)
+
+
+def test_ignored_rows_are_not_read():
+    # without return_lse an ignored row (padding, a masked prompt) is never read: NaN there changes nothing,
+    # and its gradient is 0; with return_lse it is read for its lse
+    x = torch.randn(5, 30, device=DEVICE)
+    t = _targets(5, 30, (2,))
+    x[2] = float("nan")
+    x.requires_grad_()
+    for kw in ({}, {"label_smoothing": 0.1, "z_loss": 1e-3}):
+        loss = cross_entropy(x, t, **kw)
+        (gx,) = torch.autograd.grad(loss, x)
+        assert torch.isfinite(loss) and torch.equal(gx[2], torch.zeros_like(gx[2])) and torch.isfinite(gx).all()
+    loss, lse = cross_entropy(x, t, return_lse=True)
+    assert torch.isfinite(loss) and torch.isnan(lse[2]) and torch.isfinite(lse[[0, 1, 3, 4]]).all()
 
 
 def test_no_gradient_work_under_no_grad(monkeypatch):

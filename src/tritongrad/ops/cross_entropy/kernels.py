@@ -124,6 +124,7 @@ def _cross_entropy_fwd_kernel(
     MEAN: tl.constexpr,  # the gradient carries 1/D
     STORE_LOSS: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    LSE_ALL: tl.constexpr,  # lse of every row; else of non-ignored rows only (0 and no gradient for the others)
     STORE_GRAD: tl.constexpr,
     LSE_KNOWN: tl.constexpr,  # lse is read, not computed: no pass 1 (and no loss)
     DLOSS: tl.constexpr,  # 0: upstream gradient 1; 1: a scalar; 2: one per row
@@ -162,6 +163,8 @@ def _cross_entropy_fwd_kernel(
         d_n = 0.0
         if HAS_DLSE:
             d_n = tl.load(dlse_ptr + row64 * stride_dlse).to(ACC)
+            if not LSE_ALL:
+                d_n = tl.where(valid, d_n, 0.0)
         g_n = gl
         if DLOSS == 2:
             g_n = tl.load(dloss_ptr + row64 * stride_dloss).to(ACC)
@@ -173,7 +176,7 @@ def _cross_entropy_fwd_kernel(
         if LSE_KNOWN:
             lse = tl.load(lse_ptr + row64).to(ACC)
         else:
-            if valid | STORE_LSE | (d_n != 0.0):  # an ignored row needs no read unless its lse is asked for
+            if valid | LSE_ALL | (d_n != 0.0):  # an ignored row needs no read unless its lse is asked for
                 m = tl.full([], neg_inf, dtype=ACC)
                 s_vec = tl.zeros([BLOCK_C], dtype=ACC)
                 su_vec = tl.zeros([BLOCK_C], dtype=ACC)
@@ -307,16 +310,20 @@ def _cross_entropy_bwd_kernel(
     lse_ptr,  # [N] ACC
     dloss_ptr,  # [] upstream gradient of the (reduced) loss
     dlse_ptr,  # [N] upstream gradient of lse
+    target_ptr,  # [N] class indices (read without LSE_ALL)
     N,
     C,
     stride_x_row,
     stride_g_row,
     stride_dlse,
+    stride_t,
+    ignore_index,
     cap_hi,
     cap_lo,
     ROWS: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    LSE_ALL: tl.constexpr,  # as in the forward kernel: without it, ignored rows' lse has no gradient
     HAS_SOFTCAP: tl.constexpr,
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -326,6 +333,9 @@ def _cross_entropy_bwd_kernel(
     r0 = tl.program_id(0) * ROWS
     o_r = r0 + tl.arange(0, ROWS)
     d = tl.load(dlse_ptr + o_r.to(tl.int64) * stride_dlse, mask=o_r < N, other=0.0)
+    if not LSE_ALL:
+        t = tl.load(target_ptr + o_r.to(tl.int64) * stride_t, mask=o_r < N, other=ignore_index)
+        d = tl.where(t != ignore_index, d, 0.0)
     any_d = tl.sum((d != 0.0).to(tl.int32), 0) > 0
     gl = tl.load(dloss_ptr).to(ACC)
     cap = tl.zeros([], dtype=ACC) + cap_hi + cap_lo
@@ -342,6 +352,8 @@ def _cross_entropy_bwd_kernel(
                 p_g = g_ptr + row64 * stride_g_row
                 p_dx = dx_ptr + row64 * stride_g_row
                 d_n = tl.load(dlse_ptr + row64 * stride_dlse).to(ACC)
+                if not LSE_ALL:
+                    d_n = tl.where(tl.load(target_ptr + row64 * stride_t) != ignore_index, d_n, 0.0)
                 if d_n != 0.0:
                     lse = tl.load(lse_ptr + row64).to(ACC)
                     p_x = x_ptr + row64 * stride_x_row

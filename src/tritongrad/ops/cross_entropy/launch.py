@@ -92,12 +92,12 @@ def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_ind
 
 
 def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
-                 store_lse: bool, lse_known: bool, dloss_mode: int, softcap: bool, smoothing: bool, acc):
+                 store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, smoothing: bool, acc):
     """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride)."""
     N, C = x.shape
     stride_g = grad.stride(0) if grad is not None else 0
     align = rt.align(int(x.stride(0)), stride_g)
-    narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16)
+    narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16) + int(softcap)
     plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.sm_count(x.device), narrow)
     _fwd_kernel[(plan.programs,)](
         x, target, weight, stats, loss, lse, grad, dloss, dlse, N, C, x.stride(0), stride_g, target.stride(0),
@@ -105,7 +105,7 @@ def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_
         dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
         dlse.stride(0) if dlse is not None else 0, ignore_index, *splits,
         BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SOFTCAP=softcap,
-        HAS_SMOOTHING=smoothing, MEAN=mean, STORE_LOSS=loss is not None, STORE_LSE=store_lse,
+        HAS_SMOOTHING=smoothing, MEAN=mean, STORE_LOSS=loss is not None, STORE_LSE=store_lse, LSE_ALL=lse_all,
         STORE_GRAD=grad is not None, LSE_KNOWN=lse_known, DLOSS=dloss_mode, HAS_DLSE=dlse is not None,
         ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=plan.num_warps,
     )
@@ -131,7 +131,7 @@ def _scale(src: torch.Tensor, s: torch.Tensor, in_place: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------- cross_entropy
 def _ce_validate(input, target, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                 compute_grad) -> None:
+                 compute_grad, return_lse) -> None:
     _check_options("cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
     if input.dim() != 2:
         raise ValueError(f"tritongrad.cross_entropy: the registered op takes input [N, C], got shape "
@@ -154,11 +154,12 @@ def _ce_validate(input, target, weight, ignore_index, reduction, label_smoothing
     save=("input", "target", "weight", "lse", "grad"))
 def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
                      ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                     logit_softcap: Optional[float] = None, z_loss: float = 0.0, compute_grad: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     logit_softcap: Optional[float] = None, z_loss: float = 0.0, compute_grad: bool = True,
+                     return_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered cross_entropy over ``input [N, C]``: ``(loss, lse, grad)``; :func:`cross_entropy` is the
     public function. With ``compute_grad`` and reduction mean/sum the forward also writes ``grad``, the
-    gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it)."""
+    gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it). Without
+    ``return_lse``, ignored rows are not read: their lse is 0, without gradient."""
     N, C = input.shape
     acc = _acc(input, weight)
     x = input if input.stride(1) == 1 else input.contiguous()  # the kernels take rows of unit column stride
@@ -173,7 +174,7 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     _rows_kernel(x, target, weight, stats, rows, lse, grad if fused else None, None, None, ignore_index,
                  _splits(label_smoothing, z_loss, logit_softcap), mean=mean and fused, store_lse=True,
-                 lse_known=False, dloss_mode=0, softcap=logit_softcap is not None, smoothing=smoothing, acc=acc)
+                 lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None, smoothing=smoothing, acc=acc)
     if reduction != "none":
         _finish(rows, stats, loss, mean)
     return loss, lse, grad
@@ -194,8 +195,9 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
         dx = grad if take else torch.empty_like(grad)
         rows = P.bwd_rows(rt.hint(N), rt.sm_count(x.device))
         _bwd_kernel[(rt.cdiv(N, rows),)](
-            grad, dx, x, lse, grad_loss, grad_lse, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0), *cap,
-            ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()], IN_PLACE=take, HAS_SOFTCAP=softcap,
+            grad, dx, x, lse, grad_loss, grad_lse, ctx.target, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0),
+            ctx.target.stride(0), ctx.ignore_index, *cap, ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()],
+            IN_PLACE=take, LSE_ALL=ctx.return_lse, HAS_SOFTCAP=softcap,
             ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
         )
         return dx, None, None
@@ -207,7 +209,7 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     dx = torch.empty((N, C), dtype=input.dtype, device=input.device)
     _rows_kernel(x, target, weight, stats, None, lse, dx, grad_loss, grad_lse, ctx.ignore_index,
                  _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap), mean=mean, store_lse=False,
-                 lse_known=True, dloss_mode=2 if reduction == "none" else 1, softcap=softcap, smoothing=smoothing,
+                 lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1, softcap=softcap, smoothing=smoothing,
                  acc=acc)
     return dx, None, None
 
@@ -279,7 +281,7 @@ def cross_entropy(
         x, t = input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1)
     compute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
     loss, lse = cross_entropy_op(x, t, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                                 compute_grad)
+                                 compute_grad, return_lse)
     if input.is_cuda and torch.is_autocast_enabled():
         loss = loss.float()  # autocast runs F.cross_entropy in float32 (here: the logits stay as they are)
     if reduction == "none" and input.dim() != 2:
@@ -349,7 +351,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
         d = dloss[r0:r1] if dloss_mode == 2 else dloss
         _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None,
                      logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
-                     store_lse=False, lse_known=False, dloss_mode=dloss_mode, softcap=logit_softcap is not None,
+                     store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode, softcap=logit_softcap is not None,
                      smoothing=smoothing, acc=acc)
         if need[0]:
             torch.mm(logits, weight, out=gi[r0:r1])

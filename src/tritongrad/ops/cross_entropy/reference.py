@@ -79,11 +79,15 @@ def cross_entropy_reference(
     logit_softcap: float | None = None,
     z_loss: float = 0.0,
     compute_grad: bool = True,
+    return_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, lse)`` of logits ``input [N, C]`` and class indices ``target [N]``; the loss in input's dtype
     (``[N]`` for reduction="none", else 0-d), lse in float32 (float64 when input or weight is float64).
-    Accumulated in that dtype, rounded once. ``compute_grad`` is the registered op's hint (kernels only)."""
+    Accumulated in that dtype, rounded once. ``compute_grad`` is the registered op's hint (kernels only);
+    without ``return_lse`` the lse of ignored rows is 0 (the kernels do not read those rows)."""
     loss, lse, denom = _rows(input, target, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+    if not return_lse:
+        lse = torch.where(target != ignore_index, lse, 0.0)
     return _reduce(loss, denom, reduction).to(input.dtype), lse
 
 
