@@ -42,13 +42,16 @@ Kernels:
   bounds the rows in flight so that a whole row fits). The same kernel with LSE_KNOWN skips pass 1 (the
   backward of rows whose gradient was not computed in the forward), and may write the gradient over the
   logits (the linear op's chunks: each chunk is read before it is written, by the program that writes it).
+  An ignored row is not read at all unless LSE_ALL asks for its lse (or its lse has a gradient): its
+  gradient is written as zeros.
 - ``_cross_entropy_stats_kernel``: one program: the mean's denominator D (and W for weighted smoothing),
   over all targets in a fixed order, before the main kernel, so that the gradient can include 1/D.
 - ``_cross_entropy_sum_kernel``: one program: \sum_n loss_n in a fixed order (times 1/D for the mean).
 - ``_cross_entropy_bwd_kernel``: the backward when the forward already wrote the gradient for an upstream
   gradient of 1: it scales the gradient rows by g, and adds d_n p_j du_j/dz_j (re-reading the logits) for rows
-  with d_n != 0. Written in place, programs with nothing to do (g == 1, every d_n == 0) exit after reading g
-  and their d_n: the common ``loss.backward()`` costs one tiny launch.
+  with d_n != 0 (without LSE_ALL, only non-ignored rows: the others' lse is the constant 0). Written in place,
+  programs with nothing to do (g == 1, every d_n == 0) exit after reading g and their d_n: the common
+  ``loss.backward()`` costs one tiny launch.
 - ``_scale_kernel``: y = g x over flat buffers, skipped when in place and g == 1 (the linear op's gradients).
 
 Out-of-range class indices (neither in [0, C) nor ignore_index) are never read: their row's loss and gradient
