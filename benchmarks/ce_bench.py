@@ -131,7 +131,8 @@ def bench_ce(bw: float):
         del x
         torch.cuda.empty_cache()
     print(f"\ncross_entropy fwd+bwd, bf16 (copy bandwidth {bw:.0f} GB/s; floor = read logits + write grad)")
-    print(f"{'shape':>14} {'provider':>14} {'ms':>8} {'graph ms':>9} {'%copy':>6} {'peak-extra GB':>14} {'logits GB':>10}")
+    print(f"{'shape':>14} {'provider':>14} {'ms':>8} {'graph ms':>9} {'%copy':>6} {'peak-extra GB':>14} "
+          f"{'logits GB':>10}")
     for r in rows:
         print(f"{r['N']:>6}x{r['C']:<7} {r['provider']:>14} {_fmt(r['ms'])} {_fmt(r['graph_ms'], '9.3f')} "
               f"{r['pct_copy']:6.1f} {r['peak_extra_gb']:14.3f} {r['logits_gb']:10.3f}")
@@ -155,7 +156,8 @@ def bench_lce():
         torch.mm(dl.t(), h, out=gw)
 
     ms = triton.testing.do_bench(gemms, rep=500, return_mode="median")
-    rows.append(dict(provider="3 GEMMs alone", ms=ms, graph_ms=None, peak_extra_gb=None, tflops=6 * N * H * V / ms / 1e9))
+    rows.append(dict(provider="3 GEMMs alone", ms=ms, graph_ms=None, peak_extra_gb=None,
+                     tflops=6 * N * H * V / ms / 1e9))
     del logits, dl, gh, gw
     torch.cuda.empty_cache()
     for name, f in _providers_lce().items():
@@ -191,7 +193,8 @@ def accuracy_lce():
     # float64 reference in chunks of rows (the logits of float64 would take 17 GB at once)
     h64, W64 = h.double(), W.double()
     n = (t != -100).sum().double()
-    loss64, gh64, gw64 = torch.zeros((), dtype=torch.float64, device="cuda"), torch.empty_like(h64), torch.zeros_like(W64)
+    loss64 = torch.zeros((), dtype=torch.float64, device="cuda")
+    gh64, gw64 = torch.empty_like(h64), torch.zeros_like(W64)
     for r0 in range(0, N, 2048):
         z = h64[r0:r0 + 2048] @ W64.t()
         tt = t[r0:r0 + 2048]
@@ -223,14 +226,15 @@ def accuracy_lce():
     RESULTS["accuracy_lce"] = out
 
 
-SWEEP = [  # (chunk columns for 16-bit rows, warps, stages, rows-in-flight L2 budget)
-    (4096, 8, 4, 32 << 20), (4096, 8, 6, 32 << 20), (4096, 8, 4, 16 << 20), (4096, 8, 4, 72 << 20),
-    (8192, 16, 3, 32 << 20), (8192, 16, 4, 72 << 20), (2048, 4, 6, 32 << 20), (2048, 4, 8, 72 << 20),
+SWEEP = [  # (chunk columns for 16-bit rows, warps, stages, rows-in-flight L2 budget); the first is the default
+    (4096, 8, 4, 40 << 20), (4096, 8, 6, 40 << 20), (4096, 8, 3, 40 << 20), (4096, 8, 4, 16 << 20),
+    (4096, 8, 6, 72 << 20), (8192, 16, 3, 40 << 20), (8192, 16, 4, 72 << 20), (2048, 4, 6, 40 << 20),
+    (2048, 4, 8, 72 << 20),
 ]
 
 
 def sweep(bw: float):
-    saved = (dict(P.ONE_CHUNK_MAX), P.CHUNK_WARPS, dict(P.STAGES), P.L2_ROWS_BYTES)
+    saved = (dict(P.ONE_CHUNK_MAX), P.CHUNK_WARPS, dict(P.STAGES), P.L2_ROWS_BYTES, dict(P.STAGES_ALONE))
     rows = []
     for N, C in ((16384, 32000), (8192, 128256)):
         x = torch.randn(N, C, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -241,7 +245,8 @@ def sweep(bw: float):
             tritongrad.cross_entropy(x, t).backward()
 
         for chunk, warps, stages, l2 in SWEEP:
-            P.ONE_CHUNK_MAX[2], P.CHUNK_WARPS, P.STAGES[2], P.L2_ROWS_BYTES = chunk, warps, stages, l2
+            P.ONE_CHUNK_MAX[2], P.CHUNK_WARPS, P.L2_ROWS_BYTES = chunk, warps, l2
+            P.STAGES[2] = P.STAGES_ALONE[2] = stages
             P.row_plan.cache_clear()
             plan = P.row_plan(N, C, 2, 132)
             try:
@@ -257,7 +262,7 @@ def sweep(bw: float):
         del x
         torch.cuda.empty_cache()
     P.ONE_CHUNK_MAX.update(saved[0])
-    P.CHUNK_WARPS, P.STAGES, P.L2_ROWS_BYTES = saved[1], saved[2], saved[3]
+    P.CHUNK_WARPS, P.STAGES, P.L2_ROWS_BYTES, P.STAGES_ALONE = saved[1], saved[2], saved[3], saved[4]
     P.row_plan.cache_clear()
     RESULTS["sweep"] = rows
 
@@ -274,7 +279,8 @@ def main():
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw)}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+            json.dump(RESULTS, f, indent=1,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
 
 
 if __name__ == "__main__":

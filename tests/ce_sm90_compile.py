@@ -6,8 +6,10 @@ failure and a final count. Used by tests/test_cross_entropy.py.
     python tests/ce_sm90_compile.py --resources
 
 also prints each specialization's registers, stack, register spills (local-memory stores in the SASS) and
-shared memory, read from the cubin by the cuobjdump that Triton ships. More than two spill stores fail the run. Row counts are small (the specialization does not depend on them: only on
-dtypes, alignment and the plan, which depends on the class count); class counts are the real ones.
+shared memory, read from the cubin by the cuobjdump that Triton ships; more than two spill stores fail the run.
+Row counts are small (the specialization does not depend on them: only on dtypes, alignment and the plan,
+which depends on the class count, and on the row count the plan is told: 16384); class counts are the real
+ones.
 """
 
 import os

@@ -18,14 +18,13 @@ import tritongrad
 from tritongrad.ops.cross_entropy import (
     cross_entropy,
     cross_entropy_op,
-    cross_entropy_reference,
     launch,
     linear_cross_entropy,
     linear_cross_entropy_op,
     linear_cross_entropy_reference,
 )
 from tritongrad.ops.cross_entropy import plans as P
-from tritongrad.testing import OpSuite, make_rows
+from tritongrad.testing import OpSuite
 
 
 def _targets(N, C, ignored=(1,), device=DEVICE):
@@ -126,7 +125,8 @@ def lce_basic(dtype, device):
 
 def lce_bias_options_sum(dtype, device):
     # a bias, smoothing, cap and z-loss, reduction="sum"
-    return {"input": torch.randn(7, 8, device=device).to(dtype), "weight": (torch.randn(25, 8, device=device) / 3).to(dtype),
+    return {"input": torch.randn(7, 8, device=device).to(dtype),
+            "weight": (torch.randn(25, 8, device=device) / 3).to(dtype),
             "target": _targets(7, 25, device=device), "bias": torch.randn(25, device=device).to(dtype),
             "reduction": "sum", "label_smoothing": 0.1, "logit_softcap": 3.0, "z_loss": 1e-3,
             "grads": [True, True, True]}
@@ -134,7 +134,8 @@ def lce_bias_options_sum(dtype, device):
 
 def lce_none_recompute(dtype, device):
     # reduction="none": the backward recomputes the logits with per-row upstream gradients
-    return {"input": torch.randn(6, 8, device=device).to(dtype), "weight": (torch.randn(20, 8, device=device) / 3).to(dtype),
+    return {"input": torch.randn(6, 8, device=device).to(dtype),
+            "weight": (torch.randn(20, 8, device=device) / 3).to(dtype),
             "target": _targets(6, 20, device=device), "bias": torch.randn(20, device=device).to(dtype),
             "reduction": "none"}
 
@@ -344,6 +345,42 @@ def test_no_gradient_work_under_no_grad(monkeypatch):
     cross_entropy(x.detach(), _targets(4, 10))
     cross_entropy(x, _targets(4, 10))
     assert stores == [False, False, True]
+
+
+def test_torch_export():
+    # torch.export traces both ops (the registered ops appear in the graph) and the program matches eager
+    class Loss(torch.nn.Module):
+        def forward(self, h, W, x, t):
+            return linear_cross_entropy(h, W, t, label_smoothing=0.1) + cross_entropy(x, t, z_loss=1e-3)
+
+    h, W = torch.randn(6, 8, device=DEVICE), torch.randn(20, 8, device=DEVICE)
+    x, t = torch.randn(6, 20, device=DEVICE), _targets(6, 20)
+    program = torch.export.export(Loss(), (h, W, x, t))
+    graph = str(program.graph)
+    assert "tritongrad.cross_entropy" in graph and "tritongrad.linear_cross_entropy" in graph
+    torch.testing.assert_close(program.module()(h, W, x, t), Loss()(h, W, x, t))
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_compile_paths_without_gradient_buffers(reduction):
+    # torch.compile(fullgraph) where the forward computes no gradient (no_grad) or leaves it to the backward
+    # (reduction="none"): the registered ops' placeholders must not alias each other
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    h, W = torch.randn(6, 8, device=DEVICE, requires_grad=True), torch.randn(20, 8, device=DEVICE, requires_grad=True)
+    x, t = torch.randn(6, 20, device=DEVICE, requires_grad=True), _targets(6, 20)
+
+    def f(h, W, x, t):
+        return linear_cross_entropy(h, W, t, reduction=reduction), cross_entropy(x, t, reduction=reduction)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        for a, b in zip(compiled(h, W, x, t), f(h, W, x, t)):
+            torch.testing.assert_close(a, b)
+    got, want = compiled(h, W, x, t), f(h, W, x, t)
+    for a, b in zip(torch.autograd.grad(sum(o.sum() for o in got), (h, W, x)),
+                    torch.autograd.grad(sum(o.sum() for o in want), (h, W, x))):
+        torch.testing.assert_close(a, b)
 
 
 # ---------------------------------------------------------------- bad inputs

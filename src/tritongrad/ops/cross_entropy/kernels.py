@@ -234,8 +234,8 @@ def _cross_entropy_fwd_kernel(
             if valid | (d_n != 0.0):
                 if LSE_KNOWN:
                     x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
-                g = _grad_chunk(x_last.to(ACC), o_last, t, lse, a, b_t, b_s, weight_ptr, stride_w, m_last, cap, HAS_WEIGHT,
-                                HAS_SOFTCAP, HAS_SMOOTHING)
+                g = _grad_chunk(x_last.to(ACC), o_last, t, lse, a, b_t, b_s, weight_ptr, stride_w, m_last, cap,
+                                HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING)
                 tl.store(p_g + o_last, round_to(g, grad_ptr.dtype.element_ty), mask=m_last)
                 for i in tl.range(0, K - 1, num_stages=STAGES):
                     o = (K - 2 - i) * BLOCK_C + o_c  # newest chunks first: they are likeliest still in L2

@@ -174,7 +174,8 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     _rows_kernel(x, target, weight, stats, rows, lse, grad if fused else None, None, None, ignore_index,
                  _splits(label_smoothing, z_loss, logit_softcap), mean=mean and fused, store_lse=True,
-                 lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None, smoothing=smoothing, acc=acc)
+                 lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None,
+                 smoothing=smoothing, acc=acc)
     if reduction != "none":
         _finish(rows, stats, loss, mean)
     return loss, lse, grad
@@ -209,8 +210,8 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     dx = torch.empty((N, C), dtype=input.dtype, device=input.device)
     _rows_kernel(x, target, weight, stats, None, lse, dx, grad_loss, grad_lse, ctx.ignore_index,
                  _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap), mean=mean, store_lse=False,
-                 lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1, softcap=softcap, smoothing=smoothing,
-                 acc=acc)
+                 lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1, softcap=softcap,
+                 smoothing=smoothing, acc=acc)
     return dx, None, None
 
 
@@ -351,8 +352,8 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
         d = dloss[r0:r1] if dloss_mode == 2 else dloss
         _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None,
                      logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
-                     store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode, softcap=logit_softcap is not None,
-                     smoothing=smoothing, acc=acc)
+                     store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
+                     softcap=logit_softcap is not None, smoothing=smoothing, acc=acc)
         if need[0]:
             torch.mm(logits, weight, out=gi[r0:r1])
         if need[1]:
@@ -380,12 +381,15 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
     bias): the gradients the forward computes for an upstream gradient of 1 (reduction mean/sum); the others
     are empty, and the backward computes what is asked for and missing."""
     N = input.shape[0]
-    empty = torch.empty(0, dtype=input.dtype, device=input.device)
+
+    def empty():  # a fresh one per residual: a registered op's returns may not alias each other
+        return torch.empty(0, dtype=input.dtype, device=input.device)
+
     loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
     need = tuple(bool(g) for g in grads) if grads is not None and reduction != "none" else (False,) * 3
     need = (need[0], need[1], need[2] and bias is not None)
     if N == 0:
-        zero = [torch.zeros_like(t) if n else empty for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
+        zero = [torch.zeros_like(t) if n else empty() for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
         return (loss.fill_(float("nan") if reduction == "mean" else 0.0), *zero)
     mean = reduction == "mean"
     acc = _acc(input)
@@ -395,14 +399,15 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
     if reduction != "none":
         stats = _stats(target, None, weight.shape[0], ignore_index, acc) if mean else None
         _finish(rows, stats, loss, mean)
-    return loss, *(g if g is not None else empty for g in (gi, gw, gb))
+    return loss, *(g if g is not None else empty() for g in (gi, gw, gb))
 
 
 @linear_cross_entropy_op.backward
 def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     need = (need_x, need_w, need_b and ctx.bias is not None)
-    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0, ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
+    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
+            ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
             ctx.grad_bias.numel() > 0 or (ctx.bias is not None and ctx.bias.numel() == 0))
     take = _take_buffer(ctx) if ctx.reduction != "none" and all(h or not n for n, h in zip(need, have)) else None
     if take is not None:
