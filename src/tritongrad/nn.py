@@ -60,6 +60,69 @@ class LayerNorm(torch.nn.LayerNorm):
 
 
 # ---------------------------------------------------------------- losses (ops/cross_entropy)
+from .ops.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """Drop-in ``torch.nn.CrossEntropyLoss`` whose forward and backward run tritongrad's Triton kernels.
+
+    A subclass: same constructor (``weight, size_average, ignore_index, reduce, reduction,
+    label_smoothing``), the ``weight`` buffer, state_dict keys and repr, and ``isinstance(m,
+    torch.nn.CrossEntropyLoss)`` still holds; plus keyword-only ``logit_softcap`` and ``z_loss`` (see
+    :func:`tritongrad.cross_entropy`). Targets are class indices; class-probability targets raise.
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
+                 reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
+                 logit_softcap: float | None = None, z_loss: float = 0.0) -> None:
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.logit_softcap = logit_softcap
+        self.z_loss = z_loss
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
+                             logit_softcap=self.logit_softcap, z_loss=self.z_loss)
+
+    def extra_repr(self) -> str:
+        extra = [f"logit_softcap={self.logit_softcap}"] if self.logit_softcap is not None else []
+        extra += [f"z_loss={self.z_loss}"] if self.z_loss else []
+        return ", ".join(extra)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The cross-entropy of a linear layer's logits, which never exist in memory at once:
+    ``loss_fn(hidden, lm_head.weight, target)`` equals ``F.cross_entropy(lm_head(hidden), target)``.
+
+    Args (constructor): ``ignore_index``, ``reduction``, ``label_smoothing``, ``logit_softcap``, ``z_loss`` as
+    in :func:`tritongrad.linear_cross_entropy`. No parameters of its own: it takes the LM head's weight (and
+    bias) at call time, so that the head stays where the model keeps it (tied embeddings included).
+
+    Forward: ``hidden [..., H]``, ``weight [V, H]``, ``target [...]`` (class indices), optional ``bias [V]``.
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
+                 logit_softcap: float | None = None, z_loss: float = 0.0) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.logit_softcap = logit_softcap
+        self.z_loss = z_loss
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.reduction,
+                                    self.label_smoothing, logit_softcap=self.logit_softcap, z_loss=self.z_loss)
+
+    def extra_repr(self) -> str:
+        out = f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+        if self.label_smoothing:
+            out += f", label_smoothing={self.label_smoothing}"
+        if self.logit_softcap is not None:
+            out += f", logit_softcap={self.logit_softcap}"
+        if self.z_loss:
+            out += f", z_loss={self.z_loss}"
+        return out
 
 
 # ---------------------------------------------------------------- MLP (ops/swiglu)

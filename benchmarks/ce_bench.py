@@ -1,0 +1,287 @@
+"""Cross-entropy on a GPU: fwd+bwd device time and peak memory of tritongrad against eager PyTorch,
+torch.compile, Liger-Kernel and Cut Cross-Entropy (each where importable), and the three matrix products
+of the linear loss timed alone. Prints a table per part and writes everything as JSON to $OUT (or
+./bench-out).
+
+    python benchmarks/ce_bench.py [parts...]
+
+parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 128256, bf16), ``lce``
+(linear_cross_entropy at N=16384, H=4096, V=128256, bf16), ``acc`` (the linear loss's errors against float64,
+tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes).
+Options: ``--quick`` (fewer repetitions, no torch.compile).
+
+Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
+calls, and the same function replayed from a CUDA graph (``do_bench_cudagraph``: launch gaps removed; a
+provider that cannot be captured shows '-'). Bytes floor of cross_entropy fwd+bwd: read the logits once and
+write their gradient once, 2 N C s; %copy is that over the time, against the measured copy bandwidth (one
+large device-to-device copy, bytes read + written). Peak memory: ``max_memory_allocated`` during one
+forward+backward, less what was allocated before (logits/hidden states, weights, targets); for the linear
+loss also less the gradients it must return (grad_input, grad_weight).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import tritongrad  # noqa: E402
+from tritongrad.ops.cross_entropy import plans as P  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+OUT = os.environ.get("OUT") or os.path.join(os.getcwd(), "bench-out")
+RESULTS: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+
+
+def _providers_ce():
+    out = {"tritongrad": lambda x, t: tritongrad.cross_entropy(x, t),
+           "eager": lambda x, t: F.cross_entropy(x, t)}
+    if not QUICK:
+        out["torch.compile"] = torch.compile(lambda x, t: F.cross_entropy(x, t))
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        out["liger"] = lambda x, t: liger_cross_entropy(x, t)
+    except ImportError as e:
+        RESULTS.setdefault("missing", []).append(f"liger: {e}")
+    return out
+
+
+def _providers_lce():
+    out = {"tritongrad": lambda h, W, t: tritongrad.linear_cross_entropy(h, W, t),
+           "eager": lambda h, W, t: F.cross_entropy(F.linear(h, W), t)}
+    if not QUICK:
+        out["torch.compile"] = torch.compile(lambda h, W, t: F.cross_entropy(F.linear(h, W), t))
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        out["liger"] = lambda h, W, t: liger_fused_linear_cross_entropy(h, W, t)
+    except ImportError as e:
+        RESULTS.setdefault("missing", []).append(f"liger: {e}")
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        out["cce"] = lambda h, W, t: cce(h, W, t)
+    except ImportError as e:
+        RESULTS.setdefault("missing", []).append(f"cce: {e}")
+    return out
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 4 GiB device-to-device copy, bytes read + written."""
+    x = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+    del x, y
+    return 2 * (1 << 32) / ms / 1e6
+
+
+def _time(fn, grads, rep=200):
+    ms = triton.testing.do_bench(fn, grad_to_none=grads, rep=rep, return_mode="median")
+    try:
+        graph_ms = triton.testing.do_bench_cudagraph(fn, rep=rep, grad_to_none=grads, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - a provider that cannot be captured
+        graph_ms = None
+        print(f"    (no CUDA graph: {type(e).__name__}: {str(e)[:120]})")
+    return ms, graph_ms
+
+
+def _peak(fn, grads) -> float:
+    for g in grads:
+        g.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def _fmt(v, spec="8.3f"):
+    return "-" if v is None else format(v, spec)
+
+
+def bench_ce(bw: float):
+    rows = []
+    for N, C in ((16384, 32000), (8192, 128256)):
+        x = torch.randn(N, C, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        t = torch.randint(0, C, (N,), device="cuda")
+        floor_gb = 2 * N * C * 2 / 1e9  # read logits + write gradient
+        for name, f in _providers_ce().items():
+            def run(f=f):
+                f(x, t).backward()
+            try:
+                run()
+                ms, gms = _time(run, [x])
+                peak = _peak(run, [x])
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {N}x{C}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            best = min(m for m in (ms, gms) if m is not None)
+            rows.append(dict(N=N, C=C, provider=name, ms=ms, graph_ms=gms, pct_copy=100 * floor_gb / best / bw * 1e3,
+                             peak_extra_gb=peak, logits_gb=N * C * 2 / 1e9))
+        del x
+        torch.cuda.empty_cache()
+    print(f"\ncross_entropy fwd+bwd, bf16 (copy bandwidth {bw:.0f} GB/s; floor = read logits + write grad)")
+    print(f"{'shape':>14} {'provider':>14} {'ms':>8} {'graph ms':>9} {'%copy':>6} {'peak-extra GB':>14} "
+          f"{'logits GB':>10}")
+    for r in rows:
+        print(f"{r['N']:>6}x{r['C']:<7} {r['provider']:>14} {_fmt(r['ms'])} {_fmt(r['graph_ms'], '9.3f')} "
+              f"{r['pct_copy']:6.1f} {r['peak_extra_gb']:14.3f} {r['logits_gb']:10.3f}")
+    RESULTS["cross_entropy"] = rows
+
+
+def bench_lce():
+    N, H, V = 16384, 4096, 128256
+    h = (torch.randn(N, H, device="cuda") / 4).to(torch.bfloat16).requires_grad_()
+    W = (torch.randn(V, H, device="cuda") / H**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda")
+    rows = []
+    # The three products alone: logits = h W^T, grad_h = dlogits W, grad_W = dlogits^T h.
+    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+    dl = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 1e-5
+    gh, gw = torch.empty_like(h), torch.empty_like(W)
+
+    def gemms():
+        torch.mm(h, W.t(), out=logits)
+        torch.mm(dl, W, out=gh)
+        torch.mm(dl.t(), h, out=gw)
+
+    ms = triton.testing.do_bench(gemms, rep=500, return_mode="median")
+    rows.append(dict(provider="3 GEMMs alone", ms=ms, graph_ms=None, peak_extra_gb=None,
+                     tflops=6 * N * H * V / ms / 1e9))
+    del logits, dl, gh, gw
+    torch.cuda.empty_cache()
+    for name, f in _providers_lce().items():
+        def run(f=f):
+            f(h, W, t).backward()
+        try:
+            run()
+            ms, gms = _time(run, [h, W], rep=1000)
+            # less the gradients that must exist: grad_input and grad_weight
+            peak = _peak(run, [h, W]) - (h.numel() + W.numel()) * 2 / 1e9
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(dict(provider=name, ms=ms, graph_ms=gms, peak_extra_gb=peak, tflops=6 * N * H * V / ms / 1e9))
+        h.grad = W.grad = None
+        torch.cuda.empty_cache()
+    print(f"\nlinear_cross_entropy fwd+bwd, bf16, N={N} H={H} V={V} (logits {N * V * 2 / 1e9:.2f} GB)")
+    print(f"{'provider':>16} {'ms':>8} {'graph ms':>9} {'TFLOP/s':>8} {'peak-extra GB':>14}")
+    for r in rows:
+        print(f"{r['provider']:>16} {_fmt(r['ms'])} {_fmt(r['graph_ms'], '9.3f')} {r['tflops']:8.0f} "
+              f"{_fmt(r['peak_extra_gb'], '14.3f')}")
+    RESULTS["linear_cross_entropy"] = rows
+
+
+def accuracy_lce():
+    """Max and relative errors of the loss and gradients against float64, tritongrad vs eager bf16."""
+    torch.manual_seed(0)
+    N, H, V = 16384, 4096, 128256
+    h = (torch.randn(N, H, device="cuda") / 4).to(torch.bfloat16)
+    W = (torch.randn(V, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    t[::17] = -100
+    # float64 reference in chunks of rows (the logits of float64 would take 17 GB at once)
+    h64, W64 = h.double(), W.double()
+    n = (t != -100).sum().double()
+    loss64 = torch.zeros((), dtype=torch.float64, device="cuda")
+    gh64, gw64 = torch.empty_like(h64), torch.zeros_like(W64)
+    for r0 in range(0, N, 2048):
+        z = h64[r0:r0 + 2048] @ W64.t()
+        tt = t[r0:r0 + 2048]
+        valid = tt != -100
+        logp = torch.log_softmax(z, -1)
+        loss64 += -(logp.gather(1, tt.clamp(min=0)[:, None])[:, 0] * valid).sum() / n
+        d = logp.exp()
+        d[torch.arange(len(tt), device="cuda")[valid], tt[valid]] -= 1
+        d *= valid[:, None] / n
+        gh64[r0:r0 + 2048] = d @ W64
+        gw64 += d.t() @ h64[r0:r0 + 2048]
+        del z, logp, d
+    out = {}
+    for name, f in (("tritongrad", lambda a, b: tritongrad.linear_cross_entropy(a, b, t)),
+                    ("eager", lambda a, b: F.cross_entropy(F.linear(a, b), t))):
+        a, b = h.clone().requires_grad_(), W.clone().requires_grad_()
+        loss = f(a, b)
+        loss.backward()
+        errs = {}
+        for k, got, ref in (("loss", loss, loss64), ("grad_input", a.grad, gh64), ("grad_weight", b.grad, gw64)):
+            e = (got.double() - ref).abs()
+            errs[k] = dict(max=e.max().item(), rel_l2=(e.norm() / ref.norm()).item())
+        out[name] = errs
+        del a, b, loss
+        torch.cuda.empty_cache()
+    print("\nlinear_cross_entropy errors against float64 (bf16 inputs; max |err| and ||err|| / ||ref||)")
+    for name, errs in out.items():
+        print(f"{name:>12} " + "  ".join(f"{k} {v['max']:.3e} ({v['rel_l2']:.2e})" for k, v in errs.items()))
+    RESULTS["accuracy_lce"] = out
+
+
+SWEEP = [  # (chunk columns for 16-bit rows, warps, stages, rows-in-flight L2 budget); the first is the default
+    (4096, 8, 4, 40 << 20), (4096, 8, 6, 40 << 20), (4096, 8, 3, 40 << 20), (4096, 8, 4, 16 << 20),
+    (4096, 8, 6, 72 << 20), (8192, 16, 3, 40 << 20), (8192, 16, 4, 72 << 20), (2048, 4, 6, 40 << 20),
+    (2048, 4, 8, 72 << 20),
+]
+
+
+def sweep(bw: float):
+    saved = (dict(P.ONE_CHUNK_MAX), P.CHUNK_WARPS, dict(P.STAGES), P.L2_ROWS_BYTES, dict(P.STAGES_ALONE))
+    rows = []
+    for N, C in ((16384, 32000), (8192, 128256)):
+        x = torch.randn(N, C, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        t = torch.randint(0, C, (N,), device="cuda")
+        floor_gb = 2 * N * C * 2 / 1e9
+
+        def run():
+            tritongrad.cross_entropy(x, t).backward()
+
+        for chunk, warps, stages, l2 in SWEEP:
+            P.ONE_CHUNK_MAX[2], P.CHUNK_WARPS, P.L2_ROWS_BYTES = chunk, warps, l2
+            P.STAGES[2] = P.STAGES_ALONE[2] = stages
+            P.row_plan.cache_clear()
+            plan = P.row_plan(N, C, 2, 132)
+            try:
+                run()
+                ms = triton.testing.do_bench_cudagraph(run, grad_to_none=[x], return_mode="median")
+            except Exception as e:  # noqa: BLE001
+                print(f"  {chunk} {warps} {stages} {l2 >> 20}: {type(e).__name__}: {str(e)[:150]}")
+                continue
+            rows.append(dict(N=N, C=C, chunk=chunk, warps=warps, stages=stages, l2_mb=l2 >> 20, programs=plan.programs,
+                             ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3))
+            print(f"  {N}x{C} chunk {chunk} warps {warps} stages {stages} L2 {l2 >> 20} MB programs {plan.programs}: "
+                  f"{ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy")
+        del x
+        torch.cuda.empty_cache()
+    P.ONE_CHUNK_MAX.update(saved[0])
+    P.CHUNK_WARPS, P.STAGES, P.L2_ROWS_BYTES, P.STAGES_ALONE = saved[1], saved[2], saved[3], saved[4]
+    P.row_plan.cache_clear()
+    RESULTS["sweep"] = rows
+
+
+def main():
+    parts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["ce", "lce"]
+    tritongrad.set_small_input_threshold(0)
+    os.makedirs(OUT, exist_ok=True)
+    bw = copy_bandwidth()
+    RESULTS["copy_gbps"] = bw
+    print(f"{RESULTS['device']}: copy {bw:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}")
+    t0 = time.time()
+    for part in parts:
+        {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw)}[part]()
+        print(f"[{part} done at {time.time() - t0:.0f} s]")
+        with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,481 @@
+"""The cross-entropy family's launchers, op declarations and public functions: cross_entropy and
+linear_cross_entropy. Design, floors and predictions: docs/cross-entropy.md.
+
+Bytes each call must move (logits [N, C] of s bytes an element; the floor of fwd+bwd is one read of the
+logits and one write of their gradient):
+  cross_entropy, mean/sum with a gradient:  forward  read x + write dx (the gradient for an upstream 1)
+                                            backward nothing when the upstream gradient is 1 (one tiny launch);
+                                                     read dx + write dx otherwise
+                                            = 2 N C s, the floor (pass 2 re-reads each row from L2)
+  cross_entropy, reduction="none", or the lse's gradient asked for:
+                                            forward read x; backward read x + write dx = 3 N C s
+  no gradient:                              read x = N C s
+  linear_cross_entropy: three matrix products (logits, grad_input, grad_weight: 6 N H V flops) in chunks of
+  rows, the chunk's logits read and written once more by the loss kernel (in place); no [N, V] tensor.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from ... import _runtime as rt
+from ..._pattern import kernel, op
+from . import kernels
+from . import plans as P
+from .reference import REDUCTIONS, check_targets, cross_entropy_reference, linear_cross_entropy_reference
+
+_fwd_kernel = kernel(kernels._cross_entropy_fwd_kernel)
+_stats_kernel = kernel(kernels._cross_entropy_stats_kernel)
+_sum_kernel = kernel(kernels._cross_entropy_sum_kernel)
+_bwd_kernel = kernel(kernels._cross_entropy_bwd_kernel)
+_scale_kernel = kernel(kernels._scale_kernel)
+
+
+# ---------------------------------------------------------------- shared pieces
+def _acc(*tensors: torch.Tensor | None) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_options(name: str, ignore_index, reduction, label_smoothing, logit_softcap, z_loss) -> None:
+    if type(reduction) is not str or reduction not in REDUCTIONS:
+        raise ValueError(f"tritongrad.{name}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"tritongrad.{name}: ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, numbers.Real) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"tritongrad.{name}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if logit_softcap is not None and (not isinstance(logit_softcap, numbers.Real) or not logit_softcap > 0):
+        raise ValueError(f"tritongrad.{name}: logit_softcap must be None or a float > 0, got {logit_softcap!r}")
+    if not isinstance(z_loss, numbers.Real) or not z_loss >= 0:
+        raise ValueError(f"tritongrad.{name}: z_loss must be a float >= 0, got {z_loss!r}")
+
+
+def _host_checkable(t: torch.Tensor) -> bool:
+    """Targets whose values the host can read without a device sync (CPU tensors outside tracing): there an
+    out-of-range index raises. On a GPU the kernels poison the loss with NaN instead (kernels.py)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not rt.is_fake(t)
+
+
+def _take_buffer(ctx) -> bool | None:
+    """How the backward may use the gradient buffers its forward saved: True where it runs in the op's own
+    eager autograd node for the first time, and may scale them in place and hand them back (they become the
+    caller's gradients); None on a later backward through that node (retain_graph=True, gradcheck), when
+    they were handed back already and must not be read; False in the registered backward op (torch.compile,
+    torch.export, opcheck), which must return fresh tensors and may read the buffers. The pattern does not
+    say which path called: the running autograd node tells (docs/cross-entropy.md, 'what the pattern could
+    offer')."""
+    node = torch._C._current_autograd_node()
+    if node is None or type(node) is not ctx.op._function._backward_cls:
+        return False
+    if getattr(node, "_tritongrad_buffers_taken", False):
+        return None
+    node._tritongrad_buffers_taken = True
+    return True
+
+
+def _splits(label_smoothing: float, z_loss: float, logit_softcap: float | None) -> tuple:
+    return (*rt.split_float(float(label_smoothing)), *rt.split_float(float(z_loss)),
+            *rt.split_float(float(logit_softcap) if logit_softcap is not None else 1.0))
+
+
+def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_index: int, acc: torch.dtype):
+    """[D, W] on the device (kernels.py): the mean's denominator and the class weights' sum."""
+    stats = torch.empty(2, dtype=acc, device=target.device)
+    _stats_kernel[(1,)](
+        target, weight, stats, target.shape[0], C, target.stride(0), weight.stride(0) if weight is not None else 0,
+        ignore_index, BLOCK=P.STATS_BLOCK, HAS_WEIGHT=weight is not None, ACC=rt.tl_acc_dtype(acc),
+        num_warps=P.STATS_WARPS,
+    )
+    return stats
+
+
+def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
+                 store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, smoothing: bool, acc):
+    """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride)."""
+    N, C = x.shape
+    stride_g = grad.stride(0) if grad is not None else 0
+    align = rt.align(int(x.stride(0)), stride_g)
+    narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16) + int(softcap)
+    plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.sm_count(x.device), narrow)
+    _fwd_kernel[(plan.programs,)](
+        x, target, weight, stats, loss, lse, grad, dloss, dlse, N, C, x.stride(0), stride_g, target.stride(0),
+        weight.stride(0) if weight is not None else 0,
+        dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
+        dlse.stride(0) if dlse is not None else 0, ignore_index, *splits,
+        BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SOFTCAP=softcap,
+        HAS_SMOOTHING=smoothing, MEAN=mean, STORE_LOSS=loss is not None, STORE_LSE=store_lse, LSE_ALL=lse_all,
+        STORE_GRAD=grad is not None, LSE_KNOWN=lse_known, DLOSS=dloss_mode, HAS_DLSE=dlse is not None,
+        ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=plan.num_warps,
+    )
+
+
+def _finish(rows: torch.Tensor, stats, out: torch.Tensor, mean: bool) -> torch.Tensor:
+    """``out`` (0-d) = the fixed-order sum of the per-row losses (over D for the mean)."""
+    _sum_kernel[(1,)](rows, stats, out, rows.shape[0], BLOCK=P.STATS_BLOCK, MEAN=mean,
+                      ACC=rt.tl_acc_dtype(rows.dtype), num_warps=P.STATS_WARPS)
+    return out
+
+
+def _scale(src: torch.Tensor, s: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``s * src`` (s a 0-d tensor): in place (skipped on the device when s == 1), or into a fresh tensor."""
+    dst = src if in_place else torch.empty_like(src)
+    n = src.numel()
+    if n:
+        programs = max(1, min(rt.cdiv(n, P.SCALE_BLOCK), P.SCALE_PROGRAMS_PER_SM * rt.sm_count(src.device)))
+        _scale_kernel[(programs,)](src, dst, s, n, BLOCK=P.SCALE_BLOCK, IN_PLACE=in_place,
+                                   ACC=rt.tl_acc_dtype(_acc(src, s)), num_warps=4)
+    return dst
+
+
+# ---------------------------------------------------------------- cross_entropy
+def _ce_validate(input, target, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                 compute_grad, return_lse) -> None:
+    _check_options("cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+    if input.dim() != 2:
+        raise ValueError(f"tritongrad.cross_entropy: the registered op takes input [N, C], got shape "
+                         f"{tuple(input.shape)}; tritongrad.cross_entropy takes [C] and [N, C, d1, ...] too")
+    N, C = input.shape
+    if target.dim() != 1 or target.shape[0] != N:
+        raise ValueError(f"tritongrad.cross_entropy: target of shape {tuple(target.shape)} does not match input "
+                         f"{tuple(input.shape)}: expected [{N}] (one class index per row)")
+    if C == 0 and N > 0:
+        raise ValueError(f"tritongrad.cross_entropy: input {tuple(input.shape)} has no classes")
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != C):
+        raise ValueError(f"tritongrad.cross_entropy: weight of shape {tuple(weight.shape)} must hold one weight per "
+                         f"class: [{C}] for input {tuple(input.shape)}")
+    if _host_checkable(target):
+        check_targets(target, C, ignore_index)
+
+
+@op("tritongrad::cross_entropy", reference=cross_entropy_reference, validate=_ce_validate, index=("target",),
+    nondiff=("weight",), outputs=("loss", "lse"), residuals=("grad",),
+    save=("input", "target", "weight", "lse", "grad"))
+def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                     ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                     logit_softcap: Optional[float] = None, z_loss: float = 0.0, compute_grad: bool = True,
+                     return_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered cross_entropy over ``input [N, C]``: ``(loss, lse, grad)``; :func:`cross_entropy` is the
+    public function. With ``compute_grad`` and reduction mean/sum the forward also writes ``grad``, the
+    gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it). Without
+    ``return_lse``, ignored rows are not read: their lse is 0, without gradient."""
+    N, C = input.shape
+    acc = _acc(input, weight)
+    x = input if input.stride(1) == 1 else input.contiguous()  # the kernels take rows of unit column stride
+    mean, fused = reduction == "mean", compute_grad and reduction != "none"
+    loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
+    lse = torch.empty(N, dtype=acc, device=input.device)
+    grad = torch.empty((N, C) if fused else (0,), dtype=input.dtype, device=input.device)
+    if N == 0:  # F: the mean of nothing is NaN, the sum 0
+        return loss.fill_(float("nan") if mean else 0.0), lse, grad
+    smoothing = label_smoothing > 0
+    stats = _stats(target, weight, C, ignore_index, acc) if mean or (weight is not None and smoothing) else None
+    rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
+    _rows_kernel(x, target, weight, stats, rows, lse, grad if fused else None, None, None, ignore_index,
+                 _splits(label_smoothing, z_loss, logit_softcap), mean=mean and fused, store_lse=True,
+                 lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None,
+                 smoothing=smoothing, acc=acc)
+    if reduction != "none":
+        _finish(rows, stats, loss, mean)
+    return loss, lse, grad
+
+
+@cross_entropy_op.backward
+def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
+    input, grad, lse = ctx.input, ctx.grad, ctx.lse
+    N, C = input.shape
+    if N == 0 or C == 0:
+        return torch.zeros_like(input), None, None
+    x = input if input.stride(1) == 1 else input.contiguous()
+    acc = lse.dtype
+    softcap = ctx.logit_softcap is not None
+    cap = rt.split_float(float(ctx.logit_softcap) if softcap else 1.0)
+    take = _take_buffer(ctx) if grad.numel() else None
+    if take is not None:  # the forward wrote the gradient for an upstream 1: scale it, add the lse's term
+        dx = grad if take else torch.empty_like(grad)
+        rows = P.bwd_rows(rt.hint(N), rt.sm_count(x.device))
+        _bwd_kernel[(rt.cdiv(N, rows),)](
+            grad, dx, x, lse, grad_loss, grad_lse, ctx.target, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0),
+            ctx.target.stride(0), ctx.ignore_index, *cap, ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()],
+            IN_PLACE=take, LSE_ALL=ctx.return_lse, HAS_SOFTCAP=softcap,
+            ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
+        )
+        return dx, None, None
+    # The gradient from the logits and the saved lse (reduction="none", compute_grad off, or the buffer
+    # handed back by an earlier backward): one read of the logits, one write.
+    weight, target, reduction = ctx.weight, ctx.target, ctx.reduction
+    mean, smoothing = reduction == "mean", ctx.label_smoothing > 0
+    stats = _stats(target, weight, C, ctx.ignore_index, acc) if mean or (weight is not None and smoothing) else None
+    dx = torch.empty((N, C), dtype=input.dtype, device=input.device)
+    _rows_kernel(x, target, weight, stats, None, lse, dx, grad_loss, grad_lse, ctx.ignore_index,
+                 _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap), mean=mean, store_lse=False,
+                 lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1, softcap=softcap,
+                 smoothing=smoothing, acc=acc)
+    return dx, None, None
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    logit_softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_lse: bool = False,
+):
+    """``torch.nn.functional.cross_entropy`` for class-index targets, with Triton kernels for forward and
+    backward; optionally with Gemma 2's logit soft cap and PaLM's z-loss.
+
+    Args:
+        input: logits ``[N, C]``, ``[C]``, or ``[N, C, d1, ...]`` (F's layout: moved to ``[N * d1 * ..., C]``, a
+            copy); float16/bfloat16/float32/float64. Rows may be strided (a slice of a padded vocabulary);
+            the column stride must be 1 or the rows are copied.
+        target: class indices ``[N]`` (``[]``, ``[N, d1, ...]``), int64 or int32, in ``[0, C)`` or
+            ``ignore_index``. An index out of range raises IndexError on the CPU; on a GPU it is not read
+            and makes its row's loss and gradient NaN (so the reduced loss is NaN), and a device-side assert
+            fires with ``TRITON_DEBUG=1``.
+        weight: optional class weights ``[C]`` (any floating dtype, no gradient), as in F: each row's loss is
+            scaled by its target's weight, the smoothing term by each class's weight, and the mean divides by
+            the sum of the non-ignored targets' weights.
+        ignore_index: rows with this target add nothing (and count nothing in the mean).
+        reduction: ``"mean"`` (the default), ``"sum"`` or ``"none"`` (one loss per row, in input's shape less C).
+        label_smoothing: in ``[0, 1]``, as in F.
+        logit_softcap: if given, ``cap * tanh(input / cap)`` replaces the logits before the softmax (Gemma 2).
+        z_loss: each non-ignored row's loss gains ``z_loss * lse**2`` (PaLM), lse the row's log-sum-exp; the
+            reduction applies to the total (so "mean" divides it by F's denominator too).
+        return_lse: also return lse, float32 (float64 for float64 input) of shape ``[N]``, differentiable.
+
+    Returns:
+        The loss in input's dtype, accumulated in float32 (float64 for float64) and rounded once, as F returns
+        it; with ``return_lse``, ``(loss, lse)``. The gradient of input comes back in its dtype and is bitwise
+        reproducible. For reduction mean/sum the forward computes it (one read of the logits, one write of the
+        gradient) and ``loss.backward()`` only scales it by the upstream gradient, on the device, skipping
+        even that when it is 1. The logits are never written. A second backward through the same graph
+        (``retain_graph=True``) recomputes the gradient from the logits: the first handed its buffer back.
+        Under CUDA autocast the loss is float32, as F's; the logits are read in their own dtype (not copied).
+    """
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"tritongrad.cross_entropy: input and target must be Tensors, got "
+                        f"{type(input).__name__} and {type(target).__name__}")
+    if target.is_floating_point():
+        raise TypeError(f"tritongrad.cross_entropy: target must hold class indices (int64 or int32), got "
+                        f"{target.dtype} of shape {tuple(target.shape)}; class-probability targets are not supported")
+    shape = tuple(input.shape)
+    if input.dim() == 0:
+        raise ValueError("tritongrad.cross_entropy: input must be [C], [N, C] or [N, C, d1, ...], got a 0-d tensor")
+    if input.dim() == 1:
+        if target.dim() != 0:
+            raise ValueError(f"tritongrad.cross_entropy: input of shape {shape} (one row of classes) takes a 0-d "
+                             f"target, got shape {tuple(target.shape)}")
+        x, t = input.unsqueeze(0), target.reshape(1)
+    elif input.dim() == 2:
+        x, t = input, target
+    else:
+        want = (shape[0], *shape[2:])
+        if tuple(target.shape) != want:
+            raise ValueError(f"tritongrad.cross_entropy: input of shape {shape} ([N, C, d1, ...]) takes target "
+                             f"{want}, got {tuple(target.shape)}")
+        x, t = input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1)
+    compute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+    loss, lse = cross_entropy_op(x, t, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                                 compute_grad, return_lse)
+    if input.is_cuda and torch.is_autocast_enabled():
+        loss = loss.float()  # autocast runs F.cross_entropy in float32 (here: the logits stay as they are)
+    if reduction == "none" and input.dim() != 2:
+        loss = loss.reshape(target.shape)
+    if not return_lse:
+        return loss
+    if input.dim() == 1:
+        lse = lse.reshape(())
+    elif input.dim() > 2:
+        lse = lse.reshape(target.shape)
+    return loss, lse
+
+
+# ---------------------------------------------------------------- linear_cross_entropy
+def _lce_validate(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                  grads) -> None:
+    _check_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+    if input.dim() != 2 or weight.dim() != 2 or input.shape[1] != weight.shape[1]:
+        raise ValueError(f"tritongrad.linear_cross_entropy: input [N, H] and weight [V, H] must share H, got "
+                         f"{tuple(input.shape)} and {tuple(weight.shape)}")
+    N, V = input.shape[0], weight.shape[0]
+    if target.dim() != 1 or target.shape[0] != N:
+        raise ValueError(f"tritongrad.linear_cross_entropy: target of shape {tuple(target.shape)} does not match "
+                         f"input {tuple(input.shape)}: expected [{N}]")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != V):
+        raise ValueError(f"tritongrad.linear_cross_entropy: bias of shape {tuple(bias.shape)} must be [{V}] for "
+                         f"weight {tuple(weight.shape)}")
+    if V == 0 and N > 0:
+        raise ValueError(f"tritongrad.linear_cross_entropy: weight {tuple(weight.shape)} has no classes")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != input.dtype:
+            raise TypeError(f"tritongrad.linear_cross_entropy: {name} is {t.dtype}, input is {input.dtype}; "
+                            "F.linear takes one dtype (cast them, or use torch.autocast)")
+    if grads is not None and len(grads) != 3:
+        raise ValueError(f"tritongrad.linear_cross_entropy: grads must be 3 bools (input, weight, bias), got {grads}")
+    if _host_checkable(target):
+        check_targets(target, V, ignore_index, "linear_cross_entropy")
+
+
+def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+              rows, need: tuple[bool, bool, bool], dloss=None):
+    """Chunks of rows: logits (one product), the loss kernel writing the chunk's gradient over its logits,
+    then that chunk's share of the gradients asked for (``need``: input, weight, bias). ``rows``: the per-row
+    loss buffer, or None. ``dloss``: the upstream gradient (None: 1, the forward's case). Returns the
+    gradients (None where not asked)."""
+    N, H = input.shape
+    V = weight.shape[0]
+    acc = _acc(input)
+    mean, smoothing = reduction == "mean", label_smoothing > 0
+    want_grad = any(need)
+    stats = _stats(target, None, V, ignore_index, acc) if mean and want_grad else None
+    gi = torch.empty_like(input) if need[0] else None
+    gw = torch.empty_like(weight) if need[1] else None
+    gb = torch.zeros(V, dtype=_acc(bias), device=input.device) if need[2] else None  # float sums, one rounding
+    chunk = P.lce_chunk_rows(rt.hint(N), int(V), input.element_size())
+    buf = torch.empty((min(chunk, N), V), dtype=input.dtype, device=input.device)
+    splits = _splits(label_smoothing, z_loss, logit_softcap)
+    dloss_mode = 0 if dloss is None else 2 if dloss.dim() == 1 else 1
+    wt = weight.t()
+    for r0 in range(0, N, chunk):
+        r1 = min(N, r0 + chunk)
+        h, logits = input[r0:r1], buf[: r1 - r0]
+        if bias is None:
+            torch.mm(h, wt, out=logits)
+        else:
+            torch.addmm(bias, h, wt, out=logits)
+        d = dloss[r0:r1] if dloss_mode == 2 else dloss
+        _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None,
+                     logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
+                     store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
+                     softcap=logit_softcap is not None, smoothing=smoothing, acc=acc)
+        if need[0]:
+            torch.mm(logits, weight, out=gi[r0:r1])
+        if need[1]:
+            # Chunks add into grad_weight in order: each product accumulates in float32 and rounds once to
+            # weight's dtype (a float32 accumulator would be 10x the memory budget: docs/cross-entropy.md).
+            if r0 == 0:
+                torch.mm(logits.t(), h, out=gw)
+            else:
+                gw.addmm_(logits.t(), h)
+        if need[2]:
+            gb += logits.sum(0, dtype=gb.dtype)
+    return gi, gw, (gb.to(bias.dtype) if need[2] else None)
+
+
+@op("tritongrad::linear_cross_entropy", reference=linear_cross_entropy_reference, validate=_lce_validate,
+    index=("target",), outputs=("loss",), residuals=("grad_input", "grad_weight", "grad_bias"),
+    save=("input", "weight", "target", "bias", "grad_input", "grad_weight", "grad_bias"))
+def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                            bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
+                            label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
+                            grads: Optional[list[bool]] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered linear_cross_entropy over ``input [N, H]``, ``weight [V, H]``: ``(loss, grad_input,
+    grad_weight, grad_bias)``; :func:`linear_cross_entropy` is the public function. ``grads`` (input, weight,
+    bias): the gradients the forward computes for an upstream gradient of 1 (reduction mean/sum); the others
+    are empty, and the backward computes what is asked for and missing."""
+    N = input.shape[0]
+
+    def empty():  # a fresh one per residual: a registered op's returns may not alias each other
+        return torch.empty(0, dtype=input.dtype, device=input.device)
+
+    loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
+    need = tuple(bool(g) for g in grads) if grads is not None and reduction != "none" else (False,) * 3
+    need = (need[0], need[1], need[2] and bias is not None)
+    if N == 0:
+        zero = [torch.zeros_like(t) if n else empty() for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
+        return (loss.fill_(float("nan") if reduction == "mean" else 0.0), *zero)
+    mean = reduction == "mean"
+    acc = _acc(input)
+    rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
+    gi, gw, gb = _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap,
+                           z_loss, rows, need)
+    if reduction != "none":
+        stats = _stats(target, None, weight.shape[0], ignore_index, acc) if mean else None
+        _finish(rows, stats, loss, mean)
+    return loss, *(g if g is not None else empty() for g in (gi, gw, gb))
+
+
+@linear_cross_entropy_op.backward
+def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    need = (need_x, need_w, need_b and ctx.bias is not None)
+    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
+            ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
+            ctx.grad_bias.numel() > 0 or (ctx.bias is not None and ctx.bias.numel() == 0))
+    take = _take_buffer(ctx) if ctx.reduction != "none" and all(h or not n for n, h in zip(need, have)) else None
+    if take is not None:
+        # The forward computed them for an upstream gradient of 1: scale (on the device; nothing when it is 1).
+        out = [_scale(g, grad_loss, take) if n else None
+               for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias))]
+        return out[0], out[1], None, out[2]
+    # Not computed in the forward (reduction="none": per-row upstream gradients), or handed back by an earlier
+    # backward: recompute, in chunks.
+    gi, gw, gb = _lce_pass(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.ignore_index, ctx.reduction,
+                           ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, None, need, dloss=grad_loss)
+    return gi, gw, None, gb
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    logit_softcap: float | None = None,
+    z_loss: float = 0.0,
+):
+    """``cross_entropy(F.linear(input, weight, bias), target, ...)`` without the ``[N, V]`` logits in memory.
+
+    Args:
+        input: hidden states ``[..., H]``, float16/bfloat16/float32/float64.
+        weight: the classifier (LM head) ``[V, H]``, input's dtype.
+        target: class indices of input's leading shape (``[...]``), int64 or int32; see
+            :func:`cross_entropy` for ``ignore_index`` and out-of-range indices.
+        bias: optional ``[V]``, input's dtype.
+        ignore_index, reduction, label_smoothing, logit_softcap, z_loss: as in :func:`cross_entropy`.
+
+    Returns:
+        The loss in input's dtype (``[...]`` for reduction="none", else 0-d). The logits are made in chunks of
+        rows (plans.py: at most 192 MiB at once) by the same products F.linear runs, so they round as F.linear
+        rounds them; the loss accumulates in float32. For reduction mean/sum with gradients enabled, the
+        forward also computes the gradients of input, weight and bias (those that require grad) chunk by chunk
+        and the backward only scales them by the upstream gradient (nothing when it is 1): three matrix
+        products in all. grad_weight adds one product per chunk in a fixed order (deterministic), each
+        accumulated in float32 and rounded to weight's dtype; grad_bias accumulates in float32. For
+        reduction="none" the backward recomputes the logits (four products in all). Under CUDA autocast, input,
+        weight and bias are cast to the autocast dtype first and the loss is float32, as F.linear and
+        F.cross_entropy behave there.
+    """
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"tritongrad.linear_cross_entropy: input and target must be Tensors, got "
+                        f"{type(input).__name__} and {type(target).__name__}")
+    if target.is_floating_point():
+        raise TypeError(f"tritongrad.linear_cross_entropy: target must hold class indices (int64 or int32), got "
+                        f"{target.dtype} of shape {tuple(target.shape)}")
+    if input.dim() == 0 or tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"tritongrad.linear_cross_entropy: target of shape {tuple(target.shape)} must be input's "
+                         f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
+    autocast = input.is_cuda and torch.is_autocast_enabled()
+    if autocast:  # as F.linear under autocast: the products in the autocast dtype
+        dtype = torch.get_autocast_dtype("cuda")
+        input, weight = input.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    x, t = input.reshape(-1, input.shape[-1]), target.reshape(-1)
+    grads = None
+    if reduction != "none" and torch.is_grad_enabled():
+        grads = [input.requires_grad, isinstance(weight, torch.Tensor) and weight.requires_grad,
+                 isinstance(bias, torch.Tensor) and bias.requires_grad]
+    loss = linear_cross_entropy_op(x, weight, t, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                                   grads)
+    loss = loss.float() if autocast else loss  # and the loss in float32, as F.cross_entropy under autocast
+    return loss.reshape(target.shape) if reduction == "none" else loss

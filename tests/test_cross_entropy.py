@@ -1,0 +1,524 @@
+"""cross_entropy and linear_cross_entropy on small shapes: through Triton's interpreter on CPU, compiled on a GPU.
+
+The OpSuite battery for both registered ops, then what is special to the family: torch.nn.functional's
+semantics for every option in float64, shapes F takes, inputs never written, bitwise determinism, bad inputs
+and their messages, out-of-range targets, the modules as drop-ins, and the sm_90 compile of every
+specialization the launchers request.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, run_without_interpreter
+
+import tritongrad
+from tritongrad.ops.cross_entropy import (
+    cross_entropy,
+    cross_entropy_op,
+    launch,
+    linear_cross_entropy,
+    linear_cross_entropy_op,
+    linear_cross_entropy_reference,
+)
+from tritongrad.ops.cross_entropy import plans as P
+from tritongrad.testing import OpSuite
+
+
+def _targets(N, C, ignored=(1,), device=DEVICE):
+    t = torch.randint(0, C, (N,), device=device)
+    for i in ignored:
+        if i < N:
+            t[i] = -100
+    return t
+
+
+# ---------------------------------------------------------------- the error baseline: eager PyTorch
+def _eager_ce(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+              logit_softcap=None, z_loss=0.0, compute_grad=True, return_lse=True):
+    """What a user writes in plain PyTorch, in the logits' dtype (the cap and z-loss as extra ops);
+    lse as a user would take it for logging, in float32 (float64 for float64)."""
+    acc = torch.float64 if torch.float64 in (input.dtype, getattr(weight, "dtype", None)) else torch.float32
+    u = input if logit_softcap is None else logit_softcap * torch.tanh(input / logit_softcap)
+    w = weight.to(input.dtype) if weight is not None else None
+    lse = torch.logsumexp(u.to(acc), -1)
+    if not return_lse:
+        lse = torch.where(target != ignore_index, lse, 0.0)
+    loss = F.cross_entropy(u, target, w, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        valid = target != ignore_index
+        z = torch.where(valid, z_loss * lse * lse, 0.0)
+        if reduction == "none":
+            loss = loss + z.to(loss.dtype)
+        else:
+            z = z.sum()
+            if reduction == "mean":
+                wt = w.to(acc)[torch.where(valid, target, 0)] if w is not None else torch.ones_like(lse)
+                z = z / torch.where(valid, wt, 0.0).sum()
+            loss = loss + z.to(loss.dtype)
+    return loss, lse
+
+
+def _eager_lce(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+               logit_softcap=None, z_loss=0.0, grads=None):
+    return _eager_ce(F.linear(input, weight, bias), target, None, ignore_index, reduction, label_smoothing,
+                     logit_softcap, z_loss)[0]
+
+
+# ---------------------------------------------------------------- OpSuite: cross_entropy
+def ce_basic(dtype, device):
+    # the default call of the public function: mean over rows, one ignored row, whose logits are not read
+    # (return_lse off: its lse is 0, with no gradient)
+    return {"input": torch.randn(6, 40, device=device).to(dtype), "target": _targets(6, 40, device=device),
+            "return_lse": False}
+
+
+def ce_strided_rows_sum(dtype, device):
+    # rows of a padded vocabulary (row stride 48 for 37 classes), reduction="sum"
+    x = torch.randn(5, 48, device=device).to(dtype)[:, :37]
+    return {"input": x, "target": _targets(5, 37, device=device), "reduction": "sum"}
+
+
+def ce_weights_smoothing_none(dtype, device):
+    # class weights with label smoothing (weighted smoothing sum), one loss per row; the backward
+    # recomputes the gradient from the saved lse (compute_grad is off for reduction="none")
+    return {"input": torch.randn(7, 33, device=device).to(dtype), "target": _targets(7, 33, (0, 4), device),
+            "weight": (torch.rand(33, device=device) + 0.5).to(dtype), "reduction": "none",
+            "label_smoothing": 0.2, "compute_grad": False}
+
+
+def ce_softcap_zloss_chunks(dtype, device):
+    # rows longer than one chunk in every dtype (4500 > 4096 columns): the online lse over chunks, pass 2
+    # in reverse order; soft cap and z-loss
+    return {"input": (3 * torch.randn(3, 4500, device=device)).to(dtype), "target": _targets(3, 4500, device=device),
+            "logit_softcap": 5.0, "z_loss": 1e-2}
+
+
+def ce_everything_weighted_mean(dtype, device):
+    # every option at once, the weighted mean (F's denominator: the non-ignored targets' weights)
+    return {"input": torch.randn(9, 20, device=device).to(dtype), "target": _targets(9, 20, (2, 3), device),
+            "weight": torch.rand(20, device=device).to(dtype) + 0.1, "label_smoothing": 0.1, "logit_softcap": 4.0,
+            "z_loss": 1e-3}
+
+
+def ce_recompute_mean(dtype, device):
+    # reduction="mean" with the gradient left to the backward (compute_grad=False): the recompute path
+    return {"input": torch.randn(4, 50, device=device).to(dtype), "target": _targets(4, 50, device=device),
+            "compute_grad": False}
+
+
+CE_SUITE = OpSuite(cross_entropy_op, [ce_basic, ce_strided_rows_sum, ce_weights_smoothing_none,
+                                      ce_softcap_zloss_chunks, ce_everything_weighted_mean, ce_recompute_mean],
+                   baseline=_eager_ce, device=DEVICE)
+test_cross_entropy_suite = CE_SUITE.pytest()
+
+
+# ---------------------------------------------------------------- OpSuite: linear_cross_entropy
+def lce_basic(dtype, device):
+    # gradients of input and weight computed in the forward (mean), one ignored row
+    return (torch.randn(11, 16, device=device).to(dtype), (torch.randn(30, 16, device=device) / 4).to(dtype),
+            _targets(11, 30, device=device), None, -100, "mean", 0.0, None, 0.0, [True, True, True])
+
+
+def lce_bias_options_sum(dtype, device):
+    # a bias, smoothing, cap and z-loss, reduction="sum"
+    return {"input": torch.randn(7, 8, device=device).to(dtype),
+            "weight": (torch.randn(25, 8, device=device) / 3).to(dtype),
+            "target": _targets(7, 25, device=device), "bias": torch.randn(25, device=device).to(dtype),
+            "reduction": "sum", "label_smoothing": 0.1, "logit_softcap": 3.0, "z_loss": 1e-3,
+            "grads": [True, True, True]}
+
+
+def lce_none_recompute(dtype, device):
+    # reduction="none": the backward recomputes the logits with per-row upstream gradients
+    return {"input": torch.randn(6, 8, device=device).to(dtype),
+            "weight": (torch.randn(20, 8, device=device) / 3).to(dtype),
+            "target": _targets(6, 20, device=device), "bias": torch.randn(20, device=device).to(dtype),
+            "reduction": "none"}
+
+
+LCE_SUITE = OpSuite(linear_cross_entropy_op, [lce_basic, lce_bias_options_sum, lce_none_recompute],
+                    baseline=_eager_lce, device=DEVICE)
+test_linear_cross_entropy_suite = LCE_SUITE.pytest()
+
+
+# ---------------------------------------------------------------- F's semantics in float64
+@pytest.mark.parametrize("reduction,weighted,smoothing,ignore",
+                         list(itertools.product(("mean", "sum", "none"), (False, True), (0.0, 0.3), (-100, 3))))
+def test_equals_torch_functional(reduction, weighted, smoothing, ignore):
+    # every F option, with ignore_index both outside and inside [0, C) (a real class may be ignored)
+    N, C = 8, 13
+    x = torch.randn(N, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, C, (N,), device=DEVICE)
+    t[::3] = ignore
+    w = torch.rand(C, dtype=torch.float64, device=DEVICE) + 0.2 if weighted else None
+    g = torch.randn((N,) if reduction == "none" else (), dtype=torch.float64, device=DEVICE)
+    got = cross_entropy(x, t, w, ignore, reduction, smoothing)
+    (gx,) = torch.autograd.grad(got, x, g)
+    want = F.cross_entropy(x, t, w, ignore_index=ignore, reduction=reduction, label_smoothing=smoothing)
+    (wx,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, wx, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_softcap_and_z_loss_equal_composed_ops(reduction):
+    # the extras against the same math written with F's ops, float64
+    x = torch.randn(6, 21, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = _targets(6, 21)
+    loss, lse = cross_entropy(x, t, reduction=reduction, logit_softcap=2.5, z_loss=0.05, return_lse=True)
+    want, want_lse = _eager_ce(x, t, reduction=reduction, logit_softcap=2.5, z_loss=0.05)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    g = [torch.randn_like(loss), torch.randn_like(lse)]  # lse's gradient too
+    torch.testing.assert_close(torch.autograd.grad((loss, lse), x, g)[0],
+                               torch.autograd.grad((want, want_lse), x, g)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_all_rows_ignored():
+    # F: the mean of no rows is NaN (0/0), the sum 0; the gradient is 0 either way
+    x = torch.randn(3, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = torch.full((3,), -100, device=DEVICE)
+    for reduction in ("mean", "sum"):
+        got, want = cross_entropy(x, t, reduction=reduction), F.cross_entropy(x, t, reduction=reduction)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        (gx,) = torch.autograd.grad(got, x)
+        assert torch.equal(gx, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 7, 3), (2, 7, 2, 3)], ids=str)
+def test_shapes_f_takes(shape):
+    # [C] with a 0-d target, and [N, C, d1, ...] with target [N, d1, ...], as F takes them
+    x = torch.randn(shape, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, shape[0] if len(shape) == 1 else shape[1], (() if len(shape) == 1 else (shape[0], *shape[2:])),
+                      device=DEVICE)
+    for reduction in ("mean", "none"):
+        got, want = cross_entropy(x, t, reduction=reduction), F.cross_entropy(x, t, reduction=reduction)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+        g = torch.randn_like(want)
+        torch.testing.assert_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(want, x, g)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_int32_targets_and_loss_dtype(dtype):
+    # int32 class indices; the loss in the logits' dtype, as F returns it
+    x = torch.randn(5, 9, device=DEVICE).to(dtype)
+    t = torch.randint(0, 9, (5,), device=DEVICE, dtype=torch.int32)
+    got = cross_entropy(x, t)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), F.cross_entropy(x.float(), t.long()), atol=2e-2, rtol=2e-2)
+
+
+def test_linear_equals_functional_float64():
+    # F.cross_entropy(F.linear(...)) for every reduction, with and without bias; gradients of all three
+    for reduction, bias in itertools.product(("mean", "sum", "none"), (False, True)):
+        h = torch.randn(2, 5, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=True) if bias else None
+        t = torch.randint(0, 30, (2, 5), device=DEVICE)
+        t[0, 1] = -100
+        got = linear_cross_entropy(h, W, t, b, reduction=reduction, label_smoothing=0.1)
+        want = F.cross_entropy(F.linear(h, W, b).flatten(0, 1), t.flatten(), reduction=reduction,
+                               label_smoothing=0.1)
+        want = want.reshape(t.shape) if reduction == "none" else want
+        torch.testing.assert_close(got, want)
+        ins = [h, W] + ([b] if bias else [])
+        g = torch.randn_like(want)
+        for a, r in zip(torch.autograd.grad(got, ins, g), torch.autograd.grad(want, ins, g)):
+            torch.testing.assert_close(a, r)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    # linear_cross_entropy in chunks of 4 rows: several chunks on interpreter-sized inputs
+    monkeypatch.setattr(P, "LCE_CHUNK_BYTES", 4 * 30 * 8)
+    monkeypatch.setattr(P, "LCE_ROW_MULTIPLE", 1)
+    monkeypatch.setattr(P, "LCE_MIN_ROWS", 1)
+
+
+def test_linear_in_chunks(small_chunks):
+    # 13 rows in chunks of 4 (the last ragged): the same loss and gradients as one product
+    h = torch.randn(13, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = _targets(13, 30, (0, 5, 12))
+    assert P.lce_chunk_rows(13, 30, 8) == 4
+    got = linear_cross_entropy(h, W, t, b, z_loss=1e-3)
+    want = linear_cross_entropy_reference(h, W, t, b, z_loss=1e-3)
+    torch.testing.assert_close(got, want)
+    for a, r in zip(torch.autograd.grad(got, (h, W, b)), torch.autograd.grad(want, (h, W, b))):
+        torch.testing.assert_close(a, r)
+
+
+# ---------------------------------------------------------------- behaviour
+def test_inputs_never_written():
+    # the logits (and target, weight) are read only, whatever the path; so are the linear op's inputs
+    x = torch.randn(6, 40, device=DEVICE, requires_grad=True)
+    t, w = _targets(6, 40), torch.rand(40, device=DEVICE)
+    before = [a.detach().clone() for a in (x, t, w)]
+    for kw in ({}, {"reduction": "none"}, {"return_lse": True}):
+        out = cross_entropy(x, t, w, **kw)
+        out = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad(out, x, [torch.randn_like(o) for o in out])
+    assert all(torch.equal(a, b) for a, b in zip((x.detach(), t, w), before))
+    h, W = torch.randn(9, 8, device=DEVICE, requires_grad=True), torch.randn(20, 8, device=DEVICE, requires_grad=True)
+    t2 = _targets(9, 20)
+    before = [a.detach().clone() for a in (h, W, t2)]
+    linear_cross_entropy(h, W, t2).backward()
+    assert all(torch.equal(a, b) for a, b in zip((h.detach(), W.detach(), t2), before))
+
+
+def test_deterministic_bitwise(small_chunks):
+    # two runs give identical bits: no atomics anywhere, fixed-order sums across rows and chunks
+    def run():
+        torch.manual_seed(1)
+        x = torch.randn(37, 300, device=DEVICE).to(torch.bfloat16).requires_grad_()
+        t = _targets(37, 300, (0, 9))
+        loss = cross_entropy(x, t, label_smoothing=0.1)
+        loss.backward()
+        h = torch.randn(13, 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+        W = torch.randn(30, 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(30, device=DEVICE, dtype=torch.float64, requires_grad=True)
+        loss2 = linear_cross_entropy(h, W, _targets(13, 30), b)
+        loss2.backward()
+        return [loss, x.grad, loss2, h.grad, W.grad, b.grad]
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+def test_backward_through_one_graph_twice():
+    # eager: the first backward scales the gradient the forward wrote, in place, and hands that buffer back
+    # (it becomes x.grad); a second backward through the same graph recomputes from the logits instead
+    x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    t = _targets(4, 10)
+    want = torch.autograd.grad(F.cross_entropy(x, t), x)[0]
+    loss = cross_entropy(x, t)
+    (g1,) = torch.autograd.grad(loss * 3.0, x, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(g1, 3.0 * want)
+    torch.testing.assert_close(g2, want)
+    h, W = torch.randn(5, 8, device=DEVICE, requires_grad=True), torch.randn(20, 8, device=DEVICE, requires_grad=True)
+    t2 = _targets(5, 20)
+    loss = linear_cross_entropy(h, W, t2)
+    a = torch.autograd.grad(loss * 2.0, (h, W), retain_graph=True)
+    b = torch.autograd.grad(loss, (h, W))
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, 2.0 * v)
+
+
+def test_ignored_rows_are_not_read():
+    # without return_lse an ignored row (padding, a masked prompt) is never read: NaN there changes nothing,
+    # and its gradient is 0; with return_lse it is read for its lse
+    x = torch.randn(5, 30, device=DEVICE)
+    t = _targets(5, 30, (2,))
+    x[2] = float("nan")
+    x.requires_grad_()
+    for kw in ({}, {"label_smoothing": 0.1, "z_loss": 1e-3}):
+        loss = cross_entropy(x, t, **kw)
+        (gx,) = torch.autograd.grad(loss, x)
+        assert torch.isfinite(loss) and torch.equal(gx[2], torch.zeros_like(gx[2])) and torch.isfinite(gx).all()
+    loss, lse = cross_entropy(x, t, return_lse=True)
+    assert torch.isfinite(loss) and torch.isnan(lse[2]) and torch.isfinite(lse[[0, 1, 3, 4]]).all()
+
+
+def test_no_gradient_work_under_no_grad(monkeypatch):
+    # under no_grad (or without requires_grad) the forward writes no gradient
+    stores = []
+    kernel = launch._fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                stores.append(kw["STORE_GRAD"])
+                return kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(launch, "_fwd_kernel", Spy())
+    x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    with torch.no_grad():
+        cross_entropy(x, _targets(4, 10))
+    cross_entropy(x.detach(), _targets(4, 10))
+    cross_entropy(x, _targets(4, 10))
+    assert stores == [False, False, True]
+
+
+def test_torch_export():
+    # torch.export traces both ops (the registered ops appear in the graph) and the program matches eager
+    class Loss(torch.nn.Module):
+        def forward(self, h, W, x, t):
+            return linear_cross_entropy(h, W, t, label_smoothing=0.1) + cross_entropy(x, t, z_loss=1e-3)
+
+    h, W = torch.randn(6, 8, device=DEVICE), torch.randn(20, 8, device=DEVICE)
+    x, t = torch.randn(6, 20, device=DEVICE), _targets(6, 20)
+    program = torch.export.export(Loss(), (h, W, x, t))
+    graph = str(program.graph)
+    assert "tritongrad.cross_entropy" in graph and "tritongrad.linear_cross_entropy" in graph
+    torch.testing.assert_close(program.module()(h, W, x, t), Loss()(h, W, x, t))
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_compile_paths_without_gradient_buffers(reduction):
+    # torch.compile(fullgraph) where the forward computes no gradient (no_grad) or leaves it to the backward
+    # (reduction="none"): the registered ops' placeholders must not alias each other
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    h, W = torch.randn(6, 8, device=DEVICE, requires_grad=True), torch.randn(20, 8, device=DEVICE, requires_grad=True)
+    x, t = torch.randn(6, 20, device=DEVICE, requires_grad=True), _targets(6, 20)
+
+    def f(h, W, x, t):
+        return linear_cross_entropy(h, W, t, reduction=reduction), cross_entropy(x, t, reduction=reduction)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        for a, b in zip(compiled(h, W, x, t), f(h, W, x, t)):
+            torch.testing.assert_close(a, b)
+    got, want = compiled(h, W, x, t), f(h, W, x, t)
+    for a, b in zip(torch.autograd.grad(sum(o.sum() for o in got), (h, W, x)),
+                    torch.autograd.grad(sum(o.sum() for o in want), (h, W, x))):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long)), ValueError, r"target of shape \(3,\)"),
+    (lambda: cross_entropy(torch.randint(0, 5, (4, 5)), torch.zeros(4, dtype=torch.long)), TypeError,
+     r"input has dtype torch.int64 \(shape \(4, 5\)\)"),
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4)), TypeError, "class-probability targets"),
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.int16)), TypeError, "int64 or int32"),
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), torch.ones(6)), ValueError,
+     r"weight of shape \(6,\) must hold one weight per class: \[5\]"),
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), reduction="avg"), ValueError,
+     "reduction must be"),
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), label_smoothing=1.5), ValueError,
+     r"label_smoothing must be a float in \[0, 1\]"),
+    (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), logit_softcap=0.0), ValueError,
+     "logit_softcap must be None or a float > 0"),
+    (lambda: cross_entropy(torch.randn(2, 5, 3), torch.zeros(2, 5, dtype=torch.long)), ValueError,
+     r"takes target \(2, 3\)"),
+    (lambda: linear_cross_entropy(torch.randn(4, 8), torch.randn(9, 7), torch.zeros(4, dtype=torch.long)),
+     ValueError, r"must share H, got \(4, 8\) and \(9, 7\)"),
+    (lambda: linear_cross_entropy(torch.randn(4, 8), torch.randn(9, 8, dtype=torch.float64),
+                                  torch.zeros(4, dtype=torch.long)), TypeError, "weight is torch.float64, input is"),
+    (lambda: linear_cross_entropy(torch.randn(4, 8), torch.randn(9, 8), torch.zeros(5, dtype=torch.long)),
+     ValueError, r"target of shape \(5,\) must be input's leading shape"),
+], ids=["batch", "int-logits", "float-target", "int16-target", "weight-length", "reduction", "smoothing", "softcap",
+        "nd-target", "lce-hidden", "lce-dtype", "lce-batch"])
+def test_bad_inputs(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_devices_must_match():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device")
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        cross_entropy(torch.randn(4, 5, device="cuda"), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors: the host reads the targets")
+def test_out_of_range_target_raises_on_cpu():
+    x = torch.randn(4, 5, requires_grad=True)
+    for bad in (5, -1, -101):
+        t = torch.tensor([0, bad, 2, -100])
+        with pytest.raises(IndexError, match=rf"class index {bad} at position 1, outside \[0, 5\)"):
+            cross_entropy(x, t)
+    with pytest.raises(IndexError, match=r"outside \[0, 9\)"):
+        linear_cross_entropy(torch.randn(2, 3), torch.randn(9, 3), torch.tensor([9, 0]))
+
+
+def test_out_of_range_target_poisons_without_reading(monkeypatch):
+    # where the host cannot read the targets (a GPU), a bad index is never read: its row's loss and gradient
+    # are NaN, and so is the mean; the other rows are untouched
+    monkeypatch.setattr(launch, "_host_checkable", lambda t: False)
+    x = torch.randn(4, 5, device=DEVICE, requires_grad=True)
+    t = torch.tensor([0, 7, 2, -100], device=DEVICE)
+    rows = cross_entropy(x, t, reduction="none")
+    assert torch.isnan(rows[1]) and torch.isfinite(rows[[0, 2, 3]]).all()
+    loss = cross_entropy(x, t)
+    assert torch.isnan(loss)
+    (gx,) = torch.autograd.grad(cross_entropy(x, t, reduction="sum"), x)
+    assert torch.isnan(gx[1]).all() and torch.isfinite(gx[[0, 2, 3]]).all()
+
+
+# ---------------------------------------------------------------- modules
+def test_cross_entropy_loss_module_is_a_drop_in():
+    w = torch.rand(12, device=DEVICE) + 0.5
+    ours = tritongrad.nn.CrossEntropyLoss(weight=w, ignore_index=3, label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(weight=w, ignore_index=3, label_smoothing=0.1)
+    assert isinstance(ours, torch.nn.CrossEntropyLoss)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    x = torch.randn(7, 12, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 12, (7,), device=DEVICE)
+    t[0] = 3
+    a, b = ours.double()(x, t), theirs.double()(x, t)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(torch.autograd.grad(a, x)[0], torch.autograd.grad(b, x)[0])
+    capped = tritongrad.nn.CrossEntropyLoss(logit_softcap=30.0, z_loss=1e-4)
+    assert "logit_softcap=30.0" in repr(capped) and "z_loss=0.0001" in repr(capped)
+
+
+def test_linear_cross_entropy_loss_module():
+    head = torch.nn.Linear(8, 25, dtype=torch.float64, device=DEVICE)
+    h = torch.randn(3, 4, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 25, (3, 4), device=DEVICE)
+    loss_fn = tritongrad.nn.LinearCrossEntropyLoss(reduction="sum", label_smoothing=0.1)
+    got = loss_fn(h, head.weight, t, head.bias)
+    want = F.cross_entropy(head(h).flatten(0, 1), t.flatten(), reduction="sum", label_smoothing=0.1)
+    torch.testing.assert_close(got, want)
+    ins = (h, head.weight, head.bias)
+    for a, r in zip(torch.autograd.grad(got, ins), torch.autograd.grad(want, ins)):
+        torch.testing.assert_close(a, r)
+
+
+# ---------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture():
+    # no host syncs: forward and backward capture in one graph, and replays match eager
+    tritongrad.set_small_input_threshold(0)
+    x = torch.randn(64, 1000, device="cuda", requires_grad=True)
+    t = _targets(64, 1000, device="cuda")
+    ref = torch.autograd.grad(cross_entropy(x, t, label_smoothing=0.1), x)[0]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            x.grad = None
+            cross_entropy(x, t, label_smoothing=0.1).backward()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(g):
+        cross_entropy(x, t, label_smoothing=0.1).backward()
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(x.grad, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast")
+def test_autocast_dtypes_match_functional():
+    # under autocast F.linear runs in bfloat16 and F.cross_entropy returns float32: the same dtypes here
+    h = torch.randn(16, 32, device="cuda", requires_grad=True)
+    W = torch.randn(100, 32, device="cuda", requires_grad=True)
+    t = torch.randint(0, 100, (16,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours, theirs = linear_cross_entropy(h, W, t), F.cross_entropy(F.linear(h, W), t)
+        logits = F.linear(h, W)
+        assert cross_entropy(logits, t).dtype == F.cross_entropy(logits, t).dtype == torch.float32
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+    a, b = torch.autograd.grad(ours, (h, W)), torch.autograd.grad(theirs, (h, W))
+    assert [g.dtype for g in a] == [g.dtype for g in b] == [torch.float32, torch.float32]
+
+
+# ---------------------------------------------------------------- sm_90
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
+def test_kernels_compile_for_sm90_without_spills():
+    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "ce_sm90_compile.py")], timeout=1200)
+    assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]
