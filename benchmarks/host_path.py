@@ -114,6 +114,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--ops", nargs="+", default=["weighted_sum", "rms_norm", "layer_norm"])
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-shapes", nargs="+", default=["small", "large"], choices=["small", "large"],
+                   help="shapes at which the compiled figures are taken (each costs 4 compilations per op)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     a = p.parse_args()
     tritongrad.set_small_input_threshold(0)  # these shapes are above it anyway; the kernels are measured
@@ -136,7 +138,7 @@ def main() -> int:
                                            "eager": lambda: issue_us(pt, args, g)}, a.rounds)
             row["pipelined_us"] = interleaved({"tritongrad": lambda: pipelined_us(tg, args, g),
                                                "eager": lambda: pipelined_us(pt, args, g)}, a.rounds)
-            if not a.no_compile:
+            if not a.no_compile and size in a.compile_shapes:
                 for mode in ("default", "reduce-overhead"):
                     compiled = {}
                     for prov, fn in (("tritongrad", tg), ("torch", pt)):
