@@ -432,7 +432,15 @@ def _spawn(args, argv, provider, mode, world, name, limit) -> dict:
     path = os.path.join(args.out, "runs", name + ".json")
     if os.path.exists(path):
         os.remove(path)
-    child = [a for a in argv if not a.startswith("--time-limit")]
+    child, skip = [], False
+    for a in argv:  # every argument but --time-limit and its value (the worker gets its own limit)
+        if skip or a.startswith("--time-limit="):
+            skip = False
+            continue
+        if a == "--time-limit":
+            skip = True
+            continue
+        child.append(a)
     cmd = [os.path.abspath(__file__), *child, "--worker", f"{provider}:{mode}", f"--time-limit={limit}"]
     if world > 1 or args.fsdp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *cmd]

@@ -350,7 +350,7 @@ def test_backward_reading_what_is_not_saved():
     op.backward(lambda ctx, dy: 3.0 * dy * ctx.x / ctx.x)
     with pytest.raises(AttributeError, match=r"mylib.unsaved: the backward reads ctx.x, which is not saved; add 'x' "
                                              r"to the op's save=\.\.\. \(saved now: nothing\)"):
-        op(torch.randn(3, requires_grad=True)).sum().backward()
+        op(torch.randn(3, device=DEVICE, requires_grad=True)).sum().backward()
 
 
 def test_index_arguments():
@@ -526,7 +526,7 @@ def test_vmap_without_grad():
     torch.testing.assert_close(torch.func.vmap(lambda x: affine(x, shift=1.0))(x), 2 * x + 1)
 
 
-@pytest.mark.parametrize("op,args", [(sincos, lambda x: (x,)), (pick, lambda x: (x, torch.zeros(3, dtype=torch.long))),
+@pytest.mark.parametrize("op,args", [(sincos, lambda x: (x,)), (pick, lambda x: (x, torch.zeros(3, dtype=torch.long, device=DEVICE))),
                                      (affine, lambda x: (x,))], ids=["saved outputs", "saved inputs", "nothing saved"])
 def test_double_backward_is_refused(op, args):
     # create_graph=True would differentiate launchers that autograd cannot see through: a gradient penalty

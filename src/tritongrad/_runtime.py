@@ -198,18 +198,14 @@ def split_float(v: float) -> tuple[float, float]:
     return hi, v - hi if math.isfinite(v) else 0.0
 
 
-def _spec(a):
-    """The properties of an argument that Triton specializes a compiled kernel on."""
-    t = type(a)
-    if t is int:
-        if not -(2**31) <= a < 2**31:
-            return 64
-        return 1 if a == 1 else (16 if a % 16 == 0 else 0)
-    if t is bool or a is None:
-        return a
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    return t
+_I32 = 2**31
+
+
+# The current CUDA device and stream, straight from torch's C API where it has one (Triton's driver wraps the
+# same calls in Python).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: _driver.active.get_current_device())
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: _driver.active.get_current_stream(device))
 
 
 def _hooks_active() -> bool:
@@ -254,23 +250,28 @@ class Kernel:
             # it here, so that CPU tests compute with the value a GPU gets (split_float).
             args = [split_float(a)[0] if type(a) is float else a for a in args]
             return self.fn[grid](*args, num_warps=num_warps, **constexprs)
-        device = _driver.active.get_current_device()
         # Triton launches on the current device; a model spread over several GPUs must not launch its
         # kernels on the wrong one.
-        owner = a0.get_device()
-        if owner != device:
-            with torch.cuda.device(owner):
+        device = a0.get_device()
+        if device != _current_device():
+            with torch.cuda.device(device):
                 return self._launch(grid, *args, num_warps=num_warps, **constexprs)
         if _hooks_active():
             return self.fn[grid](*args, num_warps=num_warps, **constexprs)
-        key = (device, num_warps, *constexprs.values(), *map(_spec, args))
+        # The key holds the properties Triton specializes on: tensors by dtype and 16-byte alignment, ints by
+        # width, equality to 1 and divisibility by 16, floats by type, bools and None by value. Written inline
+        # rather than as a call per argument: this line is most of a launch's Python.
+        key = (device, num_warps, *constexprs.values(), *[
+            (a.dtype, not a.data_ptr() & 15) if type(a) in PLAIN_TENSORS
+            else (64 if not -_I32 <= a < _I32 else a == 1 or 16 * (not a & 15)) if type(a) is int
+            else float if type(a) is float else a
+            for a in args])
         compiled = self._cache.get(key)
         if compiled is None:  # first launch of this specialization: Triton compiles (or loads) and launches
             self._cache[key] = self.fn[grid](*args, num_warps=num_warps, **constexprs)
             return
-        stream = _driver.active.get_current_stream(device)
         compiled.run(
-            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(device),
             compiled.function, compiled.packed_metadata, None, None, None,
             *args, *[constexprs[n] for n in self._constexpr_names],
         )

@@ -276,7 +276,7 @@ def _rms_native(input, normalized_shape, weight, eps):
 
 
 @op("tritongrad::rms_norm", reference=rms_norm_reference, validate=_rms_validate, native=_rms_native,
-    residuals=("rstd",), autocast=torch.float32)
+    residuals=("rstd",))
 def rms_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                 eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered rms_norm: ``(y, rstd)``; :func:`rms_norm` is the public function."""
@@ -309,8 +309,8 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
         y: input's shape and dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
         contiguous. Statistics and products in float32 (float64 when the input or the weight is float64),
         rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
-        the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
-        float32, as PyTorch's autocast policy does for its norms.
+        the weight gradient is bitwise reproducible. Autocast leaves it alone, as it leaves PyTorch's: the
+        output keeps the input's dtype.
     """
     return rms_norm_op(input, shape_list(normalized_shape), weight, eps)
 
@@ -376,7 +376,7 @@ def _ln_native(input, normalized_shape, weight, bias, eps):
 
 
 @op("tritongrad::layer_norm", reference=layer_norm_reference, validate=_ln_validate, native=_ln_native,
-    residuals=("mean", "rstd"), autocast=torch.float32)
+    residuals=("mean", "rstd"))
 def layer_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                   bias: Optional[torch.Tensor] = None, eps: float = 1e-5
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -413,7 +413,7 @@ def layer_norm(
         y: input's shape and dtype, whatever the dtypes of weight and bias (as
         ``torch.nn.functional.layer_norm``); contiguous. Statistics and products in float32 (float64 when any
         input is float64), rounded once. Differentiable in input, weight and bias; each gradient comes back in
-        its input's dtype, and the weight and bias gradients are bitwise reproducible. Under CUDA autocast it
-        computes in float32 and returns float32, as PyTorch's autocast policy does.
+        its input's dtype, and the weight and bias gradients are bitwise reproducible. Autocast leaves it
+        alone, as it leaves PyTorch's: the output keeps the input's dtype.
     """
     return layer_norm_op(input, shape_list(normalized_shape), weight, bias, eps)
