@@ -63,9 +63,10 @@ def _eager_ce(input, target, weight=None, ignore_index=-100, reduction="mean", l
 
 
 def _eager_lce(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-               logit_softcap=None, z_loss=0.0, grads=None):
-    return _eager_ce(F.linear(input, weight, bias), target, None, ignore_index, reduction, label_smoothing,
+               logit_softcap=None, z_loss=0.0, grads=None, out_dtype=None):
+    loss = _eager_ce(F.linear(input, weight, bias), target, None, ignore_index, reduction, label_smoothing,
                      logit_softcap, z_loss)[0]
+    return loss if out_dtype is None else loss.to(out_dtype)
 
 
 # ---------------------------------------------------------------- OpSuite: cross_entropy
@@ -522,3 +523,19 @@ def test_autocast_dtypes_match_functional():
 def test_kernels_compile_for_sm90_without_spills():
     out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "ce_sm90_compile.py")], timeout=1200)
     assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]
+
+
+def test_linear_cross_entropy_out_dtype_keeps_the_float32_loss():
+    # Hugging Face's causal-LM loss upcasts the logits and returns a float32 loss: out_dtype=float32 gives the
+    # same, not a bfloat16 loss cast up afterwards (which would keep only ~3 significant digits).
+    h = torch.randn(37, 16, device=DEVICE).to(torch.bfloat16)
+    w = torch.randn(50, 16, device=DEVICE).to(torch.bfloat16)
+    t = torch.randint(0, 50, (37,), device=DEVICE)
+    want = F.cross_entropy(F.linear(h, w).double(), t)
+    got = tritongrad.linear_cross_entropy(h, w, t, out_dtype=torch.float32)
+    rounded = tritongrad.linear_cross_entropy(h, w, t)
+    assert got.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert abs(got.double() - want) < 1e-5 * want.abs()
+    assert abs(got.double() - want) < abs(rounded.double() - want) or rounded.double() == want
+    with pytest.raises(TypeError, match="out_dtype"):
+        tritongrad.linear_cross_entropy(h, w, t, out_dtype=torch.int64)

@@ -331,8 +331,8 @@ def causal_lm_linear_loss(hidden_states, weight, bias, labels, logit_softcap=Non
     target = _shifted(labels, shift_labels, ignore_index).to(h.device)
     loss = tritongrad.linear_cross_entropy(h, weight, target, bias, ignore_index=ignore_index,
                                            reduction="sum" if num_items_in_batch is not None else "mean",
-                                           logit_softcap=logit_softcap)
-    return _mean_or_per_item(loss.float(), num_items_in_batch)
+                                           logit_softcap=logit_softcap, out_dtype=torch.float32)
+    return _mean_or_per_item(loss, num_items_in_batch)
 
 
 def _slice_last(hidden_states, logits_to_keep):

@@ -298,8 +298,10 @@ def cross_entropy(
 
 # ---------------------------------------------------------------- linear_cross_entropy
 def _lce_validate(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                  grads) -> None:
+                  grads, out_dtype) -> None:
     _check_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+    if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"tritongrad.linear_cross_entropy: out_dtype must be a floating dtype or None, got {out_dtype}")
     if input.dim() != 2 or weight.dim() != 2 or input.shape[1] != weight.shape[1]:
         raise ValueError(f"tritongrad.linear_cross_entropy: input [N, H] and weight [V, H] must share H, got "
                          f"{tuple(input.shape)} and {tuple(weight.shape)}")
@@ -374,18 +376,19 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
 def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
                             label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
-                            grads: Optional[list[bool]] = None
+                            grads: Optional[list[bool]] = None, out_dtype: Optional[torch.dtype] = None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered linear_cross_entropy over ``input [N, H]``, ``weight [V, H]``: ``(loss, grad_input,
     grad_weight, grad_bias)``; :func:`linear_cross_entropy` is the public function. ``grads`` (input, weight,
     bias): the gradients the forward computes for an upstream gradient of 1 (reduction mean/sum); the others
-    are empty, and the backward computes what is asked for and missing."""
+    are empty, and the backward computes what is asked for and missing. ``out_dtype``: the loss's (None:
+    input's)."""
     N = input.shape[0]
 
     def empty():  # a fresh one per residual: a registered op's returns may not alias each other
         return torch.empty(0, dtype=input.dtype, device=input.device)
 
-    loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
+    loss = torch.empty((N,) if reduction == "none" else (), dtype=out_dtype or input.dtype, device=input.device)
     need = tuple(bool(g) for g in grads) if grads is not None and reduction != "none" else (False,) * 3
     need = (need[0], need[1], need[2] and bias is not None)
     if N == 0:
@@ -433,6 +436,7 @@ def linear_cross_entropy(
     *,
     logit_softcap: float | None = None,
     z_loss: float = 0.0,
+    out_dtype: torch.dtype | None = None,
 ):
     """``cross_entropy(F.linear(input, weight, bias), target, ...)`` without the ``[N, V]`` logits in memory.
 
@@ -443,9 +447,11 @@ def linear_cross_entropy(
             :func:`cross_entropy` for ``ignore_index`` and out-of-range indices.
         bias: optional ``[V]``, input's dtype.
         ignore_index, reduction, label_smoothing, logit_softcap, z_loss: as in :func:`cross_entropy`.
+        out_dtype: the loss's dtype; None (F's semantics) is input's. ``torch.float32`` returns the float32
+            accumulation unrounded, as Hugging Face's causal-LM loss (which upcasts the logits) does.
 
     Returns:
-        The loss in input's dtype (``[...]`` for reduction="none", else 0-d). The logits are made in chunks of
+        The loss in ``out_dtype`` (``[...]`` for reduction="none", else 0-d). The logits are made in chunks of
         rows (plans.py: at most 192 MiB at once) by the same products F.linear runs, so they round as F.linear
         rounds them; the loss accumulates in float32. For reduction mean/sum with gradients enabled, the
         forward also computes the gradients of input, weight and bias (those that require grad) chunk by chunk
@@ -475,7 +481,8 @@ def linear_cross_entropy(
     if reduction != "none" and torch.is_grad_enabled():
         grads = [input.requires_grad, isinstance(weight, torch.Tensor) and weight.requires_grad,
                  isinstance(bias, torch.Tensor) and bias.requires_grad]
+    if autocast and out_dtype is None:
+        out_dtype = torch.float32  # the loss in float32, as F.cross_entropy under autocast
     loss = linear_cross_entropy_op(x, weight, t, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                                   grads)
-    loss = loss.float() if autocast else loss  # and the loss in float32, as F.cross_entropy under autocast
+                                   grads, out_dtype)
     return loss.reshape(target.shape) if reduction == "none" else loss

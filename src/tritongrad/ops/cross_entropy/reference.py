@@ -102,10 +102,12 @@ def linear_cross_entropy_reference(
     logit_softcap: float | None = None,
     z_loss: float = 0.0,
     grads: list[bool] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(F.linear(input, weight, bias), target, ...)`` for ``input [N, H]``, ``weight [V, H]``:
     the logits rounded to input's dtype as F.linear returns them, the loss accumulated in float32 (float64 for
-    float64) and returned in input's dtype. ``grads`` is the registered op's hint (kernels only)."""
+    float64) and returned in ``out_dtype`` (None: input's dtype). ``grads`` is the registered op's hint
+    (kernels only)."""
     logits = torch.nn.functional.linear(input, weight, bias)
     loss, _, denom = _rows(logits, target, None, ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
-    return _reduce(loss, denom, reduction).to(input.dtype)
+    return _reduce(loss, denom, reduction).to(input.dtype if out_dtype is None else out_dtype)

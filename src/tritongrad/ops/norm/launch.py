@@ -276,7 +276,7 @@ def _rms_native(input, normalized_shape, weight, eps):
 
 
 @op("tritongrad::rms_norm", reference=rms_norm_reference, validate=_rms_validate, native=_rms_native,
-    residuals=("rstd",))
+    residuals=("rstd",), autocast=torch.float32)
 def rms_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                 eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered rms_norm: ``(y, rstd)``; :func:`rms_norm` is the public function."""
@@ -309,8 +309,8 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
         y: input's shape and dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
         contiguous. Statistics and products in float32 (float64 when the input or the weight is float64),
         rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
-        the weight gradient is bitwise reproducible. Autocast leaves it alone, as it leaves PyTorch's: the
-        output keeps the input's dtype.
+        the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
+        float32, as PyTorch's rms_norm does there.
     """
     return rms_norm_op(input, shape_list(normalized_shape), weight, eps)
 
@@ -414,6 +414,6 @@ def layer_norm(
         ``torch.nn.functional.layer_norm``); contiguous. Statistics and products in float32 (float64 when any
         input is float64), rounded once. Differentiable in input, weight and bias; each gradient comes back in
         its input's dtype, and the weight and bias gradients are bitwise reproducible. Autocast leaves it
-        alone, as it leaves PyTorch's: the output keeps the input's dtype.
+        alone, as it leaves PyTorch's layer_norm: the output keeps the input's dtype.
     """
     return layer_norm_op(input, shape_list(normalized_shape), weight, bias, eps)
