@@ -12,90 +12,23 @@ which depends on the class count, and on the row count the plan is told: 16384);
 ones.
 """
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
-os.environ.pop("TRITON_INTERPRET", None)
+import sm90  # noqa: F401  (first: Triton out of its interpreter)
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from tritongrad import _runtime
+from tritongrad.ops.cross_entropy import cross_entropy, launch, linear_cross_entropy
 
-from tritongrad import _pattern, _runtime  # noqa: E402
-from tritongrad.ops.cross_entropy import cross_entropy, launch, linear_cross_entropy  # noqa: E402
-
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-          torch.int64: "i64", torch.int32: "i32"}
-_seen: set = set()
-_failures: list = []
-_RESOURCES = "--resources" in sys.argv
-_SPILL_STORE = re.compile(r"\bSTL(\.\w+)*\s")
 # Local stores a kernel may have without failing: one-off saves, e.g. a predicate register kept in local
 # memory from the kernel's entry to its end (seen once, in a soft-capped kernel: P2R then STL, one load
 # later), cost nothing per element. Spills in loops come by the dozen.
 _ONE_OFF_STORES = 2
 
 
-def _resources(cubin: bytes) -> tuple[str, int]:
-    """(registers, stack and shared memory as cuobjdump reports them; register spills: the local-memory
-    stores in the SASS). A stack frame alone is not a spill: calls to slow-path subroutines (a division's,
-    float64's) take one."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True).stdout
-    res = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:3])
-    return res, len(_SPILL_STORE.findall(sass))
-
-
-def _compile(self, grid, *args, num_warps=4, **constexprs):
-    # The specialization Triton makes at run time: integers equal to 1 become constants, pointers aligned to
-    # 16 bytes and integers divisible by 16 are marked so (what enables 16-byte vector loads).
-    names = [p.name for p in self.fn.params]
-    signature, constants, attrs = {}, {}, {}
-    for i, (name, a) in enumerate(zip(names, args)):
-        if isinstance(a, torch.Tensor):
-            signature[name] = "*" + _TYPES[a.dtype]
-            aligned = a.data_ptr() % 16 == 0
-        elif isinstance(a, bool) or a is None or (type(a) is int and a == 1):
-            signature[name], constants[name] = "constexpr", a
-            continue
-        elif isinstance(a, int):
-            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-            aligned = a % 16 == 0
-        else:
-            signature[name] = "fp32"
-            continue
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in names[len(args):]:
-        signature[name], constants[name] = "constexpr", constexprs[name]
-    key = (self.fn.__name__, tuple(signature.items()), repr(sorted(constants.items(), key=str)), repr(attrs),
-           num_warps)
-    if key in _seen:
-        return
-    _seen.add(key)
-    try:
-        compiled = triton.compile(
-            ASTSource(self.fn, signature=signature, constexprs=constants, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": num_warps},
-        )
-        res, spills = _resources(compiled.asm["cubin"])
-        if spills > _ONE_OFF_STORES:
-            _failures.append(f"{self.fn.__name__} {constants}: {spills} register spill stores ({res})")
-        if _RESOURCES:
-            shown = {k: v for k, v in constants.items() if k.isupper()}
-            print(f"{self.fn.__name__:30s} warps={num_warps} {res} spills={spills} dyn_smem={compiled.metadata.shared} "
-                  f"{shown}")
-    except Exception as e:  # report every failing specialization, not just the first
-        _failures.append(f"{self.fn.__name__} {constants}: {type(e).__name__}: {str(e)[:500]}")
+def _check(name, shown, compiled) -> list:
+    res, spills = sm90.resources(compiled.asm["cubin"])
+    return [f"{name} {shown}: {spills} register spill stores ({res})"] if spills > _ONE_OFF_STORES else []
 
 
 def _ce_calls(dtype, N, C, padded: int = 0):
@@ -129,9 +62,8 @@ def _lce_calls(dtype, N, H, V, bias: bool):
 
 
 def main() -> int:
-    _runtime.Kernel._launch = _compile
-    _runtime.uses_triton = _pattern.rt.uses_triton = launch.rt.uses_triton = lambda device: True
-    _runtime.sm_count = launch.rt.sm_count = lambda device: 132
+    compiler = sm90.Compiler(_check)
+    compiler.install()
     # Plans see the row count of the target shapes (the tensors here have few rows, to spare the CPU).
     _runtime.hint = lambda n: 16384
     bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -148,10 +80,7 @@ def main() -> int:
         # The linear op's chunks at the target vocabulary (the hidden size does not change the loss kernels).
         for dtype, bias in ((bf, False), (bf, True), (f32, False)):
             _lce_calls(dtype, 96, 32, 128256, bias)
-    for f in _failures:
-        print("FAIL", f)
-    print(f"compiled {len(_seen)} specializations, {len(_failures)} failures")
-    return 1 if _failures else 0
+    return compiler.report()
 
 
 if __name__ == "__main__":

@@ -10,83 +10,24 @@ and shared memory, from the cubin by the cuobjdump that Triton ships). tests/tes
 tests/test_rope.py run it.
 """
 
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
-os.environ.pop("TRITON_INTERPRET", None)
+import sm90  # noqa: F401  (first: Triton out of its interpreter)
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import tritongrad
 
-import tritongrad  # noqa: E402
-from tritongrad import _pattern, _runtime  # noqa: E402
-
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 # 16-byte vector accesses to global memory: four 32-bit words (two for 64-bit elements).
 _VECTOR_LOAD = re.compile(r"ld\.global[\w:.]*\.(v4\.(b|f|u|s)32|v2\.(b|f|u|s)64)")
 _VECTOR_STORE = re.compile(r"st\.global[\w:.]*\.(v4\.(b|f|u|s)32|v2\.(b|f|u|s)64)")
-_RESOURCES = "--resources" in sys.argv
-_seen: set = set()
-_failures: list = []
-_want_vectors = [True]
 
 
-def _resources(cubin: bytes) -> str:
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()[:4])
-
-
-def _compile(self, grid, *args, num_warps=4, **constexprs):
-    # The specialization Triton makes at run time: integers equal to 1 and None become constants, pointers
-    # aligned to 16 bytes and integers divisible by 16 are marked so (what enables 16-byte vectors).
-    names = [p.name for p in self.fn.params]
-    signature, constants, attrs = {}, {}, {}
-    for i, (name, a) in enumerate(zip(names, args)):
-        if isinstance(a, torch.Tensor):
-            signature[name] = "*" + _TYPES[a.dtype]
-            aligned = a.data_ptr() % 16 == 0
-        elif isinstance(a, bool) or a is None or a == 1:
-            signature[name], constants[name] = "constexpr", a
-            continue
-        elif isinstance(a, int):
-            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-            aligned = a % 16 == 0
-        else:
-            signature[name] = "fp32"
-            continue
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in names[len(args):]:
-        signature[name], constants[name] = "constexpr", constexprs[name]
-    key = (self.fn.__name__, tuple(signature.items()), repr(sorted(constants.items(), key=str)), repr(attrs),
-           num_warps)
-    if key in _seen:
-        return
-    _seen.add(key)
-    shown = {k: v for k, v in constants.items() if k.isupper()}
-    try:
-        compiled = triton.compile(
-            ASTSource(self.fn, signature=signature, constexprs=constants, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": num_warps},
-        )
-    except Exception as e:  # report every failing specialization, not just the first
-        _failures.append(f"{self.fn.__name__} {shown}: {type(e).__name__}: {str(e)[:500]}")
-        return
+def _check(name, shown, compiled) -> list:
     ptx = compiled.asm["ptx"]
-    if _want_vectors[0] and not (_VECTOR_LOAD.search(ptx) and _VECTOR_STORE.search(ptx)):
-        _failures.append(f"{self.fn.__name__} {shown}: no 16-byte vector load/store for 16-byte aligned rows")
-    if _RESOURCES:
-        print(f"{self.fn.__name__:20s} warps={num_warps} {_resources(compiled.asm['cubin'])} {shown}")
+    if not (_VECTOR_LOAD.search(ptx) and _VECTOR_STORE.search(ptx)):
+        return [f"{name} {shown}: no 16-byte vector load/store for 16-byte aligned rows"]
+    return []
 
 
 def _empty(*shape, dtype):
@@ -147,14 +88,10 @@ def run_rope() -> None:
 
 
 def main(which: str) -> int:
-    _runtime.Kernel._launch = _compile
-    _runtime.uses_triton = _pattern.rt.uses_triton = lambda device: True
-    _runtime.sm_count = lambda device: 132
+    compiler = sm90.Compiler(_check)
+    compiler.install()
     {"swiglu": run_swiglu, "rope": run_rope}[which]()
-    for f in _failures:
-        print("FAIL", f)
-    print(f"compiled {len(_seen)} specializations, {len(_failures)} failures")
-    return 1 if _failures else 0
+    return compiler.report()
 
 
 if __name__ == "__main__":
