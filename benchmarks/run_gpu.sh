@@ -18,16 +18,7 @@
 #                       skipped), so the run ends in about 6 minutes whatever torch.compile costs there
 #   BENCH_ARGS          more arguments for `tritongrad bench`, e.g. "--quick" or "rms_norm --dtype bf16"
 set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/bench.log" || true
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments

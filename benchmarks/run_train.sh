@@ -18,16 +18,7 @@
 #   TRAIN_TIME_LIMIT   seconds per run, setup and compile included (default 150): no step starts after it
 #   TRAIN_ARGS         more arguments for train_llama.py, e.g. "--size small --steps 20" (see --help)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench-out}
-mkdir -p "$OUT"
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 TRITONGRAD_GIT_SHA=${TRITONGRAD_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || true)}
+source "$(dirname "$0")/gpu_env.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/train.log" || true
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of arguments

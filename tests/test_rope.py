@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE, run_without_interpreter
+from conftest import DEVICE, KernelSpy, run_without_interpreter
 
 from tritongrad.ops.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_reference
 from tritongrad.ops.rope import launch as rope_launch
@@ -106,22 +106,8 @@ def test_backward_sign():
 
 
 # ---------------------------------------------------------------- memory: in place, layouts, no writes
-class _Spy:
-    """Wraps the kernel and records the data_ptr of every tensor argument of each launch."""
-
-    def __init__(self, kern):
-        self.kern, self.ptrs = kern, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.ptrs.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
-            return self.kern[grid](*args, **kw)
-
-        return launch
-
-
 def test_transposed_projections_are_read_in_place_and_layouts_kept(monkeypatch):
-    spy = _Spy(rope_launch._kernel)
+    spy = KernelSpy(rope_launch._kernel)
     monkeypatch.setattr(rope_launch, "_kernel", spy)
     q, k = projections(2, 5, 8, 2, 16, torch.float32, DEVICE)
     cos, sin = tables(1, 5, 16, torch.float32, DEVICE)
@@ -139,7 +125,7 @@ def test_transposed_projections_are_read_in_place_and_layouts_kept(monkeypatch):
 
 
 def test_one_launch_for_q_and_k(monkeypatch):
-    spy = _Spy(rope_launch._kernel)
+    spy = KernelSpy(rope_launch._kernel)
     monkeypatch.setattr(rope_launch, "_kernel", spy)
     q, k = projections(1, 4, 4, 2, 8, torch.float32, DEVICE)
     qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()

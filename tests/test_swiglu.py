@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, run_without_interpreter
+from conftest import DEVICE, KernelSpy, run_without_interpreter
 
 import tritongrad
 from tritongrad.ops.swiglu import launch as sw_launch
@@ -108,24 +108,10 @@ def test_float64_equals_hugging_face_activation():
 
 
 # ---------------------------------------------------------------- memory: in place, no copies, no writes
-class _Spy:
-    """Wraps a launcher's kernel and records the data_ptr of every tensor argument of each launch."""
-
-    def __init__(self, kern):
-        self.kern, self.ptrs = kern, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.ptrs.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
-            return self.kern[grid](*args, **kw)
-
-        return launch
-
-
 def test_fused_halves_are_read_in_place(monkeypatch):
     I = 40
     x = torch.randn(2, 3, 2 * I, device=DEVICE)
-    fwd, bwd = _Spy(sw_launch._fwd_kernel), _Spy(sw_launch._bwd_kernel)
+    fwd, bwd = KernelSpy(sw_launch._fwd_kernel), KernelSpy(sw_launch._bwd_kernel)
     monkeypatch.setattr(sw_launch, "_fwd_kernel", fwd)
     monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
     xr = x.clone().requires_grad_()
