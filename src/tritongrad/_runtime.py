@@ -151,8 +151,8 @@ def row_split(
 
 
 # Small inputs (``_pattern.set_small_input_threshold``) go to PyTorch's own ops only with rows up to this
-# long: PyTorch's norms give a row to one block, and its matrix-vector product of one 1M-element row took
-# 115 us forward+backward on an H200 against 6 us for tritongrad's kernels (benchmarks/NOTES.md).
+# long: PyTorch's norms give a row to one block, and its matrix-vector product of a very long row is many times
+# slower than tritongrad's kernels (docs/host-path.md).
 NATIVE_MAX_D = 8192
 
 

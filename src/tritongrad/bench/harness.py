@@ -142,8 +142,7 @@ class Timer:
         """Median, 20th and 80th percentile of the GPU time of one ``fwd`` or ``fwdbwd`` run, host overhead
         excluded: replays of a CUDA graph of n (flush L2, run) minus the mean replay of a graph of n
         flushes, over n. Not for ``bwd``: its forward ran before, outside the capture, and autograd runs a
-        backward on its forward's stream. Capturing it failed for every provider in one H200 run (torch
-        2.11), and that run later ran out of GPU memory."""
+        backward on its forward's stream; capturing it fails for every provider (torch 2.11)."""
         import triton
 
         n = max(3, min(100, int(GRAPH_MS / max(median_ms, 1e-3))))

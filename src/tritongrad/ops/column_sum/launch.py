@@ -11,9 +11,8 @@ from .kernels import _column_sum_kernel
 
 _kernel = rt.Kernel(_column_sum_kernel)
 
-# Narrow column blocks, many programs: on an H200 a [264, 8192] float32 buffer took 2.8 us in 512 programs of
-# 16 columns x 64 rows per step, 4.2 us in 128 programs of 64 columns x 64 rows (benchmarks/NOTES.md). The
-# buffer was just written by stage one and sits in L2; what limits this launch is latency, not bandwidth.
+# Narrow column blocks, many programs: the buffer was just written by stage one and sits in L2, so latency,
+# not bandwidth, limits this launch (docs/weighted-sum.md, "column_sum").
 _BLOCK_M = 16  # columns per program
 _BLOCK_P = 64  # partial rows per loop step
 _NUM_WARPS = 4

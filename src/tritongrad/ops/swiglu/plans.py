@@ -20,8 +20,7 @@ class Tile(NamedTuple):
 
 
 # Bytes of each input a program reads, and its warps: one 16-byte vector per thread and input, many small
-# programs. On an H200 at 16384 x 14336 bfloat16 this reached copy bandwidth forward and backward; 2 KiB to
-# 8 KiB tiles at 4 or 8 warps were within 1%, 32 KiB tiles 20-60% slower (docs/swiglu-rope.md).
+# programs: at copy bandwidth forward and backward, where larger tiles were slower (docs/swiglu-rope.md).
 TILE_BYTES = 4096
 NUM_WARPS = 8
 # Column blocks: the widest power of two dividing D, up to the tile (14336 = 7 x 2048, 11008 = 43 x 256),
