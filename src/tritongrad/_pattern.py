@@ -197,15 +197,16 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op: Op = ctx.op
+        saved = ctx.saved_tensors  # once: each access unpacks every saved tensor again
         if torch.is_grad_enabled() and (
             any(g is not None and g.requires_grad for g in grads)
-            or any(t is not None and t.requires_grad for t in ctx.saved_tensors)
+            or any(t is not None and t.requires_grad for t in saved)
         ):
             # create_graph=True: the launchers are not differentiable, so a second-order gradient would
             # silently miss terms. Refuse instead.
             raise RuntimeError(f"{op.label}: double backward (create_graph=True) is not supported")
         values = dict(zip(op._nontensor_names, ctx.nontensor_args))
-        values.update(zip(op.save, ctx.saved_tensors))
+        values.update(zip(op.save, saved))
         grads = op._grads(BackwardContext(op, values, ctx.needs_input_grad[1:]), grads)
         return (None, *op._pad(grads))
 
