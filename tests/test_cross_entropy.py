@@ -179,6 +179,29 @@ def test_softcap_and_z_loss_equal_composed_ops(reduction):
                                torch.autograd.grad((want, want_lse), x, g)[0], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_extreme_logits_over_many_chunks(dtype):
+    # rows of several chunks (the per-lane running max): masked -inf logits, a row all -inf but its target, the
+    # most negative finite value, a maximum in the first chunk only, and values whose exp overflows unshifted
+    C = 2 * P.ONE_CHUNK_MAX[torch.empty((), dtype=dtype).element_size()] + 37
+    x = torch.randn(5, C, dtype=torch.float64, device=DEVICE) * 4
+    x[0, torch.rand(C, device=DEVICE) < 0.7] = float("-inf")
+    x[1] = float("-inf")
+    x[2, ::3] = torch.finfo(dtype).min
+    x[3, :5] = 60.0
+    x[4] += 700.0 if dtype == torch.float64 else 80.0
+    t = torch.tensor([0, 7, 2, 3, 4], device=DEVICE)
+    x[0, 0] = x[1, 7] = 1.5  # the targets are finite
+    x = x.to(dtype).requires_grad_()
+    got = cross_entropy(x, t, reduction="none")
+    want = F.cross_entropy(x.double(), t, reduction="none")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5)
+    g = torch.randn(5, dtype=torch.float64, device=DEVICE)
+    (gx,) = torch.autograd.grad(got, x, g.to(dtype))
+    (wx,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(gx.double(), wx.double(), rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-6)
+
+
 def test_all_rows_ignored():
     # F: the mean of no rows is NaN (0/0), the sum 0; the gradient is 0 either way
     x = torch.randn(3, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
