@@ -67,7 +67,8 @@ def row_plan(N: int, C: int, elem: int, sms: int, narrow: int = 0) -> RowPlan:
     """The main kernel's plan for N rows (a hint) of C classes of ``elem``-byte logits. ``narrow``: halve the
     chunk this many times, for kernels that would spill at full width (class weights with label smoothing
     load a weight per logit; rows not 16-byte aligned load element by element, each with its own address; the
-    soft cap keeps tanh's terms live; its rows are bound by arithmetic, not by the chunk width)."""
+    soft cap keeps tanh's terms live, twice over in float64; its rows are bound by arithmetic, not by the
+    chunk width)."""
     width = ONE_CHUNK_MAX[elem] >> narrow
     if C <= width:
         # One chunk: nothing is re-read, so no L2 bound; a program per row lets the GPU balance the rows.
