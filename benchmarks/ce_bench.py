@@ -244,15 +244,16 @@ def accuracy_lce():
     RESULTS["accuracy_lce"] = out
 
 
-SWEEP = [  # (chunk columns for 16-bit rows, warps, stages, rows-in-flight L2 budget); the first is the default
-    (4096, 8, 4, 40 << 20), (4096, 8, 6, 40 << 20), (4096, 8, 3, 40 << 20), (4096, 8, 4, 16 << 20),
-    (4096, 8, 6, 72 << 20), (8192, 16, 3, 40 << 20), (8192, 16, 4, 72 << 20), (2048, 4, 6, 40 << 20),
-    (2048, 4, 8, 72 << 20),
+SWEEP = [  # (warps a program, stages, warps of the persistent grid per SM) for every chunked row; chunks are
+    # 32 bytes a thread (warps x 512 columns of bf16). The plans' own choice runs first.
+    None, (2, 6, 16), (2, 4, 16), (4, 4, 16), (4, 6, 16), (8, 4, 16), (16, 4, 16), (2, 4, 8), (4, 4, 8),
+    (2, 4, 24), (4, 4, 24),
 ]
 
 
 def sweep(bw: float):
-    saved = (dict(P.ONE_CHUNK_MAX), P.CHUNK_WARPS, dict(P.STAGES), P.L2_ROWS_BYTES, dict(P.STAGES_ALONE))
+    knobs = ("CHUNK_WARPS", "CHUNK_WARPS_LONG", "STAGES", "STAGES_LONG", "WARPS_PER_SM")
+    saved = {k: getattr(P, k) for k in knobs}
     rows = []
     for N, C in ((16384, 32000), (8192, 128256)):
         x = torch.randn(N, C, device="cuda", generator=_gen(), dtype=torch.bfloat16).requires_grad_()
@@ -262,25 +263,29 @@ def sweep(bw: float):
         def run():
             tritongrad.cross_entropy(x, t).backward()
 
-        for chunk, warps, stages, l2 in SWEEP:
-            P.ONE_CHUNK_MAX[2], P.CHUNK_WARPS, P.L2_ROWS_BYTES = chunk, warps, l2
-            P.STAGES[2] = P.STAGES_ALONE[2] = stages
+        for variant in SWEEP:
+            for k, v in saved.items():
+                setattr(P, k, v)
+            if variant is not None:
+                warps, stages, per_sm = variant
+                P.CHUNK_WARPS = P.CHUNK_WARPS_LONG = warps
+                P.STAGES, P.STAGES_LONG, P.WARPS_PER_SM = {**saved["STAGES"], 2: stages}, {2: stages}, per_sm
             P.row_plan.cache_clear()
             plan = P.row_plan(N, C, 2, 132)
             try:
                 run()
                 ms = triton.testing.do_bench_cudagraph(run, grad_to_none=[x], return_mode="median")
             except Exception as e:  # noqa: BLE001
-                print(f"  {chunk} {warps} {stages} {l2 >> 20}: {type(e).__name__}: {str(e)[:150]}")
+                print(f"  {plan}: {type(e).__name__}: {str(e)[:150]}")
                 continue
-            rows.append(dict(N=N, C=C, chunk=chunk, warps=warps, stages=stages, l2_mb=l2 >> 20, programs=plan.programs,
-                             ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3))
-            print(f"  {N}x{C} chunk {chunk} warps {warps} stages {stages} L2 {l2 >> 20} MB programs {plan.programs}: "
-                  f"{ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy")
+            rows.append(dict(N=N, C=C, default=variant is None, **plan._asdict(), ms=ms,
+                             pct_copy=100 * floor_gb / ms / bw * 1e3))
+            print(f"  {N}x{C} {'plan ' if variant is None else ''}chunk {plan.BLOCK_C} warps {plan.num_warps} stages "
+                  f"{plan.stages} programs {plan.programs}: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy")
         del x
         torch.cuda.empty_cache()
-    P.ONE_CHUNK_MAX.update(saved[0])
-    P.CHUNK_WARPS, P.STAGES, P.L2_ROWS_BYTES, P.STAGES_ALONE = saved[1], saved[2], saved[3], saved[4]
+    for k, v in saved.items():
+        setattr(P, k, v)
     P.row_plan.cache_clear()
     RESULTS["sweep"] = rows
 

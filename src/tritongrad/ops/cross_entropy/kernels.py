@@ -29,11 +29,9 @@ or g_n, and an upstream gradient d_n of the returned lse (which also flows throu
 
 Precision: loads are cast to ACC (float32, float64 when the logits or the class weights are float64) before
 any arithmetic; every sum over a row or over rows is taken in ACC, and results are rounded once, on store.
-lse uses the online form per lane: each lane keeps its own running max m and sum s, and a new value u
-updates them with one exp, e = exp(-|u - m|): s <- s e + 1 when u > m (then m <- u), else s <- s + e. The lanes
-meet once per row, lse = M + log \sum_lanes s exp(m - M) with M the largest m, so a chunk needs no reduction
-across the block (no barrier in the column loop). m starts at the most negative finite value, so a -inf logit
-gives e = 0 and never inf - inf; a row that is all -inf gets lse = -inf.
+lse uses the online form m_k = max(m_{k-1}, max chunk_k), s_k = s_{k-1} exp(m_{k-1} - m_k) + \sum exp(u - m_k),
+with the running sum kept per lane (one block reduction per chunk, for the max). A row that is all -inf so far
+uses 0 in place of m, so exp never sees inf - inf.
 
 Kernels:
 
@@ -77,15 +75,6 @@ def _softcap(z, cap, HAS_SOFTCAP: tl.constexpr):
         return cap * tl.where(z < 0, -th, th), 4.0 * e * r * r
     else:
         return z, 1.0
-
-
-@triton.jit
-def _online_lse(u, m, s):
-    """Per-lane running max and sum after u, with one exp: ``exp(-|u - m|)`` is the factor of whichever of the
-    old sum and the new term is not the new maximum's own (module docstring)."""
-    e = tl.exp(-tl.abs(u - m))
-    up = u > m
-    return tl.where(up, u, m), tl.where(up, s * e + 1.0, s + e)
 
 
 @triton.jit
@@ -191,14 +180,16 @@ def _cross_entropy_fwd_kernel(
             lse = tl.load(lse_ptr + row64).to(ACC)
         else:
             if valid | LSE_ALL | (d_n != 0.0):  # an ignored row needs no read unless its lse is asked for
-                m_vec = tl.full([BLOCK_C], -1.7976931348623157e308 if ACC == tl.float64 else -3.4028234663852886e38,
-                                dtype=ACC)  # the most negative finite ACC: no inf - inf (module docstring)
+                m = tl.full([], neg_inf, dtype=ACC)
                 s_vec = tl.zeros([BLOCK_C], dtype=ACC)
                 su_vec = tl.zeros([BLOCK_C], dtype=ACC)
                 for k in tl.range(0, K - 1, num_stages=STAGES):
                     o = k * BLOCK_C + o_c
                     u, _ = _softcap(tl.load(p_x + o).to(ACC), cap, HAS_SOFTCAP)
-                    m_vec, s_vec = _online_lse(u, m_vec, s_vec)
+                    m_new = tl.maximum(m, tl.max(u, 0))
+                    m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: no inf - inf
+                    s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
+                    m = m_new
                     if HAS_SMOOTHING:
                         if HAS_WEIGHT:
                             su_vec += u * tl.load(weight_ptr + o * stride_w).to(ACC)
@@ -207,9 +198,10 @@ def _cross_entropy_fwd_kernel(
                 x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
                 u_c, _ = _softcap(x_last.to(ACC), cap, HAS_SOFTCAP)
                 u = tl.where(m_last, u_c, neg_inf)  # masked lanes after the cap (which maps -inf to -cap)
-                m_vec, s_vec = _online_lse(u, m_vec, s_vec)
-                m_row = tl.max(m_vec, 0)
-                lse = m_row + tl.log(tl.sum(s_vec * tl.exp(m_vec - m_row), 0))
+                m_new = tl.maximum(m, tl.max(u, 0))
+                m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+                s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
+                lse = m_safe + tl.log(tl.sum(s_vec, 0))
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(weight_ptr + o_last * stride_w, mask=m_last, other=0.0).to(ACC)

@@ -97,8 +97,7 @@ def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_
     N, C = x.shape
     stride_g = grad.stride(0) if grad is not None else 0
     align = rt.align(int(x.stride(0)), stride_g)
-    narrow = (int(weight is not None and smoothing) + int(align * x.element_size() < 16)
-              + int(softcap) * (2 if acc == torch.float64 else 1))
+    narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16) + int(softcap)
     plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.sm_count(x.device), narrow)
     _fwd_kernel[(plan.programs,)](
         x, target, weight, stats, loss, lse, grad, dloss, dlse, N, C, x.stride(0), stride_g, target.stride(0),

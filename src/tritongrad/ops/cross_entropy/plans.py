@@ -25,20 +25,19 @@ class RowPlan(NamedTuple):
 # 16 (16-bit), 8 (32-bit) or 4 (64-bit) elements a thread over 8 warps: two 16-byte loads per thread and
 # step, and room in registers (16 warps cap a thread at 128 registers, where the options' kernels spill).
 ONE_CHUNK_MAX = {2: 4096, 4: 2048, 8: 1024}
-# Longer rows step over chunks of that many columns (8 KiB) ...
-CHUNK_WARPS = 8
-# ... with this many chunks in flight per program (cp.async into shared memory while one is reduced): 24 KiB
-# a program with two programs per SM, 40 KiB with one (rows too long for two to share L2), so that each SM
-# keeps about the 30 KiB in flight that 4.3 TB/s over 132 SMs needs at ~1 us of latency (Little's law).
-STAGES = {2: 4, 4: 4, 8: 4}
-STAGES_ALONE = {2: 6, 4: 4, 8: 4}  # 32/64-bit rows: 6 stages spill in the soft-capped kernels
-# Pass 2 re-reads a row that pass 1 just read; it comes from L2 if the rows in flight fit. H100/H200 have
-# 50-60 MB of L2; the gradient's write-back shares it, so the rows in flight are held to this many bytes.
-L2_ROWS_BYTES = 40 << 20
-# At most this many programs per SM over chunked rows: the persistent grid must be resident all at once (a
-# program that starts only when another ends runs its rows in a half-empty last wave); the main kernel's
-# 8 warps at up to 128 registers fit twice in an SM's 64K registers.
-MAX_PROGRAMS_PER_SM = 2
+# Longer rows step over chunks of 32 bytes a thread (16 columns of 16-bit logits) ...
+CHUNK_THREAD_BYTES = 32
+# ... with programs this small: the kernel is bound by latency, not bytes (a block max per chunk, then its
+# exps), so an SM wants many independent rows in flight. 2 warps a program up to LONG_ROW_BYTES a row, 4 beyond
+# (fewer, longer chunk loops per row), measured best among 2-16 warps (docs/cross-entropy.md#plans).
+CHUNK_WARPS = 2
+CHUNK_WARPS_LONG = 4
+LONG_ROW_BYTES = 128 << 10
+# Warps of the persistent grid per SM: 16 measured best; the re-read of pass 2 then misses L2 on long rows
+# (528 rows of 256 KB in flight), which costs less than the idle SMs that bounding the rows in flight did.
+WARPS_PER_SM = 16
+STAGES = {2: 6, 4: 4, 8: 4}  # chunks in flight per program (cp.async into shared memory) for rows ...
+STAGES_LONG = {2: 4, 4: 4, 8: 4}  # ... up to LONG_ROW_BYTES, and beyond
 
 # The backward scale kernel: rows per program chosen so that about this many programs cover N, each
 # reading its rows' lse gradients in one vector load (all of them exit at once when there is nothing to do).
@@ -67,16 +66,17 @@ def row_plan(N: int, C: int, elem: int, sms: int, narrow: int = 0) -> RowPlan:
     """The main kernel's plan for N rows (a hint) of C classes of ``elem``-byte logits. ``narrow``: halve the
     chunk this many times, for kernels that would spill at full width (class weights with label smoothing
     load a weight per logit; rows not 16-byte aligned load element by element, each with its own address; the
-    soft cap keeps tanh's terms live, twice over in float64; its rows are bound by arithmetic, not by the
-    chunk width)."""
+    soft cap keeps tanh's terms live; its rows are bound by arithmetic, not by the chunk width)."""
     width = ONE_CHUNK_MAX[elem] >> narrow
     if C <= width:
-        # One chunk: nothing is re-read, so no L2 bound; a program per row lets the GPU balance the rows.
+        # One chunk: nothing is re-read; a program per row lets the GPU balance the rows.
         block = rt.next_pow2(max(C, 1))
-        return RowPlan(block, max(1, min(CHUNK_WARPS, block * elem // 512)), STAGES[elem], max(1, N))
-    per_sm = max(1, min(MAX_PROGRAMS_PER_SM, L2_ROWS_BYTES // (sms * C * elem)))
-    stages = STAGES[elem] if per_sm > 1 else STAGES_ALONE[elem]
-    return RowPlan(width, CHUNK_WARPS, stages, max(1, min(N, per_sm * sms)))
+        return RowPlan(block, max(1, min(8, block * elem // 512)), STAGES[elem], max(1, N))
+    long = C * elem > LONG_ROW_BYTES
+    warps = CHUNK_WARPS_LONG if long else CHUNK_WARPS
+    block = max(16, (warps * 32 * CHUNK_THREAD_BYTES // elem) >> narrow)
+    stages = (STAGES_LONG if long else STAGES)[elem]
+    return RowPlan(block, warps, stages, max(1, min(N, WARPS_PER_SM // warps * sms)))
 
 
 def bwd_rows(N: int, sms: int) -> int:
