@@ -69,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput median (default 5)")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (default 1.0, the Trainer's; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markov-states", type=int, default=4096, help="states of the data's Markov chain")
     p.add_argument("--markov-branch", type=int, default=8, help="successors per state")
@@ -81,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tg-ops", default="rms_norm,swiglu,rope,linear_cross_entropy",
                    help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
                         "supersedes); an op this install lacks is dropped, and said so")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile the last N steps with torch.profiler: runs/<run>-profile.txt, device time per op")
     p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
     p.add_argument("--stem", default=None, help="output file stem (default train-<device>-<time>)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # provider:mode, set by the orchestrator
@@ -239,14 +242,20 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
         torch.cuda.reset_peak_memory_stats(device)
     result["setup_s"] = round(time.time() - started, 2)
     bar = _progress(args.steps, result["run"]) if rank == 0 else None
+    prof = None
     for step in range(args.steps):
         if time.time() - started > args.time_limit:
             result["status"] = f"time limit after {step} steps"
             break
+        if args.profile_steps and step == args.steps - args.profile_steps and rank == 0:
+            prof = torch.profiler.profile(activities=_activities())
+            prof.__enter__()
         ids = batches[step, rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # as the Trainer does; no host sync
         try:
             opt.step()
         except RuntimeError:
@@ -273,7 +282,15 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             break
     if bar is not None:
         bar.close()
-    times = result["step_times"][args.warmup:]
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        _write_profile(prof, os.path.join(args.out, "runs", result["run"] + "-profile.txt"), result, args.profile_steps)
+    if mode == "compile":
+        from torch._dynamo.utils import counters
+
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["graph_break_reasons"] = sorted(counters["graph_break"])[:20]
+    times = result["step_times"][args.warmup:args.steps - args.profile_steps]  # profiled steps run slower
     result["tokens_per_s"] = args.batch * args.seq / statistics.median(times) if times else None
     if device.type == "cuda":
         peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
@@ -291,6 +308,27 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
         torch.cuda.empty_cache()
     torch._dynamo.reset()
     return result
+
+
+def _activities():
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _write_profile(prof, path: str, result: dict, steps: int) -> None:
+    """The profiled steps' operators by device time (self), then by host time: where a step's time goes."""
+    table = prof.key_averages()
+    dev = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    kernels = [e for e in table if e.device_type != torch.autograd.DeviceType.CPU]  # operators count them again
+    total = sum(getattr(e, dev, 0) for e in (kernels or table))
+    with open(path, "w") as f:
+        f.write(f"{result['run']}: the last {steps} steps; self device time {total / 1e3 / steps:.1f} ms per step\n\n")
+        f.write(table.table(sort_by=dev, row_limit=40, max_name_column_width=70))
+        f.write("\n\n")
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    result["profile"] = os.path.basename(path)
 
 
 def _optimizer(model, args, fused: bool):
@@ -343,7 +381,8 @@ def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} does not split over {world} ranks")
     chain = MarkovChain(args.vocab, args.markov_states, args.markov_branch, args.seed)
-    batches = chain.sample(args.steps * args.batch, args.seq, args.seed + 1).view(args.steps, args.batch, args.seq)
+    # a seed per step: a shorter run sees the first batches of a longer one (runs of any length compare)
+    batches = torch.stack([chain.sample(args.batch, args.seq, args.seed + 1 + step) for step in range(args.steps)])
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     runs = sorted(runs, key=lambda r: r[0] == "liger")  # Liger's class-level patches stay: last
     for provider, mode in runs:
@@ -467,6 +506,8 @@ def write_reports(out: str, stem: str, meta: dict, results: list[dict]) -> None:
     by_name = {r["run"]: r for r in results}
     for r in results:
         r["max_loss_diff_vs_hf_eager"] = _max_diff(r, ref)
+        r["mean_rel_loss_diff_vs_hf_eager"] = _mean_rel_diff(r, ref)
+        r["first_loss_rel_diff_vs_hf_eager"] = _mean_rel_diff(r, ref, 1)
         single = by_name.get(run_name(r["provider"], r["mode"], 1, False))
         if single is None or not single["losses"] or r["world_size"] == 1:
             single = by_name.get(run_name(r["provider"], r["mode"], 1, True)) if r["world_size"] > 1 else single
@@ -474,7 +515,8 @@ def write_reports(out: str, stem: str, meta: dict, results: list[dict]) -> None:
     with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump(dict(meta, runs=results), f, indent=1)
     cols = ["run", "provider", "mode", "world_size", "fsdp", "steps", "tokens_per_s", "peak_mem_gib",
-            "first_loss", "last_loss", "max_loss_diff_vs_hf_eager", "max_loss_diff_vs_world_size_1", "setup_s",
+            "first_loss", "last_loss", "max_loss_diff_vs_hf_eager", "mean_rel_loss_diff_vs_hf_eager",
+            "first_loss_rel_diff_vs_hf_eager", "max_loss_diff_vs_world_size_1", "graph_breaks", "setup_s",
             "wall_s", "status"]
     with open(os.path.join(out, stem + ".csv"), "w", newline="") as f:
         w = csv.writer(f)
@@ -493,6 +535,14 @@ def _max_diff(r: dict, ref: dict | None):
     if ref is None or ref is r or not r["losses"] or not ref["losses"]:
         return None
     return max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
+
+
+def _mean_rel_diff(r: dict, ref: dict | None, steps: int | None = None):
+    """The mean over the common steps (the first ``steps`` of them) of |loss - reference| / reference."""
+    if ref is None or ref is r or not r["losses"] or not ref["losses"]:
+        return None
+    pairs = list(zip(r["losses"], ref["losses"]))[:steps]
+    return sum(abs(a - b) / abs(b) for a, b in pairs) / len(pairs)
 
 
 def _fmt(v):
