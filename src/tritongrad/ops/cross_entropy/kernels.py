@@ -38,8 +38,8 @@ Kernels:
 - ``_cross_entropy_fwd_kernel``: a persistent grid walks rows. Pass 1 reads a row in BLOCK_C chunks for lse
   (and the target logit, the smoothing sum), keeping the last chunk in registers; it writes the row's loss
   (and lse). Pass 2, with STORE_GRAD, writes the row's gradient: the chunk held in registers first, then the
-  other chunks in reverse order, so that the re-read finds the most recently read chunks still in L2 (plans.py
-  bounds the rows in flight so that a whole row fits). The same kernel with LSE_KNOWN skips pass 1 (the
+  other chunks in reverse order, so that the re-read finds the most recently read chunks likeliest still in L2
+  (long rows in flight outgrow L2: plans.py trades that for occupancy). The same kernel with LSE_KNOWN skips pass 1 (the
   backward of rows whose gradient was not computed in the forward), and may write the gradient over the
   logits (the linear op's chunks: each chunk is read before it is written, by the program that writes it).
   An ignored row is not read at all unless LSE_ALL asks for its lse (or its lse has a gradient): its

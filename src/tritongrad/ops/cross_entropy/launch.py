@@ -6,7 +6,8 @@ logits and one write of their gradient):
   cross_entropy, mean/sum with a gradient:  forward  read x + write dx (the gradient for an upstream 1)
                                             backward nothing when the upstream gradient is 1 (one tiny launch);
                                                      read dx + write dx otherwise
-                                            = 2 N C s, the floor (pass 2 re-reads each row from L2)
+                                            = 2 N C s, the floor (pass 2 re-reads each row, from L2
+                                              where it is still there)
   cross_entropy, reduction="none", or the lse's gradient asked for:
                                             forward read x; backward read x + write dx = 3 N C s
   no gradient:                              read x = N C s

@@ -33,8 +33,8 @@ CHUNK_THREAD_BYTES = 32
 CHUNK_WARPS = 2
 CHUNK_WARPS_LONG = 4
 LONG_ROW_BYTES = 128 << 10
-# Warps of the persistent grid per SM: 16 measured best; the re-read of pass 2 then misses L2 on long rows
-# (528 rows of 256 KB in flight), which costs less than the idle SMs that bounding the rows in flight did.
+# Warps of the persistent grid per SM: 16 measured best, although long rows in flight then outgrow L2 (528
+# rows of 256 KB), so pass 2 may re-read them from HBM; bounding the rows in flight to fit L2 measured slower.
 WARPS_PER_SM = 16
 STAGES = {2: 6, 4: 4, 8: 4}  # chunks in flight per program (cp.async into shared memory) for rows ...
 STAGES_LONG = {2: 4, 4: 4, 8: 4}  # ... up to LONG_ROW_BYTES, and beyond
