@@ -30,8 +30,10 @@ From that the pattern builds:
 - the ``torch.library`` ops ``ns::name`` (outputs and residuals) and ``ns::name_backward``, registered with
   ``torch.library.triton_op``: torch.compile and torch.export trace through them, so Inductor sees the Triton
   kernels and launches them itself (no Python launcher per call in compiled code). Under Triton's
-  interpreter the kernels cannot be traced, and the ops are opaque custom ops instead. Autograd, fake
-  tensors, vmap (a loop over the batch) and, where declared, autocast are registered too;
+  interpreter the kernels cannot be traced, and the ops are opaque custom ops instead; so are ops declared
+  ``opaque=True``, whose launchers loop on the host (chunks written into slices of a buffer), which Inductor
+  would unroll into copies. Autograd, fake tensors, vmap (a loop over the batch) and, where declared,
+  autocast are registered too;
 - checks every op shares: each tensor argument a Tensor (or None where optional), of a floating dtype (index
   arguments: an integer dtype), all on one device; then the op's own ``validate``. Messages name the op,
   the argument, its shape, dtype and device;
@@ -104,6 +106,7 @@ def op(
     nondiff: Sequence[str] = (),
     native: Callable | None = None,
     autocast: torch.dtype | None = None,
+    opaque: bool = False,
 ) -> Callable[[Callable], "Op"]:
     """Declare a differentiable operator from its forward launcher (decorated) and a PyTorch reference.
 
@@ -124,6 +127,10 @@ def op(
         native: optional, for small inputs: the op in PyTorch's own ops with C++ autograd (module docstring).
         autocast: under CUDA autocast, floating tensor inputs are cast to this dtype first, as PyTorch's
             autocast policy does for e.g. layer_norm (``torch.float32``). None: autocast leaves the op alone.
+        opaque: torch.compile and torch.export call the op as one opaque custom op (its launchers run in
+            Python) instead of tracing into them. For launchers that loop over chunks on the host and write
+            each into a slice of a buffer: traced, Inductor unrolls the loop and turns every slice write into
+            out-of-place copies (docs/writing-an-op.md#opaque-ops).
 
     Returns a decorator; the decorated launcher becomes the :class:`Op`, whose ``.backward`` decorator
     attaches the backward launcher. Declaring a name again updates that op in place.
@@ -131,7 +138,7 @@ def op(
 
     def declare(forward: Callable) -> Op:
         new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
-                 save=save, index=index, nondiff=nondiff, native=native, autocast=autocast)
+                 save=save, index=index, nondiff=nondiff, native=native, autocast=autocast, opaque=opaque)
         old = _OPS.get(name)
         if old is None:
             _OPS[name] = new
@@ -207,7 +214,7 @@ class _Function(torch.autograd.Function):
             raise RuntimeError(f"{op.label}: double backward (create_graph=True) is not supported")
         values = dict(zip(op._nontensor_names, ctx.nontensor_args))
         values.update(zip(op.save, saved))
-        grads = op._grads(BackwardContext(op, values, ctx.needs_input_grad[1:]), grads)
+        grads = op._grads(BackwardContext(op, values, ctx.needs_input_grad[1:], eager=True), grads)
         return (None, *op._pad(grads))
 
 
@@ -220,7 +227,7 @@ class Op:
     """
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
-                 index=(), nondiff=(), native=None, autocast=None):
+                 index=(), nondiff=(), native=None, autocast=None, opaque=False):
         if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
             raise ValueError(f"tritongrad.op: name must be 'namespace::name', e.g. 'mylib::softcap', got {name!r}")
         self.qualname = name
@@ -275,6 +282,7 @@ class Op:
         self._defaults = [p.default for p in params]
         self._first = self.tensor_positions[0]
         self.autocast = autocast
+        self.opaque = bool(opaque)
         # The pattern passes every argument positionally; keyword-only parameters are then bound by name.
         self.forward, self.reference, self._validate, self.native = (
             _positional(f, params) for f in (forward, reference, validate, native))
@@ -289,7 +297,7 @@ class Op:
 
     def _layout(self) -> tuple:
         return (str(self.signature), self.outputs, self.residuals, self.save, self._index, self._nondiff,
-                self.autocast)
+                self.autocast, self.opaque)
 
     def _take_launchers_of(self, new: "Op") -> None:
         """A re-declaration: keep this op's registration, run the new launchers, reference and checks."""
@@ -519,12 +527,16 @@ class Op:
 
 class BackwardContext:
     """What a backward launcher receives as ``ctx``: the forward's non-tensor arguments and saved tensors as
-    attributes, ``needs_input_grad`` (one bool per forward argument) and ``op`` (the :class:`Op`)."""
+    attributes, ``needs_input_grad`` (one bool per forward argument), ``op`` (the :class:`Op`) and ``eager``:
+    True when eager autograd runs the backward through the op's own autograd.Function, False in the
+    registered backward op (traced, compiled, exported, opcheck), where a launcher must not write into its
+    saved tensors."""
 
-    def __init__(self, op: Op, values: dict, needs_input_grad: tuple):
+    def __init__(self, op: Op, values: dict, needs_input_grad: tuple, eager: bool = False):
         self.__dict__.update(values)
         self.op = op
         self.needs_input_grad = needs_input_grad
+        self.eager = eager
 
     def __getattr__(self, name: str):
         # Reached only for names not set in __init__: a tensor the declaration did not save.
@@ -578,8 +590,8 @@ def _register(op: Op):
 
     bwd_impl.__signature__ = inspect.Signature([*grad_params, *saved_params, *tail],
                                                return_annotation=list[torch.Tensor])
-    fwd_def = _define(op.qualname, fwd_impl)
-    bwd_def = _define(op.qualname + "_backward", bwd_impl)
+    fwd_def = _define(op.qualname, fwd_impl, op.opaque)
+    bwd_def = _define(op.qualname + "_backward", bwd_impl, op.opaque)
 
     def setup_context(ctx, inputs, output):
         outs = _as_tuple(output)
@@ -614,12 +626,12 @@ def _one(outs: tuple):
     return outs[0] if len(outs) == 1 else outs
 
 
-def _define(qualname: str, impl: Callable):
+def _define(qualname: str, impl: Callable, opaque: bool):
     """``torch.library.triton_op`` where the Triton kernels compile for a GPU: torch.compile and torch.export
-    trace through ``impl`` and see its kernels. Otherwise (Triton's interpreter, or no GPU) an opaque
-    ``torch.library.custom_op`` whose fake implementation is ``impl`` itself, launches skipped on fake tensors
-    (``rt.Kernel``): interpreted kernels cannot be traced."""
-    if rt.INTERPRET or not torch.cuda.is_available():
+    trace through ``impl`` and see its kernels. Otherwise (Triton's interpreter, no GPU, or ``opaque``) an
+    opaque ``torch.library.custom_op`` whose fake implementation is ``impl`` itself, launches skipped on fake
+    tensors (``rt.Kernel``): interpreted kernels cannot be traced."""
+    if opaque or rt.INTERPRET or not torch.cuda.is_available():
         d = torch.library.custom_op(qualname, impl, mutates_args=())
         d.register_fake(impl)
         return d

@@ -371,9 +371,10 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     return gi, gw, (gb.to(bias.dtype) if need[2] else None)
 
 
+# Opaque under torch.compile: traced, the chunk loop's slice writes become chains of copies (docs/cross-entropy.md).
 @op("tritongrad::linear_cross_entropy", reference=linear_cross_entropy_reference, validate=_lce_validate,
     index=("target",), outputs=("loss",), residuals=("grad_input", "grad_weight", "grad_bias"),
-    save=("input", "weight", "target", "bias", "grad_input", "grad_weight", "grad_bias"))
+    save=("input", "weight", "target", "bias", "grad_input", "grad_weight", "grad_bias"), opaque=True)
 def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
                             label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
