@@ -275,8 +275,12 @@ def _rms_native(input, normalized_shape, weight, eps):
     return torch.rms_norm(input, normalized_shape, weight, eps)
 
 
+# Under CUDA autocast, as torch.rms_norm: float32 where autocast lists it (newer torch), else untouched (2.11).
+_RMS_AUTOCAST = torch.float32 if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA") else None
+
+
 @op("tritongrad::rms_norm", reference=rms_norm_reference, validate=_rms_validate, native=_rms_native,
-    residuals=("rstd",), autocast=torch.float32)
+    residuals=("rstd",), autocast=_RMS_AUTOCAST)
 def rms_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                 eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered rms_norm: ``(y, rstd)``; :func:`rms_norm` is the public function."""
