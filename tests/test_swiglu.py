@@ -50,7 +50,7 @@ def large_gate(dtype, device):
     return g, randn(2, 32, dtype=dtype, device=device)
 
 
-def eager(gate, up):
+def eager(gate, up, inplace_backward=False):
     """What a user writes in PyTorch: the error baseline (silu rounded to the dtype before the product)."""
     return F.silu(gate) * up
 
@@ -138,6 +138,58 @@ def test_inputs_are_never_written_and_results_are_deterministic():
         assert torch.equal(a, b)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def _projected(dtype=torch.bfloat16):
+    """gate and up as an MLP makes them: intermediate results of products with leaves that require grad."""
+    x = torch.randn(7, 32, device=DEVICE, dtype=dtype, requires_grad=True)
+    wg = torch.randn(32, 300, device=DEVICE, dtype=dtype, requires_grad=True)
+    wu = torch.randn(32, 300, device=DEVICE, dtype=dtype, requires_grad=True)
+    return (x, wg, wu), x @ wg, x @ wu
+
+
+def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(monkeypatch):
+    dout = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
+    grads = {}
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        leaves, g, u = _projected()
+        bwd = KernelSpy(sw_launch._bwd_kernel)
+        monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
+        swiglu(g, u, inplace_backward=inplace).backward(dout)
+        monkeypatch.undo()
+        grads[inplace] = [t.grad for t in leaves]
+        # In place: the gradients were written over gate and up (the backward allocated neither).
+        assert (bwd.ptrs[0][3:5] == [g.data_ptr(), u.data_ptr()]) == inplace
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["leaf", "view", "same_tensor"])
+def test_inplace_backward_leaves_leaves_views_and_aliases_alone(case):
+    torch.manual_seed(0)
+    leaves, g, u = _projected()
+    if case == "leaf":
+        g = g.detach().requires_grad_()
+    elif case == "view":
+        g = g[:, :150]
+        u = u[:, :150]
+    else:
+        u = g
+    before_g, before_u = g.detach().clone(), u.detach().clone()
+    dout = torch.randn(g.shape, device=DEVICE, dtype=g.dtype)
+    swiglu(g, u, inplace_backward=True).backward(dout)
+    assert torch.equal(g.detach(), before_g)  # a leaf, a view, or sharing storage with up: never written
+    if case != "leaf":  # (with a leaf gate, up is still an intermediate: it takes its gradient)
+        assert torch.equal(u.detach(), before_u)
+
+
+def test_inplace_backward_bumps_versions_so_other_saved_uses_raise():
+    leaves, g, u = _projected(torch.float32)
+    other = (g * 2).sum() + (g.sin() * 1).sum()  # sin saves g for its backward
+    loss = swiglu(g, u, inplace_backward=True).sum() + other
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_output_dtypes_follow_promotion():

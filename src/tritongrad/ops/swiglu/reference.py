@@ -4,10 +4,10 @@ only."""
 import torch
 
 
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` computed in float32 (float64 when either input is float64) and rounded once to
     ``torch.promote_types(gate.dtype, up.dtype)``. Differentiable; gradients come back in each input's
-    dtype."""
+    dtype. ``inplace_backward`` (a memory option of the kernels) changes nothing here."""
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
     acc = torch.float64 if out_dtype == torch.float64 else torch.float32
     return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(out_dtype)
