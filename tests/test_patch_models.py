@@ -49,7 +49,7 @@ FAMILIES = {
     "gemma3": ("gemma3_text", 13, 0),
     "olmo2": ("olmo2", 9, 2),
 }
-NORMS_ONLY = dict(swiglu=False, rope=False, linear_cross_entropy=False)
+NORMS_ONLY = dict(swiglu=False, rope=False, linear_cross_entropy=False, causal_mask=False)
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -238,7 +238,8 @@ def test_report_says_why_gemma_mlp_is_left_alone():
     model = _model("gemma")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nothing patched: the warning is tested below
-        report = tritongrad.patch(model, rms_norm=False, swiglu=True, rope=False, linear_cross_entropy=False)
+        report = tritongrad.patch(model, rms_norm=False, swiglu=True, rope=False, linear_cross_entropy=False,
+                                  causal_mask=False)
     assert report.count == 0 and len(report.skipped) == 2
     assert all(e.op == "swiglu" and "GELU" in e.detail and "not SwiGLU" in e.detail for e in report.skipped)
     assert "GemmaMLP" in str(report)
@@ -253,12 +254,12 @@ def test_nothing_to_patch_warns_or_raises():
         tritongrad.patch(model, strict=True)
     gemma = _model("gemma")
     with pytest.warns(UserWarning, match="GELU"):  # the reason is in the warning
-        tritongrad.patch(gemma, rms_norm=False, rope=False, linear_cross_entropy=False)
+        tritongrad.patch(gemma, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
 
 
 def test_report_says_what_has_no_candidate():
     model = _model("llama").model  # the base model: no lm_head
-    report = tritongrad.patch(model, swiglu=False, rope=False)
+    report = tritongrad.patch(model, swiglu=False, rope=False, causal_mask=False)
     assert report.ops() == {"rms_norm": 5}
     assert [(e.op, e.detail) for e in report.skipped] == [("linear_cross_entropy", "no module with lm_head and "
                                                           "model (a *ForCausalLM)")]
@@ -319,7 +320,8 @@ def test_patch_transformers_norms():
 
 def test_patch_transformers_reports_gemma_mlp_and_unknown_family():
     with pytest.warns(UserWarning, match="GELU"):
-        report = tritongrad.patch_transformers("gemma", rms_norm=False, rope=False, linear_cross_entropy=False)
+        report = tritongrad.patch_transformers("gemma", rms_norm=False, rope=False, linear_cross_entropy=False,
+                                               causal_mask=False)
     assert [e.target.rsplit(".", 1)[-1] for e in report.skipped] == ["GemmaMLP"]
     assert "GELU" in report.skipped[0].detail and "GemmaConfig" in report.skipped[0].detail
     with pytest.raises(ValueError, match="tested families"):
@@ -337,7 +339,7 @@ def test_multimodal_wrapper_gets_its_text_stack():
     model = transformers.Gemma3ForConditionalGeneration(config).to(DEVICE)
     batch = _batch()
     want = copy.deepcopy(model)(**batch).loss
-    report = tritongrad.patch(model, swiglu=False, rope=False)
+    report = tritongrad.patch(model, swiglu=False, rope=False, causal_mask=False)
     assert report.ops() == {"rms_norm": 14, "layer_norm": 4}
     assert [(e.op, e.target) for e in report.skipped] == [("linear_cross_entropy", "")]
     got = model(**batch).loss
@@ -358,7 +360,7 @@ def test_all_ops_match_hf(family, spy):
     model.train()
     report = tritongrad.patch(model)
     n_norms, n_mlps = FAMILIES[family][1:]
-    assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1,
+    assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 1,
                             **({"swiglu": n_mlps} if n_mlps else {})}
     assert len(report.skipped) == (2 if n_mlps == 0 else 0)  # Gemma's GELU-gated MLPs
     out, grads = _run(model, batch)
@@ -396,7 +398,7 @@ def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
 def test_patch_transformers_all_ops():
     modeling = _hf.modeling_module("qwen3")
     report = tritongrad.patch_transformers("qwen3")
-    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1}
+    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 1}
     model = _model("qwen3")
     assert tritongrad.patch(model).count == 0
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) == "rope"
@@ -415,11 +417,59 @@ def test_cross_entropy_loss_function(family, spy):
     batch = _batch()
     refs = _references(model, batch)
     report = tritongrad.patch(model, rms_norm=False, swiglu=False, rope=False, linear_cross_entropy=False,
-                              cross_entropy=True)
+                              cross_entropy=True, causal_mask=False)
     assert report.ops() == {"cross_entropy": 1}
     out, grads = _run(model, batch)
     assert calls == {"cross_entropy": 1} and out.logits is not None
     _assert_matches(out, grads, refs)
+
+
+# ---------------------------------------------------------------- the causal mask under torch.compile
+def test_causal_mask_decision_under_compile_and_export():
+    # The replacement, over an original that never skips the mask (as transformers' does under torch.compile on
+    # torch < 2.14): compiled without padding and q_length 1 or kv_length, it skips; otherwise, in eager mode
+    # and under torch.export, the original decides.
+    def never(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        return False
+
+    decide = _hf.causal_mask_function(never)
+    assert _hf.causal_mask_why_not(never) is None and _hf.causal_mask_why_not(lambda x: x) is not None
+    pad = torch.ones(2, 8, dtype=torch.bool)
+    cases = {  # arguments -> the decision under torch.compile
+        (None, 8, 8, 0, 0): True,
+        (None, 1, 8, 7, 0): True,
+        (None, 4, 8, 4, 0): False,     # a chunk of a prefill: the mask is needed
+        (None, 8, 8, 0, 0, 4): False,  # a sliding window shorter than the keys
+        (pad, 8, 8, 0, 0): False,      # a padding mask: its values would be read
+    }
+    for args, want in cases.items():
+        assert decide(*args) is False  # eager mode: the original
+        compiled = torch.compile(lambda x: x + int(decide(*args)), fullgraph=True, backend="eager")
+        assert int(compiled(torch.zeros(()))) == int(want), args
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x + int(decide(None, 8, 8, 0, 0))
+
+    assert int(torch.export.export(M(), (torch.zeros(()),)).module()(torch.zeros(()))) == 0
+
+
+def test_causal_mask_is_patched_module_wide_and_restored(monkeypatch):
+    import transformers.masking_utils as mu
+
+    key = (mu, "_ignore_causal_mask_sdpa")
+    if key in _hf.SAVED:  # patched by an earlier test in this process: start from the original
+        monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", _hf.SAVED[key][0])
+        monkeypatch.delitem(_hf.SAVED, key)
+    original = mu._ignore_causal_mask_sdpa
+    model = _model("llama")
+    report = tritongrad.patch(model)
+    assert report.targets("causal_mask") == ["transformers.masking_utils._ignore_causal_mask_sdpa"]
+    assert _hf.patched_op(mu._ignore_causal_mask_sdpa) == "causal_mask"
+    again = tritongrad.patch(_model("qwen3"))  # another model: already patched, module-wide
+    assert [e.op for e in again.already] == ["causal_mask"]
+    tritongrad.unpatch(model)
+    assert mu._ignore_causal_mask_sdpa is original and key not in _hf.SAVED
 
 
 # ---------------------------------------------------------------- FSDP2

@@ -215,7 +215,8 @@ def activation_why_not(act) -> str | None:
 
 def _swiglu_forward(self, x):
     if isinstance(self.act_fn, SILU_TYPES):  # a plain global read: torch.compile traces it without a break
-        return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x)))
+        # The projections' outputs feed swiglu alone: their storage takes their gradients.
+        return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
     # A class patched for SiLU (patch_transformers), built here with another activation.
     return original_forward_of(type(self))(self, x)
 
@@ -263,6 +264,49 @@ def rope_function(original):
 
     apply_rotary_pos_emb._tritongrad_original = original
     return marked(apply_rotary_pos_emb, "rope")
+
+
+# ---------------------------------------------------------------- the causal mask under torch.compile
+def causal_mask_why_not(fn) -> str | None:
+    """None when ``fn`` reads as transformers' ``masking_utils._ignore_causal_mask_sdpa(padding_mask,
+    q_length (or query_length), kv_length, ...)``."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return "_ignore_causal_mask_sdpa has no readable signature"
+    if names[:1] != ["padding_mask"] or "kv_length" not in names or not {"q_length", "query_length"} & set(names):
+        return f"_ignore_causal_mask_sdpa{inspect.signature(fn)} does not take (padding_mask, q_length, kv_length, ...)"
+    return None
+
+
+def causal_mask_function(original):
+    """The replacement of ``masking_utils._ignore_causal_mask_sdpa``, which decides whether SDPA gets
+    ``is_causal=True`` instead of an explicit ``[B, 1, S, S]`` mask. Hugging Face skips the mask only outside
+    tracing where torch < 2.14, whose Dynamo folds ``torch.compiler.is_exporting()`` to True: compiled
+    training then builds the mask and SDPA runs several times slower (docs/models.md#torchcompile). Under
+    torch.compile, not export, with no padding mask, ``q_length`` 1 or ``kv_length`` and no sliding window
+    reached, this returns True, as the original does in eager mode; every other call goes to the original."""
+    names = list(inspect.signature(original).parameters)
+    pos = {n: i for i, n in enumerate(names)}
+    q_name = "q_length" if "q_length" in pos else "query_length"
+
+    def arg(name, args, kwargs, default=None):
+        i = pos.get(name)
+        return args[i] if i is not None and i < len(args) else kwargs.get(name, default)
+
+    def _ignore_causal_mask_sdpa(*args, **kwargs):
+        # The flag torch.export sets; absent (an older torch): leave every call to the original.
+        if torch.compiler.is_compiling() and not getattr(torch.compiler, "_is_exporting_flag", True):
+            q, kv = arg(q_name, args, kwargs), arg("kv_length", args, kwargs)
+            window = arg("local_attention_size", args, kwargs)
+            if (arg("padding_mask", args, kwargs) is None and (q == 1 or q == kv)
+                    and (window is None or kv < window)
+                    and not isinstance(arg("q_offset", args, kwargs, 0), torch.Tensor)):
+                return True
+        return original(*args, **kwargs)
+
+    _ignore_causal_mask_sdpa._tritongrad_original = original
+    return marked(_ignore_causal_mask_sdpa, "causal_mask")
 
 
 # ---------------------------------------------------------------- causal-LM loss

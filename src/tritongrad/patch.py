@@ -12,6 +12,7 @@ docs/models.md.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import warnings
 from typing import NamedTuple
@@ -31,6 +32,7 @@ _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps
                "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
                "cross_entropy": "no module with lm_head and model (a *ForCausalLM)",
                "linear_cross_entropy": "no module with lm_head and model (a *ForCausalLM)"}
+_MASK_MODULE, _MASK_FN = "transformers.masking_utils", "_ignore_causal_mask_sdpa"
 # torch class -> tritongrad subclass overriding forward only.
 _TORCH = {torch.nn.RMSNorm: tg_nn.RMSNorm, torch.nn.LayerNorm: tg_nn.LayerNorm}
 _TORCH_OP = {torch.nn.RMSNorm: "rms_norm", torch.nn.LayerNorm: "layer_norm"}
@@ -110,6 +112,8 @@ def _require(op: str) -> None:
     """Import the public function ``op`` needs now, so that a missing op fails here, naming itself."""
     import tritongrad
 
+    if op not in _NEEDS:  # causal_mask: no kernel of its own
+        return
     try:
         getattr(tritongrad, _NEEDS[op])
     except (ImportError, AttributeError) as e:
@@ -139,7 +143,7 @@ def _nothing(report: PatchReport, what: str, strict: bool) -> None:
 # ---------------------------------------------------------------- instances
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True,
           rope: bool = True, cross_entropy: bool = False, linear_cross_entropy: bool = True,
-          strict: bool = False) -> PatchReport:
+          causal_mask: bool = True, strict: bool = False) -> PatchReport:
     """Make ``model`` (itself included) run tritongrad's Triton kernels, in place.
 
     Per op (each a flag):
@@ -153,7 +157,10 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
       A module-level function: every model of that family in the process gets it;
     - ``cross_entropy``: the causal-LM loss on the logits -> :func:`tritongrad.cross_entropy`;
     - ``linear_cross_entropy``: in training with ``labels``, the causal-LM loss from the last hidden states
-      and the LM head -> :func:`tritongrad.linear_cross_entropy`, no logits (``logits`` is None).
+      and the LM head -> :func:`tritongrad.linear_cross_entropy`, no logits (``logits`` is None);
+    - ``causal_mask``: under torch.compile with no padding mask, SDPA gets ``is_causal=True`` instead of the
+      explicit causal mask that transformers builds there on torch < 2.14 (as in eager mode), through
+      ``transformers.masking_utils._ignore_causal_mask_sdpa``: module-wide, every model in the process.
 
     Each module stays the same object: its class is switched to a subclass that overrides ``forward`` (and
     the loss) only, so parameters, buffers, hooks, state_dict keys, reprs and ``isinstance`` are unchanged.
@@ -172,10 +179,12 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     from . import _hf as hf
 
     on = _flags(dict(rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, rope=rope,
-                     cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy))
+                     cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
+                     causal_mask=causal_mask))
     report = PatchReport()
     plan = []  # (module, new class)
     modeling_modules = {}
+    attention = False
     for name, m in model.named_modules():
         cls = type(m)
         base = _BASE.get(cls, cls)
@@ -185,8 +194,10 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
         if not _from_transformers(base):
             continue
         mod = sys.modules.get(base.__module__)
-        if "rope" in on and base.__name__.endswith("Attention") and "apply_rotary_pos_emb" in vars(mod or {}):
-            modeling_modules[mod.__name__] = mod  # an attention class whose module applies the rotary embedding
+        if base.__name__.endswith("Attention"):
+            attention = True
+            if "rope" in on and "apply_rotary_pos_emb" in vars(mod or {}):
+                modeling_modules[mod.__name__] = mod  # an attention class whose module applies the rotary embedding
         attrs, ops = _hf_attrs(hf, m, cls, base, name, on, report)
         new = [op for op in ops if not _patched_before(hf, cls, op)]
         for op in ops:
@@ -197,16 +208,20 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
             for op in new:
                 report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
     rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
-    if any(_from_transformers(type(m)) for m in model.modules()):
+    hf_model = any(_from_transformers(type(m)) for m in model.modules())
+    mask_plan = attention and "causal_mask" in on and _plan_mask(hf, report)
+    if hf_model:
         seen = {e.op for e in report.replaced + report.already + report.skipped}
-        for op in sorted(on - seen - {"layer_norm"}):
+        for op in sorted(on - seen - {"layer_norm", "causal_mask"}):
             report._add("skipped", op, "", _CANDIDATES[op])
     for op in sorted({e.op for e in report.replaced}):
         _require(op)
     for m, sub in plan:
         m.__class__ = sub
     for mod in rope_plan:
-        _apply_rope(hf, mod, "instance")
+        _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "instance")
+    if mask_plan:
+        _apply_function(hf, sys.modules[_MASK_MODULE], _MASK_FN, hf.causal_mask_function, "instance")
     _nothing(report, type(model).__name__, strict)
     return report
 
@@ -277,30 +292,50 @@ def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
     return {}, {}
 
 
-def _plan_rope(hf, mod, report) -> bool:
-    """Whether ``mod.apply_rotary_pos_emb`` is to be replaced; reports it either way."""
-    fn = vars(mod)["apply_rotary_pos_emb"]
-    target = f"{mod.__name__}.apply_rotary_pos_emb"
-    if hf.patched_op(fn) == "rope":
-        report._add("already", "rope", target, "module-wide")
+def _plan_function(mod, attr: str, op: str, why_not, detail: str, report) -> bool:
+    """Whether the module-level function ``mod.<attr>`` is to be replaced for ``op``; reports it either way."""
+    fn = vars(mod)[attr]
+    target = f"{mod.__name__}.{attr}"
+    from . import _hf as hf
+
+    if hf.patched_op(fn) == op:
+        report._add("already", op, target, "module-wide")
         return False
-    why = hf.rope_why_not(fn)
+    why = why_not(fn)
     if why is not None:
-        report._add("skipped", "rope", target, why)
+        report._add("skipped", op, target, why)
         return False
-    report._add("replaced", "rope", target, "apply_rotary_pos_emb (module-wide: every model of this family)")
+    report._add("replaced", op, target, detail)
     return True
 
 
-def _apply_rope(hf, mod, source: str) -> None:
-    fn = vars(mod)["apply_rotary_pos_emb"]
-    hf.SAVED.setdefault((mod, "apply_rotary_pos_emb"), (fn, source))
-    mod.apply_rotary_pos_emb = hf.rope_function(fn)
+def _plan_rope(hf, mod, report) -> bool:
+    return _plan_function(mod, "apply_rotary_pos_emb", "rope", hf.rope_why_not,
+                          "apply_rotary_pos_emb (module-wide: every model of this family)", report)
+
+
+def _plan_mask(hf, report) -> bool:
+    """Whether transformers' causal-mask decision for SDPA is to be replaced (``causal_mask``)."""
+    try:
+        mod = importlib.import_module(_MASK_MODULE)
+    except ImportError:
+        mod = None
+    if mod is None or _MASK_FN not in vars(mod):
+        report._add("skipped", "causal_mask", _MASK_MODULE, f"this transformers defines no {_MASK_FN} there")
+        return False
+    return _plan_function(mod, _MASK_FN, "causal_mask", hf.causal_mask_why_not,
+                          "SDPA's is_causal under torch.compile when there is no padding mask (module-wide)", report)
+
+
+def _apply_function(hf, mod, attr: str, make, source: str) -> None:
+    fn = vars(mod)[attr]
+    hf.SAVED.setdefault((mod, attr), (fn, source))
+    setattr(mod, attr, make(fn))
 
 
 def unpatch(model: torch.nn.Module) -> int:
-    """Undo :func:`patch` on ``model``: each module gets its class back, and the rotary functions that
-    :func:`patch` replaced in its modeling modules are restored. What :func:`patch_transformers` did stays
+    """Undo :func:`patch` on ``model``: each module gets its class back, and the rotary functions (and the
+    causal-mask decision) that :func:`patch` replaced in its modules are restored. What :func:`patch_transformers` did stays
     (see :func:`unpatch_transformers`). Returns how many modules changed class."""
     from . import _hf as hf
 
@@ -310,6 +345,8 @@ def unpatch(model: torch.nn.Module) -> int:
     for m in model.modules():
         cls = type(m)
         modules.add(cls.__module__)
+        if _from_transformers(cls):
+            modules.add(_MASK_MODULE)
         base = _BASE.get(cls) or back.get(cls)
         if base is not None:
             m.__class__ = base
@@ -326,7 +363,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "
 
 
 def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-                       cross_entropy: bool = False, linear_cross_entropy: bool = True,
+                       cross_entropy: bool = False, linear_cross_entropy: bool = True, causal_mask: bool = True,
                        strict: bool = False) -> PatchReport:
     """Patch a Hugging Face ``transformers`` family at the class level: every model of it, built before or
     after (``from_pretrained``, ``from_config``), runs tritongrad's kernels.
@@ -335,7 +372,8 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     ``llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3`` (text) and ``olmo2``; others whose classes
     compute the same things are patched too. The flags are :func:`patch`'s. Each class's ``forward`` (and a
     causal LM's ``loss_function``) is replaced on the class itself; the module's ``apply_rotary_pos_emb``
-    is replaced in the module. :func:`unpatch_transformers` restores them.
+    is replaced in the module, and ``causal_mask`` replaces ``transformers.masking_utils``' decision, shared by
+    every family. :func:`unpatch_transformers` restores them (the shared one only without a family).
 
     Example::
 
@@ -346,7 +384,7 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     from . import _hf as hf
 
     on = _flags(dict(rms_norm=rms_norm, swiglu=swiglu, rope=rope, cross_entropy=cross_entropy,
-                     linear_cross_entropy=linear_cross_entropy))
+                     linear_cross_entropy=linear_cross_entropy, causal_mask=causal_mask))
     try:
         mod = hf.modeling_module(family)
     except ImportError as e:
@@ -386,9 +424,11 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
         if "apply_rotary_pos_emb" in vars(mod):
             if _plan_rope(hf, mod, report):
                 _require("rope")
-                _apply_rope(hf, mod, "class")
+                _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "class")
         else:
             report._add("skipped", "rope", mod.__name__, "no module-level apply_rotary_pos_emb")
+    if "causal_mask" in on and _plan_mask(hf, report):
+        _apply_function(hf, sys.modules[_MASK_MODULE], _MASK_FN, hf.causal_mask_function, "class")
     _nothing(report, f"transformers family {family!r}", strict)
     return report
 
