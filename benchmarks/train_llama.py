@@ -13,8 +13,10 @@ the run's own. All runs see the same initial weights (each parameter drawn from 
 and the same batches. Under torchrun the runs share the launched processes, one after another (Liger last:
 its patches stay).
 
-"eager" and "compile" say whether the model runs under torch.compile; attention is PyTorch's SDPA (flash
-attention on a GPU) for every provider, so the runs differ in norms, MLP, rotary embedding and loss only.
+"eager" and "compile" say whether the model runs under torch.compile; attention is PyTorch's SDPA for every
+provider, so the runs differ in norms, MLP, rotary embedding and loss, and, compiled, in the causal mask:
+tritongrad's patch lets SDPA use is_causal there as in eager mode (``--tg-ops`` without causal_mask: the
+explicit mask that transformers builds under torch.compile on torch < 2.14).
 
 The data are sequences from a fixed random Markov chain (``MarkovChain``) whose entropy rate, printed as the
 loss floor, is the lowest loss any model can reach. Written under --out (default $OUT, else train-out),
@@ -54,7 +56,7 @@ SIZES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, tied e
 }
 PROVIDERS = ("hf", "tritongrad", "liger")
 MODES = ("eager", "compile")
-TG_OPS = ("rms_norm", "swiglu", "rope", "linear_cross_entropy", "cross_entropy")
+TG_OPS = ("rms_norm", "swiglu", "rope", "linear_cross_entropy", "cross_entropy", "causal_mask")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,14 +66,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default="1b", choices=SIZES, help="model shape (default 1b); overridden below")
     for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv-heads"):
         p.add_argument(f"--{name}", type=int, help=f"override the size's {name}")
+    p.add_argument("--tied", type=int, choices=(0, 1), help="override the size's tied embeddings (0 or 1)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--batch", type=int, default=4, help="global batch in sequences (default 4), split over ranks")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the throughput median (default 5)")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
+    p.add_argument("--lr-warmup", type=int, default=40, help="steps of linear warm-up (default 40)")
+    p.add_argument("--lr-decay", choices=("constant", "cosine"), default="cosine",
+                   help="after warm-up: constant, or cosine down to a tenth by the last step (default cosine)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (default 1.0, the Trainer's; 0: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--markov-states", type=int, default=4096, help="states of the data's Markov chain")
+    p.add_argument("--markov-states", type=int, default=1024, help="states of the data's Markov chain (default 1024)")
     p.add_argument("--markov-branch", type=int, default=8, help="successors per state")
     p.add_argument("--time-limit", type=float, default=150.0,
                    help="seconds per run, setup and compile included: no step starts after it (default 150)")
@@ -79,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds for all runs: runs not started by then are recorded as skipped")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (any world size, 1 too)")
     p.add_argument("--world-sizes", default="1", help="world sizes to run, e.g. 1,2 (more than 1: torchrun + FSDP2)")
-    p.add_argument("--tg-ops", default="rms_norm,swiglu,rope,linear_cross_entropy",
+    p.add_argument("--tg-ops", default="rms_norm,swiglu,rope,linear_cross_entropy,causal_mask",
                    help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
                         "supersedes); an op this install lacks is dropped, and said so")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -92,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads"):
         if getattr(args, name) is None:
             setattr(args, name, sizes[name])
-    args.tied = sizes["tied"]
+    args.tied = sizes["tied"] if args.tied is None else bool(args.tied)
     args.provider_list = _list(args.providers, PROVIDERS, "provider")
     args.mode_list = _list(args.modes, MODES, "mode")
     args.world_size_list = [int(n) for n in args.world_sizes.split(",")]
@@ -185,7 +191,7 @@ def apply_provider(provider: str, args, stage: str, model=None) -> dict:
         wanted = [op.strip() for op in args.tg_ops.split(",") if op.strip()]
         missing = []
         for op in wanted:
-            fn = {"rope": "apply_rotary_pos_emb"}.get(op, op)
+            fn = {"rope": "apply_rotary_pos_emb", "causal_mask": "patch"}.get(op, op)
             try:
                 getattr(tritongrad, fn)
             except (ImportError, AttributeError) as e:
@@ -253,7 +259,9 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
         ids = batches[step, rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
+        phases = [_max_alloc(device)]
         loss.backward()
+        phases.append(_max_alloc(device))
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # as the Trainer does; no host sync
         try:
@@ -267,6 +275,8 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             result["optimizer"] = "AdamW (fused refused)"
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if step < 3 and device.type == "cuda":  # where the peak is set: forward, backward or optimizer step
+            result.setdefault("peak_by_phase_gib", []).append([round(v / 2**30, 3) for v in (*phases, _max_alloc(device))])
         loss = loss.detach().float()
         if world > 1:
             torch.distributed.all_reduce(loss)  # the mean over ranks (gloo has no AVG)
@@ -331,11 +341,27 @@ def _write_profile(prof, path: str, result: dict, steps: int) -> None:
     result["profile"] = os.path.basename(path)
 
 
+def _max_alloc(device) -> int:
+    """The allocator's peak so far (host-side bookkeeping: no synchronisation)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
 def _optimizer(model, args, fused: bool):
-    """AdamW on the bf16 parameters (fused where the device has it), the learning rate warmed up over 10 steps."""
+    """AdamW on the bf16 parameters (fused where the device has it); the learning rate warmed up linearly over
+    ``--lr-warmup`` steps, then constant or cosine-decayed to a tenth by the last step (``--lr-decay``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             **({"fused": True} if fused else {}))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    warm, total = max(1, args.lr_warmup), max(args.steps, 1)
+
+    def factor(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        if args.lr_decay == "constant":
+            return 1.0
+        done = min(1.0, (s - warm) / max(1, total - warm))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * done))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 class _progress:
