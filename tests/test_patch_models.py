@@ -360,7 +360,7 @@ def test_all_ops_match_hf(family, spy):
     model.train()
     report = tritongrad.patch(model)
     n_norms, n_mlps = FAMILIES[family][1:]
-    assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 1,
+    assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2,
                             **({"swiglu": n_mlps} if n_mlps else {})}
     assert len(report.skipped) == (2 if n_mlps == 0 else 0)  # Gemma's GELU-gated MLPs
     out, grads = _run(model, batch)
@@ -398,7 +398,7 @@ def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
 def test_patch_transformers_all_ops():
     modeling = _hf.modeling_module("qwen3")
     report = tritongrad.patch_transformers("qwen3")
-    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 1}
+    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2}
     model = _model("qwen3")
     assert tritongrad.patch(model).count == 0
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) == "rope"
@@ -457,19 +457,47 @@ def test_causal_mask_decision_under_compile_and_export():
 def test_causal_mask_is_patched_module_wide_and_restored(monkeypatch):
     import transformers.masking_utils as mu
 
-    key = (mu, "_ignore_causal_mask_sdpa")
-    if key in _hf.SAVED:  # patched by an earlier test in this process: start from the original
-        monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", _hf.SAVED[key][0])
-        monkeypatch.delitem(_hf.SAVED, key)
-    original = mu._ignore_causal_mask_sdpa
+    names = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
+    for name in names:
+        if (mu, name) in _hf.SAVED:  # patched by an earlier test in this process: start from the original
+            monkeypatch.setattr(mu, name, _hf.SAVED[(mu, name)][0])
+            monkeypatch.delitem(_hf.SAVED, (mu, name))
+    originals = [getattr(mu, name) for name in names]
     model = _model("llama")
     report = tritongrad.patch(model)
-    assert report.targets("causal_mask") == ["transformers.masking_utils._ignore_causal_mask_sdpa"]
-    assert _hf.patched_op(mu._ignore_causal_mask_sdpa) == "causal_mask"
+    assert report.targets("causal_mask") == [f"transformers.masking_utils.{name}" for name in names]
+    assert all(_hf.patched_op(getattr(mu, name)) == "causal_mask" for name in names)
     again = tritongrad.patch(_model("qwen3"))  # another model: already patched, module-wide
-    assert [e.op for e in again.already] == ["causal_mask"]
+    assert [e.op for e in again.already] == ["causal_mask", "causal_mask"]
     tritongrad.unpatch(model)
-    assert mu._ignore_causal_mask_sdpa is original and key not in _hf.SAVED
+    assert [getattr(mu, name) for name in names] == originals and not any((mu, n) in _hf.SAVED for n in names)
+
+
+def test_compiled_training_forward_builds_no_mask():
+    # Compiled, transformers cannot read the position ids and builds the packed-sequence mask (a cumsum over
+    # their differences) and an explicit attention mask; the patched training forward, called without
+    # position_ids, knows the rows are unpacked. With position_ids given, the original check stays.
+    # use_cache=False, as training sets it: with a cache, transformers looks for no packed sequences at all.
+    cfg = transformers.AutoConfig.for_model("llama", **TINY, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(DEVICE).train()
+    tritongrad.patch(model)
+    ids = _batch()["input_ids"]
+    for kwargs, packed_check in (({}, False), ({"position_ids": torch.arange(ids.shape[1])[None]}, True)):
+        codes = []
+
+        def backend(gm, example_inputs):
+            codes.append(gm.code)
+            return gm.forward
+
+        torch._dynamo.reset()
+        loss = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids, **kwargs).loss
+        code = "\n".join(codes)
+        sdpa = [line for line in code.splitlines() if "scaled_dot_product_attention" in line]
+        assert len(sdpa) == 2, code  # one per layer
+        assert ("cumsum" in code) == packed_check, kwargs
+        assert all(("is_causal = True" in line) != packed_check for line in sdpa), sdpa
+        torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- FSDP2

@@ -267,6 +267,36 @@ def rope_function(original):
 
 
 # ---------------------------------------------------------------- the causal mask under torch.compile
+# True while a patched causal-LM forward runs its base model on positions the model numbers itself.
+_UNPACKED = [False]
+
+
+def packed_why_not(fn) -> str | None:
+    """None when ``fn`` reads as transformers' ``masking_utils.find_packed_sequence_indices(position_ids)``."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return "find_packed_sequence_indices has no readable signature"
+    return None if names == ["position_ids"] else f"find_packed_sequence_indices{inspect.signature(fn)} is not (position_ids)"
+
+
+def packed_function(original):
+    """The replacement of ``masking_utils.find_packed_sequence_indices``, which looks for several sequences
+    packed in a row (position ids restarting). Under torch.compile it cannot read the positions, so it always
+    returns them, and the mask builder then makes an explicit ``[B, 1, S, S]`` mask instead of SDPA's
+    ``is_causal``: attention runs several times slower (docs/models.md#torchcompile). When a patched causal-LM
+    forward runs its base model without position_ids and attention_mask, the model numbers every row 0, 1, ...
+    itself and nothing is packed: None, as the original finds in eager mode (without its host sync)."""
+
+    def find_packed_sequence_indices(position_ids):
+        if _UNPACKED[0]:
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices._tritongrad_original = original
+    return marked(find_packed_sequence_indices, "causal_mask")
+
+
 def causal_mask_why_not(fn) -> str | None:
     """None when ``fn`` reads as transformers' ``masking_utils._ignore_causal_mask_sdpa(padding_mask,
     q_length (or query_length), kv_length, ...)``."""
@@ -402,7 +432,12 @@ def _transformers_parts() -> tuple:
 
 def _linear_loss_forward(self, parts, labels, logits_to_keep=0, return_dict=None, **kwargs):
     out_cls, copied, slice_to_keep = parts
-    outputs = self.model(**kwargs)
+    # No position_ids and no attention_mask: the base model numbers each row 0, 1, ...: nothing is packed.
+    _UNPACKED[0] = kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None
+    try:
+        outputs = self.model(**kwargs)
+    finally:
+        _UNPACKED[0] = False
     hidden_states = slice_to_keep(outputs[0], logits_to_keep)
     head = self.lm_head
     loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels,

@@ -32,7 +32,14 @@ _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps
                "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
                "cross_entropy": "no module with lm_head and model (a *ForCausalLM)",
                "linear_cross_entropy": "no module with lm_head and model (a *ForCausalLM)"}
-_MASK_MODULE, _MASK_FN = "transformers.masking_utils", "_ignore_causal_mask_sdpa"
+_MASK_MODULE = "transformers.masking_utils"
+# causal_mask's module-wide replacements: function -> (why_not, replacement, detail), names in _hf.
+_MASK_FNS = {
+    "find_packed_sequence_indices": ("packed_why_not", "packed_function",
+                                     "no packed-sequence mask when the model numbers the positions (module-wide)"),
+    "_ignore_causal_mask_sdpa": ("causal_mask_why_not", "causal_mask_function",
+                                 "SDPA's is_causal under torch.compile when there is no padding mask (module-wide)"),
+}
 # torch class -> tritongrad subclass overriding forward only.
 _TORCH = {torch.nn.RMSNorm: tg_nn.RMSNorm, torch.nn.LayerNorm: tg_nn.LayerNorm}
 _TORCH_OP = {torch.nn.RMSNorm: "rms_norm", torch.nn.LayerNorm: "layer_norm"}
@@ -158,9 +165,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     - ``cross_entropy``: the causal-LM loss on the logits -> :func:`tritongrad.cross_entropy`;
     - ``linear_cross_entropy``: in training with ``labels``, the causal-LM loss from the last hidden states
       and the LM head -> :func:`tritongrad.linear_cross_entropy`, no logits (``logits`` is None);
-    - ``causal_mask``: under torch.compile with no padding mask, SDPA gets ``is_causal=True`` instead of the
-      explicit causal mask that transformers builds there on torch < 2.14 (as in eager mode), through
-      ``transformers.masking_utils._ignore_causal_mask_sdpa``: module-wide, every model in the process.
+    - ``causal_mask``: under torch.compile, SDPA gets ``is_causal=True`` as in eager mode instead of the
+      explicit ``[B, 1, S, S]`` mask transformers builds there when it cannot rule out packed sequences or
+      padding: ``transformers.masking_utils``' ``find_packed_sequence_indices`` (for the patched causal-LM
+      training forward, called without position_ids and attention_mask) and ``_ignore_causal_mask_sdpa``
+      (torch < 2.14), module-wide, every model in the process.
 
     Each module stays the same object: its class is switched to a subclass that overrides ``forward`` (and
     the loss) only, so parameters, buffers, hooks, state_dict keys, reprs and ``isinstance`` are unchanged.
@@ -209,7 +218,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
                 report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
     rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
     hf_model = any(_from_transformers(type(m)) for m in model.modules())
-    mask_plan = attention and "causal_mask" in on and _plan_mask(hf, report)
+    mask_plan = _plan_mask(hf, report) if attention and "causal_mask" in on else []
     if hf_model:
         seen = {e.op for e in report.replaced + report.already + report.skipped}
         for op in sorted(on - seen - {"layer_norm", "causal_mask"}):
@@ -220,8 +229,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
         m.__class__ = sub
     for mod in rope_plan:
         _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "instance")
-    if mask_plan:
-        _apply_function(hf, sys.modules[_MASK_MODULE], _MASK_FN, hf.causal_mask_function, "instance")
+    for attr in mask_plan:
+        _apply_function(hf, sys.modules[_MASK_MODULE], attr, getattr(hf, _MASK_FNS[attr][1]), "instance")
     _nothing(report, type(model).__name__, strict)
     return report
 
@@ -314,17 +323,19 @@ def _plan_rope(hf, mod, report) -> bool:
                           "apply_rotary_pos_emb (module-wide: every model of this family)", report)
 
 
-def _plan_mask(hf, report) -> bool:
-    """Whether transformers' causal-mask decision for SDPA is to be replaced (``causal_mask``)."""
+def _plan_mask(hf, report) -> list[str]:
+    """The functions of transformers' mask builder to replace for ``causal_mask``; reports each."""
     try:
         mod = importlib.import_module(_MASK_MODULE)
     except ImportError:
         mod = None
-    if mod is None or _MASK_FN not in vars(mod):
-        report._add("skipped", "causal_mask", _MASK_MODULE, f"this transformers defines no {_MASK_FN} there")
-        return False
-    return _plan_function(mod, _MASK_FN, "causal_mask", hf.causal_mask_why_not,
-                          "SDPA's is_causal under torch.compile when there is no padding mask (module-wide)", report)
+    todo = []
+    for attr, (why_not, _, detail) in _MASK_FNS.items():
+        if mod is None or attr not in vars(mod):
+            report._add("skipped", "causal_mask", f"{_MASK_MODULE}.{attr}", "this transformers does not define it")
+        elif _plan_function(mod, attr, "causal_mask", getattr(hf, why_not), detail, report):
+            todo.append(attr)
+    return todo
 
 
 def _apply_function(hf, mod, attr: str, make, source: str) -> None:
@@ -372,8 +383,8 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     ``llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3`` (text) and ``olmo2``; others whose classes
     compute the same things are patched too. The flags are :func:`patch`'s. Each class's ``forward`` (and a
     causal LM's ``loss_function``) is replaced on the class itself; the module's ``apply_rotary_pos_emb``
-    is replaced in the module, and ``causal_mask`` replaces ``transformers.masking_utils``' decision, shared by
-    every family. :func:`unpatch_transformers` restores them (the shared one only without a family).
+    is replaced in the module, and ``causal_mask`` replaces functions of ``transformers.masking_utils``, shared
+    by every family. :func:`unpatch_transformers` restores them (the shared one only without a family).
 
     Example::
 
@@ -427,8 +438,9 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
                 _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "class")
         else:
             report._add("skipped", "rope", mod.__name__, "no module-level apply_rotary_pos_emb")
-    if "causal_mask" in on and _plan_mask(hf, report):
-        _apply_function(hf, sys.modules[_MASK_MODULE], _MASK_FN, hf.causal_mask_function, "class")
+    if "causal_mask" in on:
+        for attr in _plan_mask(hf, report):
+            _apply_function(hf, sys.modules[_MASK_MODULE], attr, getattr(hf, _MASK_FNS[attr][1]), "class")
     _nothing(report, f"transformers family {family!r}", strict)
     return report
 
