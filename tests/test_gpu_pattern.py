@@ -156,7 +156,7 @@ print("ok")
 
 def test_autocast_dtypes_match_pytorch():
     # Output dtypes under CUDA autocast are PyTorch's: layer_norm float32; rms_norm float32 where autocast lists
-    # it (newer torch), else x's (torch 2.11); weighted_sum as written.
+    # it (newer torch), else x's (torch 2.11); weighted_sum float32, as autocast's sum.
     x = torch.randn(64, 512, device="cuda")
     w = torch.randn(512, device="cuda")
     b = torch.randn(512, device="cuda")
