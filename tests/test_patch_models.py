@@ -483,7 +483,7 @@ def test_compiled_training_forward_builds_no_mask():
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(DEVICE).train()
     tritongrad.patch(model)
     ids = _batch()["input_ids"]
-    for kwargs, packed_check in (({}, False), ({"position_ids": torch.arange(ids.shape[1])[None]}, True)):
+    for kwargs, packed_check in (({}, False), ({"position_ids": torch.arange(ids.shape[1], device=DEVICE)[None]}, True)):
         codes = []
 
         def backend(gm, example_inputs):
