@@ -267,7 +267,8 @@ def rope_function(original):
 
 
 # ---------------------------------------------------------------- the causal mask under torch.compile
-# True while a patched causal-LM forward runs its base model on positions the model numbers itself.
+# True while a patched causal-LM forward runs its base model on positions the model numbers itself. One flag
+# per process: forwards running concurrently in threads, one of them on packed sequences, need causal_mask=False.
 _UNPACKED = [False]
 
 
@@ -433,11 +434,12 @@ def _transformers_parts() -> tuple:
 def _linear_loss_forward(self, parts, labels, logits_to_keep=0, return_dict=None, **kwargs):
     out_cls, copied, slice_to_keep = parts
     # No position_ids and no attention_mask: the base model numbers each row 0, 1, ...: nothing is packed.
+    outer = _UNPACKED[0]
     _UNPACKED[0] = kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None
     try:
         outputs = self.model(**kwargs)
     finally:
-        _UNPACKED[0] = False
+        _UNPACKED[0] = outer
     hidden_states = slice_to_keep(outputs[0], logits_to_keep)
     head = self.lm_head
     loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels,
