@@ -49,9 +49,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
         inplace_backward: opt in to the backward writing each gradient over its input, for callers that own
             gate and up and never read them after the backward, e.g. an MLP whose projections feed swiglu
             alone: the backward then allocates nothing (2 N D elements less at its peak). Taken only in eager
-            mode, for an input that is an intermediate result (not a leaf, not a view), contiguous and
-            overlapping nothing else; its version counter is bumped, so any other use of it saved for
-            backward raises instead of reading the gradient. Compiled code plans its own buffers instead.
+            mode, for an input that is an intermediate result (not a leaf, not a view), contiguous, sharing
+            no storage with the other input or the incoming gradient; its version counter is bumped, so any
+            other use of it saved for backward raises instead of reading the gradient. Compiled code plans
+            its own buffers instead.
 
     Returns:
         out: gate's shape, contiguous, in ``torch.promote_types(gate.dtype, up.dtype)``. Computed in

@@ -130,9 +130,9 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         w: ``[D]``, floating, same device as x.
 
     Returns:
-        y: ``[...]`` in ``torch.promote_types(x.dtype, w.dtype)``; accumulated in float32 (float64 for
-        float64). Differentiable in x and w; gradients come back in each input's dtype, and grad_w is
-        bitwise reproducible.
+        y: ``[...]`` in ``torch.promote_types(x.dtype, w.dtype)`` (float32 under CUDA autocast, as
+        ``(x * w).sum(-1)`` there); accumulated in float32 (float64 for float64). Differentiable in x and w;
+        gradients come back in each input's dtype, and grad_w is bitwise reproducible.
     """
     out_dtype = torch.promote_types(x.dtype, w.dtype)
     y = torch.empty(x.shape[:-1], dtype=out_dtype, device=x.device)
