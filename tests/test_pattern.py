@@ -413,6 +413,14 @@ def test_redeclaring_in_place():
                                            r"torch.Tensor\).*Keep the declaration, choose another name, or restart "
                                            r"Python"):
         tritongrad.op("mylib::redeclared", reference=lambda x, k: x)(_two_args)
+    # Nor can opaque change: torch.compile would keep tracing (or calling) the registered op.
+    with pytest.raises(RuntimeError, match=r"mylib.redeclared is already declared in this process"):
+        tritongrad.op("mylib::redeclared", reference=lambda x: x, save=(), opaque=True)(_one_arg)
+    assert first.opaque is False
+
+
+def _one_arg(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _two_args(x: torch.Tensor, k: float) -> torch.Tensor:
