@@ -5,9 +5,12 @@ microseconds) and a cProfile of the whole call sorted by own time, next to the s
 
 - floor: an autograd.Function that allocates its output and gradients and launches nothing;
 - torch.empty of the output's shape; one Triton launch of a cached kernel (``rt.Kernel``); the op's checks;
-- the whole tritongrad call and PyTorch's.
+- the whole tritongrad call and PyTorch's;
+- with --compiled, the same forward+backward compiled (fullgraph) with either op, in the default mode and in
+  mode="reduce-overhead": host time per call, a cProfile of each, and Inductor's generated code
+  (``compiled-<op>-<provider>-<mode>.py``), so that the two providers' host paths can be read side by side.
 
-    python benchmarks/host_profile.py [--shape 4096x4096] [--ops rms_norm layer_norm weighted_sum]
+    python benchmarks/host_profile.py [--shape 4096x4096] [--ops rms_norm layer_norm weighted_sum] [--compiled]
 
 Writes host_profile.txt to $OUT (or --out).
 """
@@ -56,12 +59,53 @@ class _Floor(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(w)
 
 
+def _cprofile(call, n: int, top: int) -> list[str]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return [ln for ln in s.getvalue().splitlines() if ln.strip()][3:]
+
+
+def compiled_profiles(name: str, tg, pt, inputs, g, out: str) -> list[str]:
+    """Host time and cProfile of the forward+backward compiled with either op, default and reduce-overhead."""
+    from torch._inductor.utils import run_and_get_code
+
+    lines = []
+    for mode in ("default", "reduce-overhead"):
+        ro = mode != "default"
+        for label, f in (("tritongrad", tg), ("torch", pt)):
+            torch._dynamo.reset()
+            c = torch.compile(f, fullgraph=True, mode=None if not ro else mode)
+
+            def call(c=c, ro=ro):
+                if ro:
+                    torch.compiler.cudagraph_mark_step_begin()
+                return torch.autograd.grad(c(), inputs, g)
+
+            _, codes = run_and_get_code(call)
+            with open(os.path.join(out, f"compiled-{name}-{label}-{mode}.py"), "w") as fh:
+                fh.write("\n\n# ---- next graph ----\n\n".join(codes))
+            for _ in range(5):
+                call()
+            lines.append(f"  {name} compiled {mode:15s} {label:10s} fwd+bwd {per_call_us(call, calls=100, rounds=5):8.1f}")
+            lines.append(f"\ncProfile of 100 compiled ({mode}) {label} {name} fwd+bwd calls (own time first):")
+            lines += _cprofile(call, 100, 22)
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4096x4096")
     p.add_argument("--ops", nargs="+", default=["rms_norm", "layer_norm", "weighted_sum"])
+    p.add_argument("--compiled", action="store_true", help="also profile the compiled forward+backward")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     N, D = map(int, a.shape.split("x"))
     tritongrad.set_small_input_threshold(0)
     dev, bf = "cuda", torch.bfloat16
@@ -100,19 +144,12 @@ def main() -> int:
             with torch.no_grad():
                 fwd_only = per_call_us(f)
             lines.append(f"  {name} {label:10s} fwd+bwd {per_call_us(call):8.1f}   fwd under no_grad {fwd_only:8.1f}")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            torch.autograd.grad(tg(), inputs, g)
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
         lines.append(f"\ncProfile of 300 tritongrad {name} fwd+bwd calls (own time first):")
-        lines += [ln for ln in s.getvalue().splitlines() if ln.strip()][3:]
+        lines += _cprofile(lambda: torch.autograd.grad(tg(), inputs, g), 300, 18)
+        if a.compiled:
+            lines += compiled_profiles(name, tg, pt, inputs, g, a.out)
     text = "\n".join(lines)
     print(text)
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "host_profile.txt"), "w") as fh:
         fh.write(text + "\n")
     return 0
