@@ -7,8 +7,8 @@ Per forward+backward (``torch.autograd.grad``), bf16, for weighted_sum, rms_norm
 - pipelined per call: many calls back to back, one sync at the end, as a training loop runs, against the
   device time of one call (a CUDA graph of the call, replayed), at the large shape (32768x4096);
 - per call under torch.compile (default mode, fullgraph): the same function compiled once with tritongrad's op
-  and once with PyTorch's, pipelined, at both shapes; and with mode="reduce-overhead" (CUDA graphs, a
-  ``cudagraph_mark_step_begin`` per call).
+  and once with PyTorch's, pipelined, at both shapes, with the device time of each compiled call (a CUDA graph
+  of it, as above); and with mode="reduce-overhead" (CUDA graphs, a ``cudagraph_mark_step_begin`` per call).
 
 The device's host is noisy (10-20% between runs of one call): providers are interleaved round by round and
 the figure is the median over rounds of each round's median. Writes ``host_path.json`` to $OUT (or --out).
@@ -98,6 +98,14 @@ def device_us(fn, args, g, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def _or_none(f, *args):
+    try:
+        return f(*args)
+    except Exception as e:  # noqa: BLE001 - a figure that cannot be taken is recorded as missing
+        print(f"not measured: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
 def interleaved(measures: dict, rounds: int) -> dict:
     """{name: callable -> us}: median over rounds of each, providers alternating within a round."""
     got = {k: [] for k in measures}
@@ -150,6 +158,8 @@ def main() -> int:
                             step(c, args, g)
                         compiled[prov] = c
                     mark = mode != "default"
+                    if not mark:  # whether the compiled call is host- or device-bound
+                        row["compiled_device_us"] = {k: _or_none(device_us, c, args, g) for k, c in compiled.items()}
                     row[f"compiled_{mode}_us"] = interleaved(
                         {k: (lambda c=c: pipelined_us(c, args, g, mark=mark)) for k, c in compiled.items()},
                         max(3, a.rounds // 3))

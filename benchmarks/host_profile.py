@@ -5,7 +5,7 @@ microseconds) and a cProfile of the whole call sorted by own time, next to the s
 
 - floor: an autograd.Function that allocates its output and gradients and launches nothing;
 - torch.empty of the output's shape; one Triton launch of a cached kernel (``rt.Kernel``); the op's checks;
-- the whole tritongrad call and PyTorch's;
+- the whole tritongrad call and PyTorch's, and tritongrad's with its launches stubbed (its Python alone);
 - with --compiled, the same forward+backward compiled (fullgraph) with either op, in the default mode and in
   mode="reduce-overhead": host time per call, a cProfile of each, and Inductor's generated code
   (``compiled-<op>-<provider>-<mode>.py``), so that the two providers' host paths can be read side by side.
@@ -57,6 +57,23 @@ class _Floor(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         return torch.empty_like(x), torch.empty_like(w)
+
+
+def _stubbed(call) -> str:
+    """Host time of a call whose ``rt.Kernel`` launches do nothing (the Python around the launches), and the
+    number of launches it makes."""
+    real, count = rt.Kernel._launch, [0]
+
+    def stub(self, grid, *args, **kw):
+        count[0] += 1
+
+    rt.Kernel._launch = stub
+    try:
+        call()
+        n, count[0] = count[0], 0
+        return f"{per_call_us(call):8.1f}   ({n} launches a call)"
+    finally:
+        rt.Kernel._launch = real
 
 
 def _cprofile(call, n: int, top: int) -> list[str]:
@@ -144,6 +161,7 @@ def main() -> int:
             with torch.no_grad():
                 fwd_only = per_call_us(f)
             lines.append(f"  {name} {label:10s} fwd+bwd {per_call_us(call):8.1f}   fwd under no_grad {fwd_only:8.1f}")
+        lines.append(f"  {name} tritongrad fwd+bwd, launches stubbed {_stubbed(lambda: torch.autograd.grad(tg(), inputs, g))}")
         lines.append(f"\ncProfile of 300 tritongrad {name} fwd+bwd calls (own time first):")
         lines += _cprofile(lambda: torch.autograd.grad(tg(), inputs, g), 300, 18)
         if a.compiled:

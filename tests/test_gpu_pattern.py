@@ -6,6 +6,7 @@ read the generated code to check that, and compare results with eager mode.
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -66,6 +67,36 @@ def test_inductor_launches_the_kernels(name):
     got = _grads(torch.compile(f, fullgraph=True), x, w)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name,shape", [("layer_norm", (4096, 1024)), ("layer_norm", (64, 16384)),
+                                        ("layer_norm", (16, 40000)), ("rms_norm", (4096, 1024)),
+                                        ("rms_norm", (16, 40000)), ("weighted_sum", (4096, 1024))])
+def test_compiled_forward_backward_adds_no_kernels(name, shape):
+    # Compiled code of the op's forward+backward launches the op's own kernels and nothing else: no copy kernels
+    # from buffers the launchers write through views (functionalization copies each such view in and out).
+    torch._dynamo.reset()
+    N, D = shape
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    params = [torch.randn(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(2 if name == "layer_norm" else 1)]
+    op = getattr(tritongrad, name)
+
+    def f(x, *params):
+        return op(x, *params) if name == "weighted_sum" else op(x, (D,), *params)
+
+    g = torch.randn(N if name == "weighted_sum" else (N, D), device="cuda", dtype=torch.bfloat16)
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(f, fullgraph=True)
+    got, code = run_and_get_code(lambda: (compiled(x, *params), *torch.autograd.grad(compiled(x, *params),
+                                                                                      (x, *params), g)))
+    code = "\n".join(code)
+    launched = sorted(set(re.findall(r"^\s*(\w+)\.run\(", code, re.M)))
+    assert launched and all(k.startswith(("_norm_", "_column_sum_", "_weighted_sum_")) for k in launched), launched
+    want = (f(x, *params), *torch.autograd.grad(f(x, *params), (x, *params), g))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_opaque_op_is_called_not_traced():

@@ -310,7 +310,7 @@ def _norm_bwd_kernel(
     c_ptr,  # row sums from _norm_bwd_rowsum_kernel (c1; CENTERED: c1, c2 at stride_c); unless ONE_TILE
     dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
     dw_ptr,  # dL/dw: [D] when one program covers all rows, else a [P, D] float partial buffer
-    db_ptr,  # dL/db: likewise; None unless HAS_DB
+    db_ptr,  # dL/db: likewise, from element db_off on; None unless HAS_DB
     N,
     D,
     stride_x_row,
@@ -322,6 +322,7 @@ def _norm_bwd_kernel(
     stride_dx_row,
     stride_dw_part,
     stride_db_part,
+    db_off,  # db's partials start db_off elements into db_ptr (D when they share dw's buffer)
     ROWS_PER_PROG,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -395,7 +396,8 @@ def _norm_bwd_kernel(
     if HAS_DW:
         tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
     if HAS_DB:
-        tl.store(db_ptr + pid_p * stride_db_part + o_d, round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)
+        tl.store(db_ptr + aligned(db_off, ALIGN) + pid_p * stride_db_part + o_d,
+                 round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -453,7 +455,7 @@ def _norm_bwd_long_kernel(
     rstd_ptr,
     dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
     dw_ptr,  # [P, D] float partial buffer (one row per program), or [D] with one program
-    db_ptr,  # likewise; None unless HAS_DB
+    db_ptr,  # likewise, from element db_off on; None unless HAS_DB
     N,
     D,
     stride_x_row,
@@ -464,6 +466,7 @@ def _norm_bwd_long_kernel(
     stride_dx_row,
     stride_dw_part,
     stride_db_part,
+    db_off,
     ROWS_PER_PROG,
     COLS,  # columns per program with SPLIT > 1 (the last one's may be fewer), else D
     CHUNK: tl.constexpr,
@@ -539,7 +542,8 @@ def _norm_bwd_long_kernel(
     if HAS_DW:
         _long_store_part(dw_ptr + group * stride_dw_part + c0, c_end - c0, dw0, dw1, dw2, dw3, CHUNK, NCH)
     if HAS_DB:
-        _long_store_part(db_ptr + group * stride_db_part + c0, c_end - c0, db0, db1, db2, db3, CHUNK, NCH)
+        _long_store_part(db_ptr + aligned(db_off, ALIGN) + group * stride_db_part + c0, c_end - c0, db0, db1, db2,
+                         db3, CHUNK, NCH)
 
 
 @triton.jit

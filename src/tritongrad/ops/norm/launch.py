@@ -229,34 +229,36 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     chunks = rt.cdiv(N, r.rows_per_prog)
     part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
     part = None
-    stride_part = 0
+    stride_part = db_off = 0
     if chunks != 1 and (need_w or need_b):
-        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both.
+        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both. Both
+        # kernel arguments are the buffer itself, db's half an offset into it: views of it, as two arguments a
+        # kernel writes, would make torch.compile copy each in and out (docs/host-path.md).
         stride_part = D * (need_w + need_b)
         part = torch.empty((chunks, stride_part), dtype=acc, device=x.device)
-        part_w, part_b = (part[:, :D] if need_w else None), (part[:, D * need_w:] if need_b else None)
+        part_w, part_b, db_off = (part if need_w else None), (part if need_b else None), D * need_w
     stride_pw, stride_pb = (stride_part if need_w else 0), (stride_part if need_b else 0)
     if r.long is not None:
         _long_kernel[(chunks * r.long.SPLIT,)](
             x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, r.rows_per_prog, r.long.COLS, **r.consts,
+            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, db_off, r.rows_per_prog, r.long.COLS, **r.consts,
         )
     else:
         c = None
         if r.rowsum:
             # The row sums: c1 (and c2 for layer_norm), one row each; with column splits, a block of partial
-            # row sums per split, added by column_sum.
-            c = torch.empty((1 + layer_norm, N), dtype=acc, device=x.device)
+            # row sums per split, added by column_sum. c is 1-D, as column_sum writes it (no view to write through).
+            c = torch.empty((1 + layer_norm) * N, dtype=acc, device=x.device)
             c_part = c if r.splits == 1 else torch.empty((r.splits, (1 + layer_norm) * N), dtype=acc, device=x.device)
             _rowsum_kernel[(rt.cdiv(N, r.BLOCK_N), r.splits)](
                 x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
                 dy2.stride(1), N, r.d_split, c_part.stride(0) if r.splits > 1 else 0, **r.rowsum_consts,
             )
             if r.splits > 1:
-                column_sum(c_part, c.view(-1))
+                column_sum(c_part, c)
         _bwd_kernel[(chunks, r.d_blocks)](
             x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, r.rows_per_prog, **r.consts,
+            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, db_off, r.rows_per_prog, **r.consts,
         )
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
