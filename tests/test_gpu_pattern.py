@@ -95,8 +95,8 @@ def test_compiled_forward_backward_adds_no_kernels(name, shape):
     launched = sorted(set(re.findall(r"^\s*(\w+)\.run\(", code, re.M)))
     assert launched and all(k.startswith(("_norm_", "_column_sum_", "_weighted_sum_")) for k in launched), launched
     want = (f(x, *params), *torch.autograd.grad(f(x, *params), (x, *params), g))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(got, want):  # Inductor builds the kernels with its own options: not bitwise
+        torch.testing.assert_close(a, b)
 
 
 def test_opaque_op_is_called_not_traced():

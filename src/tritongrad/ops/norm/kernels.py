@@ -215,6 +215,18 @@ def _aligned_rows(D, sx, sdy, sdx, sdw, sdb, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _db_base(dw_ptr, db_ptr, db_off, DB_IN_DW: tl.constexpr, ALIGN: tl.constexpr):
+    # Where db's partials go: their own buffer, or db_off elements into dw's. A buffer a kernel writes is passed
+    # once: torch.compile gives each written argument its own copy, so two views (or two references) of one
+    # buffer would come back as two buffers, one overwriting the other.
+    if DB_IN_DW:
+        base = dw_ptr + aligned(db_off, ALIGN)
+    else:
+        base = db_ptr
+    return base
+
+
+@triton.jit
 def _add_pair(a1, a2, b1, b2):
     return a1 + b1, a2 + b2
 
@@ -310,7 +322,7 @@ def _norm_bwd_kernel(
     c_ptr,  # row sums from _norm_bwd_rowsum_kernel (c1; CENTERED: c1, c2 at stride_c); unless ONE_TILE
     dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
     dw_ptr,  # dL/dw: [D] when one program covers all rows, else a [P, D] float partial buffer
-    db_ptr,  # dL/db: likewise, from element db_off on; None unless HAS_DB
+    db_ptr,  # dL/db: likewise; None unless HAS_DB, or when DB_IN_DW
     N,
     D,
     stride_x_row,
@@ -322,7 +334,7 @@ def _norm_bwd_kernel(
     stride_dx_row,
     stride_dw_part,
     stride_db_part,
-    db_off,  # db's partials start db_off elements into db_ptr (D when they share dw's buffer)
+    db_off,  # with DB_IN_DW, db's partials start db_off elements into dw's partial buffer
     ROWS_PER_PROG,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -331,6 +343,7 @@ def _norm_bwd_kernel(
     HAS_DX: tl.constexpr,
     HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr,
+    DB_IN_DW: tl.constexpr,  # db's partials share dw's buffer (one kernel argument, db_off in)
     CENTERED: tl.constexpr,
     ROUND_XHAT: tl.constexpr,  # rms_norm's Llama variant: dw sums dy * xhat rounded to x's dtype
     ACC: tl.constexpr,
@@ -396,8 +409,9 @@ def _norm_bwd_kernel(
     if HAS_DW:
         tl.store(dw_ptr + pid_p * stride_dw_part + o_d, round_to(tl.sum(acc_dw, axis=0), dw_ptr.dtype.element_ty), mask=m_d)
     if HAS_DB:
-        tl.store(db_ptr + aligned(db_off, ALIGN) + pid_p * stride_db_part + o_d,
-                 round_to(tl.sum(acc_db, axis=0), db_ptr.dtype.element_ty), mask=m_d)
+        db_base = _db_base(dw_ptr, db_ptr, db_off, DB_IN_DW, ALIGN)
+        tl.store(db_base + pid_p * stride_db_part + o_d, round_to(tl.sum(acc_db, axis=0), db_base.dtype.element_ty),
+                 mask=m_d)
 
 
 @triton.jit
@@ -455,7 +469,7 @@ def _norm_bwd_long_kernel(
     rstd_ptr,
     dx_ptr,  # [N, D], unit column stride; written only when HAS_DX
     dw_ptr,  # [P, D] float partial buffer (one row per program), or [D] with one program
-    db_ptr,  # likewise, from element db_off on; None unless HAS_DB
+    db_ptr,  # likewise; None unless HAS_DB, or when DB_IN_DW
     N,
     D,
     stride_x_row,
@@ -476,6 +490,7 @@ def _norm_bwd_long_kernel(
     HAS_DX: tl.constexpr,
     HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr,
+    DB_IN_DW: tl.constexpr,
     CENTERED: tl.constexpr,
     ROUND_XHAT: tl.constexpr,
     ACC: tl.constexpr,
@@ -542,8 +557,8 @@ def _norm_bwd_long_kernel(
     if HAS_DW:
         _long_store_part(dw_ptr + group * stride_dw_part + c0, c_end - c0, dw0, dw1, dw2, dw3, CHUNK, NCH)
     if HAS_DB:
-        _long_store_part(db_ptr + aligned(db_off, ALIGN) + group * stride_db_part + c0, c_end - c0, db0, db1, db2,
-                         db3, CHUNK, NCH)
+        _long_store_part(_db_base(dw_ptr, db_ptr, db_off, DB_IN_DW, ALIGN) + group * stride_db_part + c0, c_end - c0,
+                         db0, db1, db2, db3, CHUNK, NCH)
 
 
 @triton.jit

@@ -231,17 +231,19 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     part = None
     stride_part = db_off = 0
     if chunks != 1 and (need_w or need_b):
-        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both. Both
-        # kernel arguments are the buffer itself, db's half an offset into it: views of it, as two arguments a
-        # kernel writes, would make torch.compile copy each in and out (docs/host-path.md).
+        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both. The
+        # kernel gets the buffer once, and db's half as an offset into it (kernels._db_base).
         stride_part = D * (need_w + need_b)
         part = torch.empty((chunks, stride_part), dtype=acc, device=x.device)
-        part_w, part_b, db_off = (part if need_w else None), (part if need_b else None), D * need_w
+        part_w, part_b = (part, None) if need_w else (None, part)
+        db_off = D if need_w and need_b else 0
     stride_pw, stride_pb = (stride_part if need_w else 0), (stride_part if need_b else 0)
+    db_in_dw = db_off != 0
     if r.long is not None:
         _long_kernel[(chunks * r.long.SPLIT,)](
             x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, db_off, r.rows_per_prog, r.long.COLS, **r.consts,
+            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, db_off, r.rows_per_prog, r.long.COLS,
+            DB_IN_DW=db_in_dw, **r.consts,
         )
     else:
         c = None
@@ -258,7 +260,8 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
                 column_sum(c_part, c)
         _bwd_kernel[(chunks, r.d_blocks)](
             x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, db_off, r.rows_per_prog, **r.consts,
+            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, db_off, r.rows_per_prog, DB_IN_DW=db_in_dw,
+            **r.consts,
         )
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
