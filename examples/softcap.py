@@ -17,6 +17,7 @@ def _softcap_fwd_kernel(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + o, mask=o < n)
     x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)  # float32 math, float64 for float64
+    cap = tl.cast(cap, x.dtype)  # a float argument is float32 from eager launches, float64 from torch.compile's
     t = tl.exp(-2.0 * tl.abs(x / cap))  # tanh(|u|) = (1 - e^-2|u|) / (1 + e^-2|u|): no overflow
     y = cap * tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t)
     tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=o < n)
@@ -26,7 +27,8 @@ def _softcap_fwd_kernel(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
 def _softcap_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n, cap, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     y = tl.load(y_ptr + o, mask=o < n)
-    y = y.to(tl.float64 if y.dtype == tl.float64 else tl.float32) / cap
+    y = y.to(tl.float64 if y.dtype == tl.float64 else tl.float32)
+    y = y / tl.cast(cap, y.dtype)
     dy = tl.load(dy_ptr + o, mask=o < n).to(y.dtype)
     tl.store(dx_ptr + o, (dy * (1.0 - y * y)).to(dx_ptr.dtype.element_ty), mask=o < n)
 

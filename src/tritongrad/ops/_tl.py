@@ -5,6 +5,17 @@ import triton.language as tl
 
 
 @triton.jit
+def float_arg(hi, lo, ACC: tl.constexpr):
+    """A float argument passed as ``rt.split_float``'s ``(hi, lo)``, as an ACC scalar.
+
+    Triton's own launch passes a Python float as float32, Inductor's generated code as float64; used as it
+    comes, a float64 argument would turn every expression it touches into float64 (a whole tile in float64,
+    and results that differ from eager mode's). hi + lo in float64, then ACC, is the same value either way.
+    """
+    return tl.cast(tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64), ACC)
+
+
+@triton.jit
 def round_to(v, dtype: tl.constexpr):
     """``v`` (float32 or float64) rounded to ``dtype`` for a store.
 

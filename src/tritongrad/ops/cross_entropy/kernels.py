@@ -62,7 +62,7 @@ assert fires as well.
 import triton
 import triton.language as tl
 
-from .._tl import aligned, round_to
+from .._tl import aligned, float_arg, round_to
 
 
 @triton.jit
@@ -142,9 +142,9 @@ def _cross_entropy_fwd_kernel(
     # Only the last chunk of a row can be ragged: the loops below run unmasked over full chunks.
     o_last = (K - 1) * BLOCK_C + o_c
     m_last = o_last < C
-    eps = tl.zeros([], dtype=ACC) + eps_hi + eps_lo
-    z_loss = tl.zeros([], dtype=ACC) + z_hi + z_lo
-    cap = tl.zeros([], dtype=ACC) + cap_hi + cap_lo
+    eps = float_arg(eps_hi, eps_lo, ACC)
+    z_loss = float_arg(z_hi, z_lo, ACC)
+    cap = float_arg(cap_hi, cap_lo, ACC)
     inv_denom = 1.0
     if MEAN:
         inv_denom = 1.0 / tl.load(stats_ptr).to(ACC)
@@ -341,7 +341,7 @@ def _cross_entropy_bwd_kernel(
         d = tl.where(t != ignore_index, d, 0.0)
     any_d = tl.sum((d != 0.0).to(tl.int32), 0) > 0
     gl = tl.load(dloss_ptr).to(ACC)
-    cap = tl.zeros([], dtype=ACC) + cap_hi + cap_lo
+    cap = float_arg(cap_hi, cap_lo, ACC)
     if IN_PLACE:
         work = (gl != 1.0) | any_d  # the gradient is already right: nothing to read or write
     else:

@@ -53,7 +53,7 @@ Kernels (which launch shape serves which rows: plans.py and docs/norms.md):
 import triton
 import triton.language as tl
 
-from .._tl import aligned, round_to
+from .._tl import aligned, float_arg, round_to
 
 
 @triton.jit
@@ -85,8 +85,8 @@ def _norm_fwd_kernel(
     stride_w,
     stride_b,
     stride_y_row,
-    eps,  # float32 (Triton passes a Python float so) ...
-    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
+    eps,  # eps rounded to float32 ...
+    eps_lo,  # ... plus the rest (rt.split_float; _tl.float_arg)
     D_SPLIT,  # columns per program along grid axis 1 (a multiple of BLOCK_D; D when rows are not split)
     NUM_SPLITS,
     BLOCK_N: tl.constexpr,
@@ -130,7 +130,7 @@ def _norm_fwd_kernel(
             b_mean = tl.sum(b_x, axis=1) / D
             b_x = tl.where(mask, b_x - b_mean[:, None], 0.0)
             b_mean += b_k
-        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps + eps_lo)
+        b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + float_arg(eps, eps_lo, ACC))
         b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B,
                            ROUND_XHAT, X_DTYPE, ACC)
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
@@ -187,7 +187,7 @@ def _norm_fwd_kernel(
             else:
                 tl.store(part_ptr + pid_s * N + o_n, b_m2, mask=m_n)
         else:
-            b_rstd = tl.rsqrt(b_m2 / D + eps + eps_lo)
+            b_rstd = tl.rsqrt(b_m2 / D + float_arg(eps, eps_lo, ACC))
             for d0 in range(d_lo, d_hi, BLOCK_D):
                 o_d = d0 + tl.arange(0, BLOCK_D)
                 m_d = o_d < d_hi
@@ -625,8 +625,8 @@ def _norm_fwd_parts_kernel(
     stride_w,
     stride_b,
     stride_y_row,
-    eps,  # float32 (Triton passes a Python float so) ...
-    eps_lo,  # ... plus the rest of the float64 eps (rt.split_float)
+    eps,  # eps rounded to float32 ...
+    eps_lo,  # ... plus the rest (rt.split_float; _tl.float_arg)
     CHUNK: tl.constexpr,  # a power of two
     NCH: tl.constexpr,  # odd, 3 to 15 (the plan takes up to 13): D = NCH * CHUNK
     HAS_W: tl.constexpr,
@@ -668,7 +668,7 @@ def _norm_fwd_parts_kernel(
         b_mean = tl.sum(_parts_lanes(x8, x4, x2, x1, NCH), axis=0) / D
         x8, x4, x2, x1 = x8 - b_mean, x4 - b_mean, x2 - b_mean, x1 - b_mean
     q = _parts_lanes(x8 * x8, x4 * x4, x2 * x2, x1 * x1, NCH)
-    b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + eps + eps_lo)
+    b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + float_arg(eps, eps_lo, ACC))
     if NCH & 8:
         _parts_store(y_row, w_ptr, b_ptr, x8 * b_rstd, 0, stride_w, stride_b, 8, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
                      X_DTYPE, ACC)
