@@ -165,23 +165,37 @@ def test_export_and_aoti_package(tmp_path):
     assert os.path.getsize(path) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="torch 2.11: aoti_load_package of a package holding triton_op kernels "
-                                       "crashes (SIGSEGV in torch/export/pt2_archive/_package.py, _load_aoti)")
-def test_aoti_package_loads_and_runs(tmp_path):
-    # In a child process: the crash takes the process down.
+def _aoti_child(model: str, path, with_tritongrad: bool):
+    """Export ``model``, package it with AOTInductor, load the package and compare, in a child process (a crash
+    of the loader takes the process down)."""
     import subprocess
 
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
     code = f"""
 import sys, torch
-sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..", "src")!r})
-import tritongrad
-m = torch.nn.Sequential(tritongrad.nn.RMSNorm(256), torch.nn.Linear(256, 256)).cuda()
+sys.path.insert(0, {src!r})
+if {with_tritongrad!r}:
+    import tritongrad
+m = {model}.cuda()
 x = torch.randn(8, 256, device="cuda")
-path = torch._inductor.aoti_compile_and_package(torch.export.export(m, (x,)), package_path={str(tmp_path / "m.pt2")!r})
+path = torch._inductor.aoti_compile_and_package(torch.export.export(m, (x,)), package_path={str(path)!r})
 torch.testing.assert_close(torch._inductor.aoti_load_package(path)(x), m(x), rtol=1e-4, atol=1e-4)
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_aoti_package_loads_and_runs(tmp_path):
+    out = _aoti_child("torch.nn.Sequential(tritongrad.nn.RMSNorm(256), torch.nn.Linear(256, 256))",
+                      tmp_path / "tg.pt2", True)
+    if out.returncode != 0:
+        # Only where AOTInductor cannot load a package of plain torch modules either (torch 2.11 + CUDA 13 on the
+        # H200 machine: SIGSEGV in torch/export/pt2_archive/_package.py, _load_aoti), is this not tritongrad's.
+        plain = _aoti_child("torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256))",
+                            tmp_path / "plain.pt2", False)
+        if plain.returncode != 0:
+            pytest.xfail(f"AOTInductor on this install cannot load a plain torch model's package either "
+                         f"(exit {plain.returncode})")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-2000:])
 
 
