@@ -596,20 +596,6 @@ def test_strided_x_is_not_copied(norm, layout, launches):
         (x.data_ptr(), x.stride())] * 2
 
 
-@pytest.mark.parametrize(
-    "grad",
-    [
-        lambda: torch.ones(1, 1, 1, device=DEVICE).expand(6, 5, 11),  # y.sum().backward(): stride 0
-        lambda: torch.randn(11, 5, 6, device=DEVICE).permute(2, 1, 0),  # column stride 30
-    ],
-    ids=["expanded", "transposed"],
-)
-@pytest.mark.parametrize("norm", NORMS)
-def test_upstream_grad_strides(norm, grad):
-    x = rows(norm, 6, 5, 11)
-    check_upstream_grad(OPS[norm], norm_args(norm, x, *params(norm, (11,), f32)), grad())
-
-
 # ---------------------------------------------------------------- argument errors
 BAD_INPUTS = [
     (lambda: tritongrad.rms_norm(torch.randn(3, 4), (5,)), ValueError, r"input of shape \(3, 4\).*\(5,\)"),

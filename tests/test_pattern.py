@@ -58,9 +58,11 @@ def affine(x: torch.Tensor, *, scale: float = 2.0, shift: float = 0.0) -> torch.
 
 @affine.backward
 def _(ctx, dy):
-    # Nothing saved: the gradient needs the scale alone.
+    # Nothing saved: the gradient needs the scale alone. dy may come expanded or transposed (the kit's
+    # upstream-grads case): made contiguous before dx takes its layout.
+    dy = dy.contiguous()
     dx = torch.empty_like(dy)
-    affine_kernel[blocks(dx.numel())](dy.contiguous(), dx, dx.numel(), ctx.scale, 0.0, BLOCK=BLOCK)
+    affine_kernel[blocks(dx.numel())](dy, dx, dx.numel(), ctx.scale, 0.0, BLOCK=BLOCK)
     return dx
 
 
@@ -684,6 +686,23 @@ def test_kit_catches_wrong_kernels():
     wrong.check_values(pick_int64, torch.float32)
     with pytest.raises(AssertionError, match=r"kitcheck.pick_unit_stride\(torch.float32, transposed\) output 0"):
         wrong.check_values(pick_int64, torch.float32, layout="transposed")
+
+    # affine whose backward gives dx dy's layout but writes it in contiguous order: right for a contiguous or
+    # expanded dy, wrong for a transposed one
+    @tritongrad.op("kitcheck::affine_dy_layout", reference=affine_reference, save=())
+    def affine_dy_layout(x: torch.Tensor, *, scale: float = 2.0, shift: float = 0.0) -> torch.Tensor:
+        return affine(x, scale=scale, shift=shift)
+
+    @affine_dy_layout.backward
+    def _(ctx, dy):
+        dx = torch.empty_like(dy)
+        affine_kernel[blocks(dx.numel())](dy.contiguous(), dx, dx.numel(), ctx.scale, 0.0, BLOCK=BLOCK)
+        return dx
+
+    wrong = OpSuite(affine_dy_layout, [affine_given])
+    wrong.check_values(affine_given, torch.float32)
+    with pytest.raises(AssertionError, match=r"kitcheck.affine_dy_layout grad x \(transposed upstream gradient\)"):
+        wrong.check_upstream_grads(affine_given)
 
 
 def test_example_runs():

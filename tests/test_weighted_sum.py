@@ -4,7 +4,7 @@ errors; the module."""
 
 import pytest
 import torch
-from conftest import DEVICE, check_upstream_grad, check_values, kernel_names
+from conftest import DEVICE, check_values, kernel_names
 
 import tritongrad
 from tritongrad.ops.weighted_sum import launch as ws_launch
@@ -154,19 +154,6 @@ def test_strided_x_is_not_copied(launches):
     weighted_sum(x, w).backward(torch.randn(33, device=DEVICE))
     assert [(s.args[0].data_ptr(), s.args[0].stride()) for s in launches if s.kernel in (FWD, BWD)] == [
         (x.data_ptr(), x.stride())] * 2
-
-
-@pytest.mark.parametrize(
-    "grad",
-    [
-        lambda: torch.ones(1, 1, device=DEVICE).expand(6, 5),     # y.sum().backward(): stride 0
-        lambda: torch.randn(6, 5, 3, device=DEVICE)[..., 1],       # every third element
-    ],
-    ids=["expanded", "strided"],
-)
-def test_upstream_grad_strides(grad):
-    check_upstream_grad(weighted_sum, (torch.randn(6, 5, 11, device=DEVICE), torch.randn(11, device=DEVICE)),
-                        grad())
 
 
 # ---------------------------------------------------------------- argument errors

@@ -7,7 +7,7 @@
 
 Checks (``OpSuite.cases``): for every sample and dtype, the outputs and the gradients against the op's
 reference in float64; the same with inputs in other memory layouts, with an extra leading dim, and in mixed
-precision where declared; gradients for each subset of inputs (``needs_input_grad``); no graph under
+precision where declared; upstream gradients expanded (stride 0) and transposed; gradients for each subset of inputs (``needs_input_grad``); no graph under
 ``torch.no_grad``; ``torch.autograd.gradcheck`` in float64; ``torch.library.opcheck`` on the registered ops;
 ``torch.compile(fullgraph=True)``, static and dynamic, forward and backward.
 
@@ -196,6 +196,7 @@ class OpSuite:
             if self.mixed:
                 out.append((f"mixed-{name}", _bind(self.check_values, sample, torch.bfloat16, mixed=True)))
         out += [
+            (f"upstream-grads-{first_name}", _bind(self.check_upstream_grads, first)),
             (f"needs_input_grad-{first_name}", _bind(self.check_needs_input_grad, first)),
             (f"no_grad-{first_name}", _bind(self.check_no_grad, first)),
             (f"gradcheck-{first_name}", _bind(self.check_gradcheck, first)),
@@ -308,6 +309,39 @@ class OpSuite:
                 bi = torch.zeros_like(gi) if bi is None else bi
             atol = ulp_atol(gi.dtype, ri, self.ulps) + (ulp_atol(torch.bfloat16, ri, 1.0) if trunc else 0.0)
             assert_close_earned(f"{label} grad {name}", gi, ri, bi, self.factor, atol)
+
+    def check_upstream_grads(self, sample) -> None:
+        """Upstream gradients of other strides, read through them: one value expanded to each output's shape
+        (stride 0, as ``y.sum().backward()`` gives), then a transposed one (a strided one for 1-D outputs);
+        gradients against the float64 reference's for the same upstream values."""
+        op = self.op
+        args = self._args(sample, torch.float32)
+        wanted = self._diff(args)
+        if not wanted:
+            return
+        outs = _tuple(op(*args))
+        for kind in ("expanded", "transposed"):
+            g = []
+            for o in outs:
+                if not o.is_floating_point():
+                    g.append(None)
+                elif kind == "expanded":
+                    g.append(torch.randn((), dtype=o.dtype, device=o.device).expand(o.shape))
+                elif o.dim() >= 2:
+                    g.append(relayout(torch.randn(o.shape, dtype=o.dtype, device=o.device), "transposed"))
+                else:  # every third element of a wider buffer
+                    g.append(torch.randn((*o.shape, 3), dtype=o.dtype, device=o.device)[..., 1])
+            got = self._run(op, args, wanted, g)
+            ref = self._run(op.reference, self._upcast(args), wanted, [x if x is None else x.double() for x in g])
+            base = self._run(self.baseline or op.reference, args, wanted, g)
+            for i in wanted:
+                ri = ref.grads[i]
+                if ri is None:
+                    continue
+                gi = got.grads[i]
+                assert gi is not None, f"{op.label}: no gradient for {op._names[i]} ({kind} upstream gradient)"
+                assert_close_earned(f"{op.label} grad {op._names[i]} ({kind} upstream gradient)", gi, ri,
+                                    base.grads[i], self.factor, ulp_atol(gi.dtype, ri, self.ulps))
 
     def check_needs_input_grad(self, sample) -> None:
         """Each differentiable input alone: only its gradient comes back, equal to the all-inputs run's."""
