@@ -715,3 +715,180 @@ def test_example_runs():
     assert "SoftcapBackward" in out.stdout
     errors = [float(v) for v in re.findall(r"= ([0-9.e+-]+)$", out.stdout, re.M)]
     assert len(errors) == 2 and max(errors) < 1e-5, out.stdout
+
+
+# ---------------------------------------------------------------- torch.func and forward-mode AD
+def _builtin(name):
+    import tritongrad.ops.cross_entropy as ce
+    import tritongrad.ops.norm as norm
+
+    return {"weighted_sum": tritongrad.weighted_sum, "rms_norm": norm.rms_norm_op,
+            "llama_rms_norm": norm.llama_rms_norm, "layer_norm": norm.layer_norm_op,
+            "cross_entropy": ce.cross_entropy_op, "linear_cross_entropy": ce.linear_cross_entropy_op,
+            "swiglu": tritongrad.swiglu, "apply_rotary_pos_emb": tritongrad.apply_rotary_pos_emb}[name]
+
+
+def _f64(*shape):
+    return torch.randn(shape, dtype=torch.float64, device=DEVICE)
+
+
+def _targets(n, c):
+    t = torch.randint(0, c, (n,), device=DEVICE)
+    t[1] = -100  # an ignored row
+    return t
+
+
+# Float64 arguments of each op: every differentiable input present (weights, biases), small shapes.
+TRANSFORM_ARGS = {
+    "weighted_sum": lambda: (_f64(3, 7), _f64(7)),
+    "rms_norm": lambda: (_f64(3, 2, 5), [2, 5], _f64(2, 5), 1e-5),
+    "llama_rms_norm": lambda: (_f64(3, 6), _f64(6), 1e-6),
+    "layer_norm": lambda: (_f64(4, 5) + 1.0, [5], _f64(5), _f64(5), 1e-5),
+    "cross_entropy": lambda: (_f64(4, 6), _targets(4, 6), None, -100, "mean", 0.1, 3.0, 1e-2),
+    "linear_cross_entropy": lambda: (_f64(4, 3), _f64(6, 3), _targets(4, 6), _f64(6), -100, "sum"),
+    "swiglu": lambda: (_f64(3, 5), _f64(3, 5)),
+    "apply_rotary_pos_emb": lambda: (_f64(1, 2, 3, 4), _f64(1, 1, 3, 4), _f64(1, 3, 4), _f64(1, 3, 4), 1),
+    "mylib.sincos": lambda: (_f64(2, 5),),
+    "mylib.affine": lambda: (_f64(2, 5),),
+    "mylib.pick": lambda: (_f64(4, 3), torch.randint(0, 3, (4,), device=DEVICE)),
+    "mylib.scale": lambda: (_f64(2, 5), _f64(2, 5)),
+}
+TRANSFORM_OPS = list(TRANSFORM_ARGS)
+
+
+def _transform_op(name):
+    return {"mylib.sincos": sincos, "mylib.affine": affine, "mylib.pick": pick, "mylib.scale": scale}.get(name) or \
+        _builtin(name)
+
+
+def _as_functions(op, args):
+    """(f, f_ref, primals): the op and its reference as functions of the differentiable inputs alone,
+    returning a tuple of the outputs."""
+    args = op.bind(tuple(args), {})
+    diff = [i for i in op._diff_positions if isinstance(args[i], torch.Tensor)]
+
+    def of(fn):
+        def f(*xs):
+            full = list(args)
+            for i, x in zip(diff, xs):
+                full[i] = x
+            out = fn(*full)
+            return out if isinstance(out, tuple) else (out,)
+
+        return f
+
+    return of(op), of(op.reference), tuple(args[i] for i in diff)
+
+
+def _assert_same(got, want, what):
+    got, want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    assert len(got) == len(want), what
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: {g.dtype} {tuple(g.shape)} vs {w.dtype} {tuple(w.shape)}"
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+        if w.abs().max() > 0:
+            assert g.abs().max() > 0, f"{what}: zero where the reference's is not"
+
+
+@pytest.mark.parametrize("name", TRANSFORM_OPS)
+def test_forward_mode_ad(name):
+    # jvp, jacfwd and torch.autograd.forward_ad: the reference's tangents (never zeros, never None).
+    op = _transform_op(name)
+    f, ref, primals = _as_functions(op, TRANSFORM_ARGS[name]())
+    tangents = tuple(torch.randn_like(p) for p in primals)
+    want = torch.func.jvp(ref, primals, tangents)
+    _assert_same(torch.func.jvp(f, primals, tangents), want, f"{op.label} jvp")
+    _assert_same(torch.func.jacfwd(f, argnums=tuple(range(len(primals))))(*primals),
+                 torch.func.jacrev(ref, argnums=tuple(range(len(primals))))(*primals), f"{op.label} jacfwd")
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        outs = f(*[fwAD.make_dual(p, t) for p, t in zip(primals, tangents)])
+        got = [fwAD.unpack_dual(o) for o in outs]
+    assert all(g.tangent is not None for g in got), f"{op.label}: forward_ad gave no tangent"
+    _assert_same(([g.primal for g in got], [g.tangent for g in got]), ([*want[0]], [*want[1]]), f"{op.label} forward_ad")
+
+
+@pytest.mark.parametrize("name", TRANSFORM_OPS)
+def test_reverse_mode_transforms(name):
+    # torch.func.grad, vjp and jacrev: the reference's gradients.
+    op = _transform_op(name)
+    f, ref, primals = _as_functions(op, TRANSFORM_ARGS[name]())
+    argnums = tuple(range(len(primals)))
+    weights = [torch.randn_like(o) for o in ref(*primals)]
+
+    def loss(fn):
+        return lambda *xs: sum((o * w).sum() for o, w in zip(fn(*xs), weights))
+
+    _assert_same(torch.func.grad(loss(f), argnums=argnums)(*primals),
+                 torch.func.grad(loss(ref), argnums=argnums)(*primals), f"{op.label} grad")
+    (out, pull), (out_ref, pull_ref) = torch.func.vjp(f, *primals), torch.func.vjp(ref, *primals)
+    _assert_same((out, pull(tuple(weights))), (out_ref, pull_ref(tuple(weights))), f"{op.label} vjp")
+    _assert_same(torch.func.jacrev(f, argnums=argnums)(*primals), torch.func.jacrev(ref, argnums=argnums)(*primals),
+                 f"{op.label} jacrev")
+
+
+@pytest.mark.parametrize("name", TRANSFORM_OPS)
+def test_vmap(name):
+    # vmap over a batch of the differentiable inputs (list arguments such as normalized_shape are not batched),
+    # alone and under grad: the reference's values, equal to the op's per-sample results.
+    op = _transform_op(name)
+    f, ref, primals = _as_functions(op, TRANSFORM_ARGS[name]())
+    batched = tuple(torch.stack([p, torch.randn_like(p)]) for p in primals)
+    got = torch.func.vmap(f)(*batched)
+    _assert_same(got, torch.func.vmap(ref)(*batched), f"{op.label} vmap")
+    with torch.no_grad():
+        each = [f(*[b[k] for b in batched]) for k in range(2)]
+    for o, *e in zip(got, *each):
+        torch.testing.assert_close(o, torch.stack(e), rtol=1e-10, atol=1e-12)
+    per = torch.func.vmap(torch.func.grad(lambda *xs: f(*xs)[0].sum()))(*batched)
+    _assert_same(per, torch.func.vmap(torch.func.grad(lambda *xs: ref(*xs)[0].sum()))(*batched),
+                 f"{op.label} vmap(grad)")
+
+
+def test_public_norms_under_vmap():
+    # The public functions pass normalized_shape as a list: vmap never batches it.
+    x, w = _f64(2, 3, 5), _f64(5)
+    torch.testing.assert_close(torch.func.vmap(lambda x: tritongrad.rms_norm(x, 5, w))(x), F.rms_norm(x, (5,), w))
+    torch.testing.assert_close(torch.func.vmap(lambda x: tritongrad.layer_norm(x, [5], w))(x),
+                               F.layer_norm(x, (5,), w))
+    # the registered op, called directly under vmap, loops over the batch without slicing the list
+    torch.testing.assert_close(torch.func.vmap(lambda x: torch.ops.tritongrad.rms_norm(x, [5], w, None)[0])(x),
+                               F.rms_norm(x, (5,), w))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "grad", "forward_ad"])
+def test_transforms_under_torch_compile(transform):
+    # A transform inside a compiled function runs the reference as in eager mode.
+    x, w, t = _f64(2, 3, 5), _f64(5), _f64(2, 3, 5)
+    import torch.autograd.forward_ad as fwAD
+
+    def run(norm):
+        if transform == "vmap":
+            return torch.func.vmap(norm)(x)
+        if transform == "jvp":
+            return torch.func.jvp(norm, (x,), (t,))[1]
+        if transform == "grad":
+            return torch.func.grad(lambda x: norm(x).square().sum())(x)
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(norm(fwAD.make_dual(x, t))).tangent
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: run(lambda x: tritongrad.rms_norm(x, 5, w)), backend="aot_eager")(x)
+    torch.testing.assert_close(got, run(lambda x: F.rms_norm(x, (5,), w)))
+
+
+def test_transform_refused_where_the_reference_cannot_run():
+    # A reference that reads a value (data-dependent control flow) cannot run under vmap: a RuntimeError names
+    # the op and the transform, instead of torch's message about an internal function.
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0 if bool((x > 0).all()) else x
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return affine(x.detach())
+
+    op = tritongrad.op("mylib::reads_values", reference=reference, save=())(forward)
+    op.backward(lambda ctx, dy: 2.0 * dy)
+    with pytest.raises(RuntimeError, match=r"mylib.reads_values does not support torch.func.vmap: under it the op "
+                                           r"runs its PyTorch reference"):
+        torch.func.vmap(op)(torch.rand(2, 3, device=DEVICE))

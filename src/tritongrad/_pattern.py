@@ -32,8 +32,13 @@ From that the pattern builds:
   kernels and launches them itself (no Python launcher per call in compiled code). Under Triton's
   interpreter the kernels cannot be traced, and the ops are opaque custom ops instead; so are ops declared
   ``opaque=True``, whose launchers loop on the host (chunks written into slices of a buffer), which Inductor
-  would unroll into copies. Autograd, fake tensors, vmap (a loop over the batch) and, where declared,
-  autocast are registered too;
+  would unroll into copies. Autograd, fake tensors, vmap (a loop over the batch, for the registered op
+  called directly) and, where declared, autocast are registered too;
+- torch.func transforms (grad, vjp, jacrev, jvp, jacfwd, vmap, functionalize) and forward-mode AD
+  (``torch.autograd.forward_ad`` dual tensors among the inputs): the launchers give no tangents and have no
+  batching rule, so the op runs its ``reference`` there, which computes the same function and which PyTorch
+  differentiates in both modes and batches. Eager and inside torch.compile alike. Where the reference cannot
+  run under the transform (it reads tensor values, say), a RuntimeError names the op and the transform;
 - checks every op shares: each tensor argument a Tensor (or None where optional), of a floating dtype (index
   arguments: an integer dtype), all on one device; then the op's own ``validate``. Messages name the op,
   the argument, its shape, dtype and device;
@@ -55,6 +60,7 @@ import typing
 from typing import Callable, Sequence
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from . import _runtime as rt
 
@@ -114,7 +120,11 @@ def op(
         name: ``"namespace::name"``, e.g. ``"mylib::softcap"``: the torch.library name
             (``torch.ops.mylib.softcap``; its backward is ``torch.ops.mylib.softcap_backward``).
         reference: plain PyTorch with the launcher's signature, returning the outputs (no residuals);
-            differentiable and float64-capable. The tests' reference, and the CPU path without Triton.
+            differentiable and float64-capable. The tests' reference, the CPU path without Triton, and what
+            the op runs under torch.func transforms (grad, vjp, jacrev, jvp, jacfwd, vmap) and forward-mode
+            AD (dual tensors among the inputs): differentiable in both modes and batchable by vmap, it gives
+            exact tangents and batches where the launchers would give none. A reference that cannot run there
+            makes the op refuse the transform with a RuntimeError naming both.
         validate: optional checks with the launcher's signature; raise with a message that names the
             shapes. Type, dtype and device checks are done by the pattern.
         residuals: names of the tensors the forward returns after its outputs, for the backward only.
@@ -391,12 +401,35 @@ class Op:
                 return self(*self._autocast_args(args))
         if not rt.uses_triton(x.device):
             return self.reference(*args)
-        if _is_compiling() or _dispatch_depth() or _functorch_active() or self._subclassed(args):
-            # Tracers, dispatch modes, torch.func transforms and tensor subclasses record or run the op.
+        if _functorch_active() or (_fwad._current_level >= 0 and self._dual(args)):
+            # The launchers give no tangents and no batching rule: the reference computes the same function,
+            # and PyTorch differentiates it in both modes and batches it.
+            return self._under_transform(args)
+        if _is_compiling() or _dispatch_depth() or self._subclassed(args):
+            # Tracers, dispatch modes and tensor subclasses record or run the op.
             return self._user(self.opoverload(*args))
         if _grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._diff_positions):
             return self._apply(self, *args)
         return self._user(self.forward(*args))
+
+    def _dual(self, args) -> bool:
+        """Whether a tensor argument carries a forward-mode AD tangent (torch.autograd.forward_ad)."""
+        for i in self.tensor_positions:
+            if args[i] is not None and _fwad.unpack_dual(args[i]).tangent is not None:
+                return True
+        return False
+
+    def _under_transform(self, args):
+        """The op under a torch.func transform or forward-mode AD: its reference, or a RuntimeError that
+        names the op and the transform where the reference cannot run there."""
+        try:
+            return self.reference(*args)
+        except Exception as e:
+            error = e
+        raise RuntimeError(
+            f"{self.label} does not support {_transform_name()}: under it the op runs its PyTorch reference "
+            f"(its kernels give no tangents and no batching rule), which raised {type(error).__name__}: {error}"
+        ) from error
 
     def _subclassed(self, args) -> bool:
         for i in self.tensor_positions:
@@ -622,6 +655,16 @@ def _register(op: Op):
     return fwd_def, bwd_def
 
 
+def _transform_name() -> str:
+    """The innermost active torch.func transform (``torch.func.vmap``, ...), else forward-mode AD."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None:
+        return "forward-mode AD (torch.autograd.forward_ad)"
+    kind = str(interpreter.key()).rsplit(".", 1)[-1].lower()
+    return {"grad": "torch.func.grad/vjp/jacrev", "jvp": "torch.func.jvp/jacfwd", "vmap": "torch.func.vmap"}.get(
+        kind, f"the torch.func transform {kind}")
+
+
 def _one(outs: tuple):
     return outs[0] if len(outs) == 1 else outs
 
@@ -643,7 +686,9 @@ def _vmap_loop(op_def, info, in_dims, *args):
     n = info.batch_size
     outs = []
     for b in range(n):
-        sliced = [a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)]
+        # A list argument (normalized_shape) comes with a list of in_dims: only tensors are sliced.
+        sliced = [a.select(d, b) if d is not None and isinstance(a, torch.Tensor) else a
+                  for a, d in zip(args, in_dims)]
         outs.append(op_def._opoverload(*sliced))
     if isinstance(outs[0], (tuple, list)):
         return tuple(torch.stack(o) for o in zip(*outs)), tuple(0 for _ in outs[0])
