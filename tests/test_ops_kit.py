@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE, import_example
 
+import tritongrad
 from tritongrad.ops.norm import layer_norm_op, llama_rms_norm, rms_norm_op
 from tritongrad.ops.weighted_sum import weighted_sum
 from tritongrad.testing import OpSuite
@@ -237,3 +238,26 @@ def test_double_backward_is_refused(op):
     out = suite.op(*args)
     with pytest.raises(RuntimeError, match=f"{suite.op.label}: double backward"):
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: llama_rms_norm(x, w, None), r"tritongrad.llama_rms_norm: eps must be a float, got None"),
+    (lambda x, w: llama_rms_norm(x, w, "1e-6"), r"tritongrad.llama_rms_norm: eps must be a float, got '1e-6'"),
+    (lambda x, w: llama_rms_norm(x, w, eps=True), r"tritongrad.llama_rms_norm: eps must be a float, got True"),
+    (lambda x, w: tritongrad.rms_norm(x, 8, w, eps=[1e-6]),
+     r"tritongrad.rms_norm: eps must be a float or None, got \[1e-06\]"),
+    (lambda x, w: tritongrad.layer_norm(x, 8, w, eps=None), r"tritongrad.layer_norm: eps must be a float, got None"),
+    (lambda x, w: tritongrad.rms_norm(x, 8.0, w),
+     r"tritongrad.rms_norm: normalized_shape must be an int or a sequence of ints, got 8.0"),
+    (lambda x, w: tritongrad.layer_norm(x, None, w),
+     r"tritongrad.layer_norm: normalized_shape must be an int or a sequence of ints, got None"),
+    (lambda x, w: tritongrad.layer_norm(x, "8", w),
+     r"tritongrad.layer_norm: normalized_shape must be an int or a sequence of ints, got '8'"),
+], ids=["llama-eps-None", "llama-eps-str", "llama-eps-bool", "rms-eps-list", "ln-eps-None", "rms-shape-float",
+        "ln-shape-None", "ln-shape-str"])
+def test_norm_argument_errors(call, match):
+    # A wrong eps or normalized_shape is a TypeError naming the op, the argument and its value (not an error
+    # from inside a kernel launch).
+    x, w = torch.randn(3, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    with pytest.raises(TypeError, match=match):
+        call(x, w)

@@ -12,6 +12,7 @@ Rows longer than one register tile read x (and dy) twice: plans.py. Design and m
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import numbers
 from typing import NamedTuple, Optional, Sequence
@@ -33,14 +34,18 @@ _long_kernel = kernel(kernels._norm_bwd_long_kernel)
 
 
 # ---------------------------------------------------------------- arguments
-def shape_list(normalized_shape) -> list:
+def shape_list(normalized_shape, op: str = "rms_norm") -> list:
     """``normalized_shape`` as torch.nn.functional accepts it (an int, a list/tuple, a torch.Size), as a list.
-    Exact type checks first: the ABC check behind isinstance(s, numbers.Integral) is slow on the hot path."""
+    Exact type checks first: the ABC check behind isinstance(s, numbers.Integral) is slow on the hot path.
+    Anything else that is not a sequence (None, a float) is a TypeError naming ``op``."""
     kind = type(normalized_shape)
     if kind is tuple or kind is list or kind is torch.Size:
         return list(normalized_shape)
-    if kind is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)):
+    if kind is int or isinstance(normalized_shape, (numbers.Integral, torch.SymInt)) and kind is not bool:
         return [normalized_shape]
+    if isinstance(normalized_shape, (str, bytes)) or not isinstance(normalized_shape, collections.abc.Iterable):
+        raise TypeError(f"tritongrad.{op}: normalized_shape must be an int or a sequence of ints, got "
+                        f"{normalized_shape!r}")
     return list(normalized_shape)
 
 
@@ -48,9 +53,10 @@ def _is_dim(s) -> bool:
     return type(s) is int or (isinstance(s, (numbers.Integral, torch.SymInt)) and not isinstance(s, bool))
 
 
-def _check(op: str, x: torch.Tensor, normalized_shape, eps, **params) -> None:
+def _check(op: str, x: torch.Tensor, normalized_shape, eps, eps_optional: bool = False, **params) -> None:
     """Shape checks of a norm over the trailing ``normalized_shape`` dims of x; ``params`` are the optional
-    per-element tensors (weight, bias), each None or of shape ``normalized_shape``."""
+    per-element tensors (weight, bias), each None or of shape ``normalized_shape``. ``eps`` a real number (not
+    a bool), or None where ``eps_optional`` (rms_norm: PyTorch's default)."""
     if not isinstance(normalized_shape, (list, tuple, torch.Size)) or not all(map(_is_dim, normalized_shape)):
         raise TypeError(f"tritongrad.{op}: normalized_shape must be a list of ints, got {normalized_shape!r}")
     ns = tuple(normalized_shape)
@@ -64,8 +70,9 @@ def _check(op: str, x: torch.Tensor, normalized_shape, eps, **params) -> None:
     for name, t in params.items():
         if t is not None and tuple(t.shape) != ns:
             raise ValueError(f"tritongrad.{op}: {name} has shape {tuple(t.shape)}, expected normalized_shape {ns}")
-    if eps is not None and type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
-        raise TypeError(f"tritongrad.{op}: eps must be a float, got {eps!r}")
+    if type(eps) is not float and (eps is not None or not eps_optional) and (
+            eps is None or isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
+        raise TypeError(f"tritongrad.{op}: eps must be a float{' or None' if eps_optional else ''}, got {eps!r}")
 
 
 def _native_fits(normalized_shape, eps) -> bool:
@@ -270,7 +277,7 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
 
 # ---------------------------------------------------------------- rms_norm (torch.nn.functional semantics)
 def _rms_validate(input, normalized_shape, weight, eps) -> None:
-    _check("rms_norm", input, normalized_shape, eps, weight=weight)
+    _check("rms_norm", input, normalized_shape, eps, eps_optional=True, weight=weight)
 
 
 def _rms_native(input, normalized_shape, weight, eps):
@@ -321,7 +328,7 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
         the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
         float32, as PyTorch's rms_norm does there.
     """
-    return rms_norm_op(input, shape_list(normalized_shape), weight, eps)
+    return rms_norm_op(input, shape_list(normalized_shape, "rms_norm"), weight, eps)
 
 
 # ---------------------------------------------------------------- Hugging Face's LlamaRMSNorm
@@ -373,8 +380,6 @@ def _llama_rms_norm_backward(ctx, grad_y):
 
 # ---------------------------------------------------------------- layer_norm
 def _ln_validate(input, normalized_shape, weight, bias, eps) -> None:
-    if eps is None:
-        raise TypeError("tritongrad.layer_norm: eps must be a float, got None")
     _check("layer_norm", input, normalized_shape, eps, weight=weight, bias=bias)
 
 
@@ -425,4 +430,4 @@ def layer_norm(
         its input's dtype, and the weight and bias gradients are bitwise reproducible. Autocast leaves it
         alone, as it leaves PyTorch's layer_norm: the output keeps the input's dtype.
     """
-    return layer_norm_op(input, shape_list(normalized_shape), weight, bias, eps)
+    return layer_norm_op(input, shape_list(normalized_shape, "layer_norm"), weight, bias, eps)
