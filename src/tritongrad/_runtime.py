@@ -61,24 +61,37 @@ def hint(n) -> int:
     return int(h) if h is not None else int(n)
 
 
+def _mergeable(t: torch.Tensor, start: int, stop: int) -> bool:
+    """Whether dims ``start:stop`` of ``t`` collapse into one stride (dims of size 1 never matter)."""
+    prev = None
+    for i in range(start, stop):
+        if t.shape[i] == 1:
+            continue
+        if prev is not None and t.stride(prev) != t.stride(i) * t.shape[i]:
+            return False
+        prev = i
+    return True
+
+
 def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
     """View ``t`` as [N, D]: leading dims flattened into N, the last ``feature_dims`` dims into D.
 
     Kernels take both strides of the result, so sliced or transposed 2-D inputs are read in place; a copy
-    happens only when the leading dims (or the feature dims) cannot be merged into a single stride.
+    happens only when the leading dims (or the feature dims) cannot be merged into a single stride, decided
+    from the strides (never by a failing ``view``: a traced backward's fake tensors raise other errors).
     """
     if t.dim() == 2 and feature_dims == 1:
         return t
+    lead = t.dim() - feature_dims
     n = 1
-    for s in t.shape[: t.dim() - feature_dims]:
+    for s in t.shape[:lead]:
         n *= s
     d = 1
-    for s in t.shape[t.dim() - feature_dims:]:
+    for s in t.shape[lead:]:
         d *= s
-    try:
+    if _mergeable(t, 0, lead) and _mergeable(t, lead, t.dim()):
         return t.view(n, d)
-    except RuntimeError:  # leading dims are not mergeable: e.g. a permuted 3-D tensor
-        return t.reshape(n, d)
+    return t.reshape(n, d)  # e.g. a permuted 3-D tensor: a copy
 
 
 @functools.lru_cache(maxsize=None)
