@@ -786,3 +786,24 @@ def test_patch_transformers_llama():
     # (tests/test_patch_models.py checks them).
     gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
     assert tritongrad.patch(gemma.GemmaRMSNorm(16)).targets("rms_norm")
+
+
+def test_backward_of_a_per_head_norm_traced_with_fake_tensors():
+    """Qwen3's q/k norm: rms_norm over [B, T, H, D] heads, then transposed to [B, H, T, D]. A traced backward
+    gets the upstream gradient transposed back, whose leading dims do not merge; with fake tensors a failing
+    view raises ValueError, not RuntimeError, so the launcher must not try one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(2, 5, 4, 16, device=DEVICE)
+    w = torch.randn(16, device=DEVICE)
+    dy = torch.randn(2, 4, 5, 16, device=DEVICE).transpose(1, 2)  # [B, T, H, D] with [B, H, T, D] strides
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx, fw, fdy = (mode.from_tensor(t) for t in (x, w, dy))
+        assert rt.as_rows(fdy).shape == (40, 16)
+    y_ref = x.clone().requires_grad_()
+    w_ref = w.clone().requires_grad_()
+    F.rms_norm(y_ref, (16,), w_ref, 1e-6).backward(dy)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    tritongrad.rms_norm(xg, (16,), wg, 1e-6).backward(dy)
+    torch.testing.assert_close(xg.grad, y_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wg.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
