@@ -1,6 +1,6 @@
 """tritongrad: differentiable Triton operators for PyTorch.
 
-- ops: :func:`weighted_sum`, :func:`rms_norm`, :func:`llama_rms_norm`, :func:`layer_norm`, with modules in
+- ops: :func:`weighted_sum`, :func:`rms_norm`, :func:`llama_rms_norm`, :func:`layer_norm`, :func:`geglu`, with modules in
   :mod:`tritongrad.nn` and :func:`patch` for existing models;
 - the pattern they are built on, public: :func:`op` declares a differentiable operator from a forward
   launcher, a backward launcher and a PyTorch reference; :func:`kernel` launches a ``@triton.jit`` function
@@ -27,6 +27,7 @@ _WHERE = {
     "cross_entropy": ".ops.cross_entropy",
     "linear_cross_entropy": ".ops.cross_entropy",
     "swiglu": ".ops.swiglu",
+    "geglu": ".ops.swiglu",
     "apply_rotary_pos_emb": ".ops.rope",
     "patch": ".patch",
     "unpatch": ".patch",

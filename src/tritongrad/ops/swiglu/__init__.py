@@ -1,6 +1,7 @@
-"""SwiGLU's gated product, ``silu(gate) * up`` (the activation of Llama-style MLPs)."""
+"""Gated MLP activations ``act(gate) * up``: SwiGLU's ``silu(gate) * up`` (Llama-style MLPs) and GeGLU's
+``gelu(gate) * up`` (Gemma's, with GELU's tanh approximation)."""
 
-from .launch import swiglu
-from .reference import swiglu_reference
+from .launch import geglu, swiglu
+from .reference import geglu_reference, swiglu_reference
 
-__all__ = ["swiglu", "swiglu_reference"]
+__all__ = ["geglu", "geglu_reference", "swiglu", "swiglu_reference"]

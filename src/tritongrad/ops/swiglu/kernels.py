@@ -1,22 +1,52 @@
-r"""SwiGLU's gated product, elementwise over gate and up of one shape, viewed as rows [N, D].
+r"""Gated products, elementwise over gate and up of one shape, viewed as rows [N, D]: ``act(g) * u`` for the
+activations of gated MLPs. One pair of kernels serves them all, the activation a constexpr (``ACT``):
+SiLU (SwiGLU, Llama-style MLPs), GELU (GeGLU) and GELU's tanh approximation (Gemma's ``gelu_pytorch_tanh``).
 
-Forward, with s = sigmoid(g) = 1 / (1 + e^-g):
+Forward and backward, given dout = dL/dout:
 
-    out = silu(g) * u = g * s * u
+    out   = act(g) * u
+    dL/du = dout * act(g)
+    dL/dg = dout * u * act'(g)
 
-Backward, given dout = dL/dout:
+out is linear in u, hence dL/du. Nothing is reduced: every element is independent, and the kernels are one
+pass over memory.
 
-    dL/du = dout * silu(g)     = dout * g * s
-    dL/dg = dout * u * silu'(g),  silu'(g) = s * (1 + g * (1 - s))
+SiLU (swiglu), with s = sigmoid(g) = 1 / (1 + e^-g):
 
-Derivation: out is linear in u, so dL/du = dout * silu(g). The logistic function's derivative is
-ds/dg = e^-g / (1 + e^-g)^2 = s * (1 - s), so d(g * s)/dg = s + g * s * (1 - s) = s * (1 + g * (1 - s)).
-Nothing is reduced: every element is independent, and the kernels are one pass over memory.
+    act(g)  = silu(g) = g * s
+    act'(g) = s * (1 + g * (1 - s))
+
+The logistic function's derivative is ds/dg = e^-g / (1 + e^-g)^2 = s * (1 - s), so d(g * s)/dg =
+s + g * s * (1 - s) = s * (1 + g * (1 - s)).
+
+GELU (geglu, approximate="none"), with Phi the standard normal CDF and phi its density:
+
+    act(g)  = g * Phi(g),   Phi(g) = (1 + erf(g / sqrt(2))) / 2
+    act'(g) = Phi(g) + g * phi(g),   phi(g) = e^(-g^2 / 2) / sqrt(2 pi)
+
+by the product rule, since Phi' = phi (d erf(z)/dz = 2 e^(-z^2) / sqrt(pi), times dz/dg = 1 / sqrt(2)).
+These are PyTorch's formulas (erf, not erfc), so the left tail rounds as ``F.gelu`` does.
+
+GELU's tanh approximation (geglu, approximate="tanh"), with k = sqrt(2 / pi), c = 0.044715:
+
+    act(g) = 0.5 * g * (1 + tanh(z)),   z = k * (g + c * g^3)
+
+computed as act(g) = g * s with s = sigmoid(2z), since 1 + tanh(z) = 2 e^(2z) / (1 + e^(2z)) = 2 sigmoid(2z)
+(no cancellation in 1 + tanh(z) for negative g, and no tanh instruction needed). Its derivative:
+
+    act'(g) = 0.5 * (1 + tanh(z)) + 0.5 * g * (1 - tanh(z)^2) * dz/dg,   dz/dg = k * (1 + 3 c g^2)
+            = s + 2 * g * s * (1 - s) * k * (1 + 3 c g^2)
+            = s * (1 + 2 k g (1 - s) (1 + 3 c g^2))
+
+using 1 - tanh(z)^2 = (1 - tanh(z)) (1 + tanh(z)) = 2 (1 - s) * 2 s.
 
 Precision: loads are cast to ACC (float32, float64 when an input is float64) before any arithmetic; each
-result is rounded once, on store (eager ``F.silu(g) * u`` in bfloat16 rounds silu first). For g below about
--88 (float32), e^-g overflows to inf and s = 1 / inf = 0 exactly: silu(g) = -0 and silu'(g) = 0, no NaN, as
-PyTorch's own silu.
+result is rounded once, on store (eager ``F.silu(g) * u`` or ``F.gelu(g) * u`` in bfloat16 rounds the
+activation first). Constants are Python floats, which Triton materializes in the type they meet (float64
+under ACC float64, never a float32-rounded k). Tails: for g below about -88 (float32), e^-g overflows to inf
+and s = 1 / inf = 0 exactly: silu(g) = -0 and silu'(g) = 0, no NaN, as PyTorch's own silu; the tanh form
+saturates the same way (s = 0 or 1), and erf to -1 or 1. Like PyTorch's, GELU's derivatives turn NaN only
+where g^2 itself overflows (|g| > 1.8e19 in float32).
 
 Inputs are read in place through both strides (row and column), so the two halves of one fused
 ``[..., 2I]`` projection need no copy; outputs and gradients are contiguous. Programs cover
@@ -29,11 +59,53 @@ import triton.language as tl
 
 from .._tl import aligned, round_to
 
+# The activations (the kernels' ACT): plain ints for the launchers, constexprs for the kernels.
+SILU, GELU, GELU_TANH = 0, 1, 2
+_SILU, _GELU, _GELU_TANH = tl.constexpr(SILU), tl.constexpr(GELU), tl.constexpr(GELU_TANH)
+# GELU's constants, as Python floats (full precision under ACC float64). Kernels put them right of a tensor:
+# Triton's interpreter cannot multiply a constexpr by a tensor.
+_SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+_C = tl.constexpr(0.044715)
+_C3 = tl.constexpr(3 * 0.044715)
+_K2 = tl.constexpr(2 * 0.7978845608028654)  # 2 k = 2 sqrt(2 / pi)
+
 
 @triton.jit
 def _sigmoid(g):
     # 1 / (1 + e^-g): e^-g overflows to inf for very negative g, and the quotient is then exactly 0.
     return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    """act(g) in g's type (module docstring)."""
+    if ACT == _SILU:
+        a = g * _sigmoid(g)
+    elif ACT == _GELU:
+        a = g * (0.5 * (1.0 + tl.math.erf(g * _SQRT1_2)))
+    else:
+        a = g * _sigmoid((g + g * g * g * _C) * _K2)
+    return a
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in g's type, sharing their common terms (module docstring)."""
+    if ACT == _SILU:
+        s = _sigmoid(g)
+        a = g * s
+        d = s * (1.0 + g * (1.0 - s))
+    elif ACT == _GELU:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * _SQRT1_2))
+        a = g * cdf
+        d = cdf + g * (tl.exp(-0.5 * g * g) * _INV_SQRT_2PI)
+    else:
+        g2 = g * g
+        s = _sigmoid((g + g2 * g * _C) * _K2)
+        a = g * s
+        d = s * (1.0 + g * (1.0 - s) * (1.0 + g2 * _C3) * _K2)
+    return a, d
 
 
 @triton.jit
@@ -49,7 +121,7 @@ def _tile(pid, N, D, D_BLOCKS, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
+def _gated_fwd_kernel(
     g_ptr,
     u_ptr,
     out_ptr,  # [N, D], contiguous
@@ -62,6 +134,7 @@ def _swiglu_fwd_kernel(
     D_BLOCKS,  # column blocks per row block: cdiv(D, BLOCK_D)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ACT: tl.constexpr,  # SILU, GELU or GELU_TANH
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
@@ -72,12 +145,12 @@ def _swiglu_fwd_kernel(
     # Masked lanes load 0 and store nothing. No eviction hint: evict-first loads were slower on an H200.
     b_g = tl.load(g_ptr + o_n * stride_g_row + o_d * stride_g_col, mask=mask, other=0.0).to(ACC)
     b_u = tl.load(u_ptr + o_n * stride_u_row + o_d * stride_u_col, mask=mask, other=0.0).to(ACC)
-    b_out = b_g * _sigmoid(b_g) * b_u
+    b_out = _act(b_g, ACT) * b_u
     tl.store(out_ptr + o_n * D + o_d, round_to(b_out, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(
+def _gated_bwd_kernel(
     g_ptr,
     u_ptr,  # read only when HAS_DG
     dout_ptr,
@@ -96,6 +169,7 @@ def _swiglu_bwd_kernel(
     BLOCK_D: tl.constexpr,
     HAS_DG: tl.constexpr,
     HAS_DU: tl.constexpr,
+    ACT: tl.constexpr,  # SILU, GELU or GELU_TANH
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
 ):
@@ -108,9 +182,10 @@ def _swiglu_bwd_kernel(
     b_dout = tl.load(dout_ptr + o_n * stride_dout_row + o_d * stride_dout_col, mask=mask, other=0.0).to(ACC)
     if HAS_DG:
         b_u = tl.load(u_ptr + o_n * stride_u_row + o_d * stride_u_col, mask=mask, other=0.0).to(ACC)
-    b_s = _sigmoid(b_g)
+    # act'(g) is dead code where only du is asked for: the compiler drops it.
+    b_a, b_da = _act_and_grad(b_g, ACT)
     if HAS_DU:
-        tl.store(du_ptr + o_n * D + o_d, round_to(b_dout * b_g * b_s, du_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + o_n * D + o_d, round_to(b_dout * b_a, du_ptr.dtype.element_ty), mask=mask)
     if HAS_DG:
-        b_dg = b_dout * b_u * b_s * (1.0 + b_g * (1.0 - b_s))
+        b_dg = b_dout * b_u * b_da
         tl.store(dg_ptr + o_n * D + o_d, round_to(b_dg, dg_ptr.dtype.element_ty), mask=mask)
