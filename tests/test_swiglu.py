@@ -1,6 +1,8 @@
-"""swiglu (``silu(gate) * up``) and the SwiGLUMLP module: the OpSuite battery, then what is special to them:
-Hugging Face's LlamaMLP in float64, the halves of a fused projection read in place, inputs never written,
-determinism, bad inputs, export, CUDA graphs and the sm_90 compile of every specialization."""
+"""swiglu (``silu(gate) * up``), geglu (``gelu(gate) * up``) and the SwiGLUMLP module: the OpSuite battery of
+each op, then what is special to them: Hugging Face's LlamaMLP in float64 and Gemma's MLP activation, GELU's
+formulas in float64, the halves of a fused projection read in place, inputs never written, inplace_backward
+and every graph that is used again (retained, checkpointed, accumulated, hooked, compiled), determinism,
+bad inputs, export, CUDA graphs and the sm_90 compile of every specialization."""
 
 import os
 
@@ -11,7 +13,7 @@ from conftest import DEVICE, KernelSpy, run_without_interpreter
 
 import tritongrad
 from tritongrad.ops.swiglu import launch as sw_launch
-from tritongrad.ops.swiglu import swiglu, swiglu_reference
+from tritongrad.ops.swiglu import geglu, geglu_reference, swiglu, swiglu_reference
 from tritongrad.testing import OpSuite
 
 # large_gate's e^-g overflows to inf on purpose (the interpreter's numpy says so).
@@ -58,6 +60,29 @@ def eager(gate, up, inplace_backward=False):
 suite = OpSuite(swiglu, [odd_sizes, fused_halves, leading_dims, column_blocks, large_gate], baseline=eager,
                 leading=("gate", "up"), mixed=True)
 test_swiglu_suite = suite.pytest()
+
+
+def geglu_eager(gate, up, approximate="none", inplace_backward=False):
+    """The error baseline of geglu: ``F.gelu(gate) * up``, gelu rounded to the dtype before the product."""
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def _tanh(sample):
+    """``sample``'s tensors with ``approximate="tanh"`` (Gemma's GELU)."""
+
+    def make(dtype, device):
+        gate, up = sample(dtype, device)
+        return dict(gate=gate, up=up, approximate="tanh")
+
+    make.__name__ = sample.__name__ + "_tanh"
+    return make
+
+
+# Both GELUs on the samples that reach a kernel path of their own: masked columns, strided halves, leading
+# dims, saturated tails (erf and the tanh form's sigmoid at +-120).
+geglu_suite = OpSuite(geglu, [odd_sizes, _tanh(odd_sizes), _tanh(fused_halves), leading_dims, large_gate,
+                              _tanh(large_gate)], baseline=geglu_eager, leading=("gate", "up"), mixed=True)
+test_geglu_suite = geglu_suite.pytest()
 
 
 # ---------------------------------------------------------------- Hugging Face's LlamaMLP
@@ -148,7 +173,18 @@ def _projected(dtype=torch.bfloat16):
     return (x, wg, wu), x @ wg, x @ wu
 
 
-def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(monkeypatch):
+# The gated ops as an MLP calls them, and what a user writes in PyTorch for each.
+GATED = {
+    "swiglu": (swiglu, lambda g, u: F.silu(g) * u),
+    "geglu": (geglu, lambda g, u: F.gelu(g) * u),
+    "geglu_tanh": (lambda g, u, **kw: geglu(g, u, approximate="tanh", **kw),
+                   lambda g, u: F.gelu(g, approximate="tanh") * u),
+}
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(monkeypatch, name):
+    fn = GATED[name][0]
     dout = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
     grads = {}
     for inplace in (False, True):
@@ -156,7 +192,7 @@ def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(monk
         leaves, g, u = _projected()
         bwd = KernelSpy(sw_launch._bwd_kernel)
         monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
-        swiglu(g, u, inplace_backward=inplace).backward(dout)
+        fn(g, u, inplace_backward=inplace).backward(dout)
         monkeypatch.undo()
         grads[inplace] = [t.grad for t in leaves]
         # In place: the gradients were written over gate and up (the backward allocated neither).
@@ -190,6 +226,208 @@ def test_inplace_backward_bumps_versions_so_other_saved_uses_raise():
     loss = swiglu(g, u, inplace_backward=True).sum() + other
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+# ---------------------------------------------------------------- inplace_backward and graphs used again
+# Each case against the same computation with F.silu / F.gelu, in float64: a gradient written over a tensor
+# that something still reads would differ, or raise.
+def _mlp(seed=0):
+    """Leaves of a small float64 MLP: x [5, 12], gate and up weights [12, 40], down [40, 12]."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((5, 12), (12, 40), (12, 40), (40, 12))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_() for s in shapes]
+
+
+def _mlp_loss(leaves, act, gate_hook=None):
+    x, wg, wu, wd = leaves
+    g, u = x @ wg, x @ wu  # intermediates: inplace_backward may take their storage
+    if gate_hook is not None:
+        gate_hook(g, u)
+    return ((act(g, u) @ wd) ** 2).sum()
+
+
+def _ours(name):
+    fn = GATED[name][0]
+    return lambda g, u: fn(g, u, inplace_backward=True)
+
+
+def _want(name, leaves, loss_fn=_mlp_loss):
+    return torch.autograd.grad(loss_fn(leaves, GATED[name][1]), leaves)
+
+
+def _assert_grads(got, want, what):
+    for k, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{what}, leaf {k}: {m}")
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_survives_a_second_backward(name):
+    # loss.backward(retain_graph=True); loss.backward() raised "modified by an inplace operation": the first
+    # backward wrote the gradients over gate and up, which the matmuls' graph still needed.
+    leaves = _mlp()
+    want = _want(name, leaves)
+    loss = _mlp_loss(leaves, _ours(name))
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    loss.backward()
+    _assert_grads(first, want, "first backward")
+    _assert_grads([t.grad for t in leaves], [2 * w for w in want], "accumulated second backward")
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_autograd_grad_with_retain_graph_is_bitwise_repeatable(name, monkeypatch):
+    leaves = _mlp()
+    want = _want(name, leaves)
+    bwd = KernelSpy(sw_launch._bwd_kernel)
+    monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
+    held = {}
+    loss = _mlp_loss(leaves, _ours(name), gate_hook=lambda g, u: held.update(g=g.data_ptr(), u=u.data_ptr()))
+    runs = [torch.autograd.grad(loss, leaves, retain_graph=True) for _ in range(3)]
+    runs.append(torch.autograd.grad(loss, leaves))  # the last: the graph goes, gate and up take the gradients
+    for k, run in enumerate(runs):
+        _assert_grads(run, want, f"backward {k + 1}")
+        for a, b in zip(run, runs[0]):
+            assert torch.equal(a, b), f"backward {k + 1} is not bitwise the first's"
+    written = [ptrs[3:5] == [held["g"], held["u"]] for ptrs in bwd.ptrs]
+    assert written == [False, False, False, True], written
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_under_activation_checkpointing(name, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    leaves = _mlp()
+    want = _want(name, leaves)
+    x, wg, wu, wd = leaves
+    act = _ours(name)
+
+    def block(x):
+        return act(x @ wg, x @ wu) @ wd
+
+    loss = (checkpoint(block, x, use_reentrant=reentrant) ** 2).sum()
+    loss.backward(retain_graph=True)  # recomputed each time: the second backward recomputes gate and up
+    first = [t.grad.clone() for t in leaves]
+    loss.backward()
+    _assert_grads(first, want, "checkpointed backward")
+    _assert_grads([t.grad for t in leaves], [2 * w for w in want], "second checkpointed backward")
+
+
+def _gate_also_saved(leaves, act):
+    # g.sin() saves g and runs its backward after the gated op's (created first): it must read g, not dgate.
+    x, wg, wu, wd = leaves
+    g, u = x @ wg, x @ wu
+    return (((g.sin() + act(g, u)) @ wd) ** 2).sum()
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_under_non_reentrant_checkpoint_leaves_other_saved_uses_intact(name):
+    # Recomputed tensors come back through saved-tensor hooks, which skip the version check: written in place,
+    # sin's backward read the gradient, silently.
+    from torch.utils.checkpoint import checkpoint
+
+    leaves = _mlp()
+    want = _want(name, leaves, _gate_also_saved)
+    for t in leaves:
+        t.grad = None
+    checkpoint(lambda *ls: _gate_also_saved(ls, _ours(name)), *leaves, use_reentrant=False).backward()
+    _assert_grads([t.grad for t in leaves], want, "checkpointed, gate also saved by sin")
+
+
+def test_inplace_backward_under_reentrant_checkpoint_refuses_other_saved_uses():
+    # Recomputation without saved-tensor hooks: the version counter guards sin's use of g, as without
+    # checkpointing (test_inplace_backward_bumps_versions_so_other_saved_uses_raise).
+    from torch.utils.checkpoint import checkpoint
+
+    leaves = _mlp()
+    loss = checkpoint(lambda *ls: _gate_also_saved(ls, _ours("swiglu")), *leaves, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("hooks", ["keep", "save_on_cpu"])
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_leaves_what_saved_tensor_hooks_hold(name, hooks):
+    # A pack hook that holds what it packs (and save_on_cpu, which on a CPU tensor holds the tensor itself):
+    # neither the held tensors nor sin's saved g may take the gradient.
+    leaves = _mlp()
+    want = _want(name, leaves, _gate_also_saved)
+    held = []
+    ctx = (torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t) if hooks == "keep"
+           else torch.autograd.graph.save_on_cpu())
+    with ctx:
+        loss = _gate_also_saved(leaves, _ours(name))
+    before = [t.clone() for t in held]
+    _assert_grads(torch.autograd.grad(loss, leaves), want, f"under {hooks} hooks")
+    assert all(torch.equal(a, b) for a, b in zip(held, before)), "a tensor a pack hook holds was overwritten"
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_leaves_hooked_and_retained_inputs_intact(name):
+    # A tensor hook on gate reads gate when its gradient arrives; up.retain_grad() keeps up's gradient: in
+    # place, the hook would read the gradient and up.grad would be up's own storage.
+    leaves = _mlp()
+    want = _want(name, leaves)
+    seen = {}
+
+    def hook(g, u):
+        seen["g"], seen["u"] = g.detach().clone(), u.detach().clone()
+        g.register_hook(lambda grad: seen.update(g_in_hook=g.detach().clone()))
+        u.retain_grad()
+        seen["tensors"] = (g, u)
+
+    _assert_grads(torch.autograd.grad(_mlp_loss(leaves, _ours(name), gate_hook=hook), leaves), want, "hooked")
+    g, u = seen["tensors"]
+    assert torch.equal(seen["g_in_hook"], seen["g"]), "the hook on gate read the gradient, not gate"
+    assert torch.equal(u.detach(), seen["u"]) and u.grad.data_ptr() != u.data_ptr()
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_with_zero_grad_set_to_none_false_accumulates(name):
+    # Training steps that zero .grad in place (zero_grad(set_to_none=False)), two backwards per step (gradient
+    # accumulation), with the gate's producer passing its gradient straight to a leaf (x + 0: AddBackward
+    # hands dgate on, AccumulateGrad may keep that very tensor as .grad).
+    ours_fn, eager_fn = GATED[name][0], GATED[name][1]
+    torch.manual_seed(0)
+
+    def make():
+        return torch.nn.ModuleDict(dict(gate=torch.nn.Linear(12, 40), up=torch.nn.Linear(12, 40),
+                                        down=torch.nn.Linear(40, 12))).to(device=DEVICE, dtype=torch.float64)
+
+    ours, ref = make(), make()
+    ref.load_state_dict(ours.state_dict())
+    xs = [torch.randn(5, 12, dtype=torch.float64, device=DEVICE) for _ in range(3)]
+    pg = [torch.zeros(5, 40, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2)]
+
+    def loss(m, x, act, p):
+        return ((m["down"](act(m["gate"](x) + p, m["up"](x)))) ** 2).sum()
+
+    for step, x in enumerate(xs):
+        for m, p in ((ours, pg[0]), (ref, pg[1])):
+            m.zero_grad(set_to_none=False)
+            if p.grad is not None:
+                p.grad.zero_()
+        for _ in range(2):
+            loss(ours, x, lambda g, u: ours_fn(g, u, inplace_backward=True), pg[0]).backward()
+            loss(ref, x, eager_fn, pg[1]).backward()
+        for (k, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"step {step} {k}: {m}")
+        torch.testing.assert_close(pg[0].grad, pg[1].grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_compiled_retained_graph(name):
+    # Compiled code runs the registered backward op, which never writes into saved tensors.
+    leaves = _mlp()
+    want = _want(name, leaves)
+    backend = "inductor" if torch.device(DEVICE).type == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    f = torch.compile(lambda *ls: _mlp_loss(ls, _ours(name)), fullgraph=True, backend=backend)
+    loss = f(*leaves)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    _assert_grads(first, want, "compiled")
+    assert all(torch.equal(a, b) for a, b in zip(first, second)), "the compiled second backward differs"
 
 
 def test_output_dtypes_follow_promotion():
