@@ -1,14 +1,16 @@
-"""apply_rotary_pos_emb: the launcher shared by forward and backward, and the op's declaration.
+"""apply_rotary_pos_emb: the launcher shared by forward and backward, and the op's declaration (the formula
+and its gradients: kernels.py).
 
-Bytes each pass must move (the bandwidth floor), q [B, HQ, T, Dh] and k [B, HK, T, Dh] of element sizes
-sq, sk, cos and sin [Bc, T, Dh] (Bc = 1 or B) of sc, outputs of so (q_embed, k_embed: promoted dtypes):
+Bytes each pass must move (the bandwidth floor), q [B, HQ, T, D] and k [B, HK, T, D] of element sizes
+sq, sk, cos and sin [Bc, T, R] (Bc = 1 or B, R <= D rotated features) of sc, outputs of so (q_embed,
+k_embed: promoted dtypes); passed features are read and written like rotated ones:
   forward : read q + read k + read cos + read sin + write q_embed + write k_embed
-            = B*T*Dh*(HQ*(sq + so) + HK*(sk + so)) + 2*Bc*T*Dh*sc
+            = B*T*D*(HQ*(sq + so) + HK*(sk + so)) + 2*Bc*T*R*sc
   backward: read dq_embed + read dk_embed + read cos + read sin + write dq + write dk: the same count
             (only the gradients asked for: dk alone reads dk_embed, cos and sin and writes dk).
-cos and sin are read from HBM once and from L2 (or L1) by every other head block of the same tokens. At Llama-8B's attention, 16384 tokens x (32 + 8) heads x 128 in bfloat16 with [B, T, Dh] tables:
-336 MB of q and k plus 8.4 MB of cos and sin each way, 0.69 GB in all, 0.16 ms at 4.25 TB/s.
-docs/swiglu-rope.md.
+cos and sin are read from HBM once and from L2 (or L1) by every other head block of the same tokens. At
+Llama-8B's attention, 16384 tokens x (32 + 8) heads x 128 in bfloat16 with [B, T, 128] tables: 336 MB of q
+and k plus 8.4 MB of cos and sin each way, 0.69 GB in all, 0.16 ms at 4.25 TB/s. docs/swiglu-rope.md.
 """
 
 from __future__ import annotations
@@ -25,17 +27,31 @@ _kernel = kernel(kernels._rope_kernel)
 _NAME = "tritongrad.apply_rotary_pos_emb"
 
 
-def _dim(unsqueeze_dim) -> int:
-    """1 ([B, H, T, Dh] q and k) or 2 ([B, T, H, Dh]); -3 and -2 name the same dims of 3-D cos/sin."""
-    if type(unsqueeze_dim) is not int or unsqueeze_dim not in (1, 2, -3, -2):
-        raise ValueError(f"{_NAME}: unsqueeze_dim must be 1 (q, k as [B, H, T, Dh]) or 2 ([B, T, H, Dh]), "
-                         f"got {unsqueeze_dim!r}")
-    return unsqueeze_dim % 3 if unsqueeze_dim < 0 else unsqueeze_dim
+_LAYOUT = {1: "[B, H, T, D]", 2: "[B, T, H, D]"}
 
 
-def _validate(q, k, cos, sin, unsqueeze_dim) -> None:
-    dim = _dim(unsqueeze_dim)
-    layout = "[B, H, T, Dh]" if dim == 1 else "[B, T, H, Dh]"
+def _shapes(q, k, cos, sin) -> str:
+    return ", ".join(f"{n} {tuple(t.shape)}" for n, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin))
+                     if isinstance(t, torch.Tensor))
+
+
+def _dim(unsqueeze_dim, q=None, k=None, cos=None, sin=None) -> int:
+    """The dim of the 4-D ``cos.unsqueeze(unsqueeze_dim)`` (3-D cos: negative values count from the 4-D
+    result, as torch.unsqueeze does): 1 for q and k [B, H, T, D], 2 for [B, T, H, D]."""
+    d = unsqueeze_dim + 4 if type(unsqueeze_dim) is int and unsqueeze_dim < 0 else unsqueeze_dim
+    if type(unsqueeze_dim) is not int or d not in (1, 2):
+        raise ValueError(
+            f"{_NAME}: unsqueeze_dim must be 1 or -3 (cos.unsqueeze at dim 1 of 4: q, k as [B, H, T, D]) or 2 "
+            f"or -2 (dim 2: [B, T, H, D]), got {unsqueeze_dim!r}"
+            f"{f' (dim {d} of the 4-D result)' if type(unsqueeze_dim) is int else ''}; {_shapes(q, k, cos, sin)}")
+    return d
+
+
+def _validate(q, k, cos, sin, unsqueeze_dim, *, interleaved=False) -> None:
+    dim = _dim(unsqueeze_dim, q, k, cos, sin)
+    if type(interleaved) is not bool:
+        raise TypeError(f"{_NAME}: interleaved must be a bool, got {interleaved!r}")
+    layout = _LAYOUT[dim]
     for name, x in (("q", q), ("k", k)):
         if x.dim() != 4:
             raise ValueError(f"{_NAME}: {name} must be 4-D {layout} (unsqueeze_dim={unsqueeze_dim}), got shape "
@@ -44,18 +60,24 @@ def _validate(q, k, cos, sin, unsqueeze_dim) -> None:
     qs, ks = tuple(q.shape), tuple(k.shape)
     if [s for i, s in enumerate(qs) if i != h] != [s for i, s in enumerate(ks) if i != h]:
         raise ValueError(f"{_NAME}: q {qs} and k {ks} must agree in every dim of {layout} but H")
-    HQ, HK, Dh = qs[h], ks[h], qs[3]
+    HQ, HK, D = qs[h], ks[h], qs[3]
     if HK == 0 or HQ % HK != 0:
         raise ValueError(f"{_NAME}: k's {HK} heads must divide q's {HQ} (grouped-query attention); q {qs}, k {ks}")
-    if Dh % 2 != 0:
-        raise ValueError(f"{_NAME}: the head dim Dh must be even (rotate_half splits it in halves), got "
-                         f"{Dh}: q {qs}, k {ks}")
-    if tuple(cos.shape) != tuple(sin.shape):
-        raise ValueError(f"{_NAME}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    cs, ss = tuple(cos.shape), tuple(sin.shape)
+    if cs != ss:
+        what = " (their rotary widths R differ)" if cos.dim() == sin.dim() and cs[:-1] == ss[:-1] else ""
+        raise ValueError(f"{_NAME}: cos {cs} and sin {ss} must have the same shape{what}")
     B, T = qs[0], qs[3 - h]
-    if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != T or cos.shape[2] != Dh:
-        raise ValueError(f"{_NAME}: cos and sin must be [B, T, Dh] = [{B}, {T}, {Dh}] or [1, {T}, {Dh}] for q {qs} "
-                         f"and k {ks} ({layout}), got {tuple(cos.shape)}")
+    R = cs[-1] if cos.dim() == 3 else D
+    if cos.dim() != 3 or cs[0] not in (1, B) or cs[1] != T:
+        raise ValueError(f"{_NAME}: cos and sin must be [B, T, R] or [1, T, R] (R <= D rotated features) = "
+                         f"[{B}, {T}, {R}] or [1, {T}, {R}] for q {qs} and k {ks} ({layout}), got {cs}")
+    if R > D:
+        raise ValueError(f"{_NAME}: cos and sin {cs} rotate R = {R} features, more than the head dim D = {D} of "
+                         f"q {qs} and k {ks} ({layout})")
+    if R % 2 != 0 or R < 2:
+        raise ValueError(f"{_NAME}: the rotary width R = cos.shape[-1] must be even and at least 2 (features "
+                         f"rotate in pairs), got R = {R}: cos {cs}, q {qs}, k {ks}")
 
 
 def _bthd(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -77,18 +99,19 @@ def _strides(x: torch.Tensor | None) -> tuple:
     return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
 
 
-def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool) -> None:
-    """y = rope(x) (forward) or its adjoint (backward) for q and k in one launch; yq or yk None: skipped."""
+def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool) -> None:
+    """y = rope(x) (forward) or its adjoint (backward) for q and k in one launch; yq or yk None: skipped.
+    Every tensor is read and written through its strides, whatever they are (no view, no copy)."""
     xq, xk = _bthd(xq, dim), _bthd(xk, dim)
     yq = _bthd(yq, dim) if yq is not None else None
     yk = _bthd(yk, dim) if yk is not None else None
-    B, T, HQ, Dh = xq.shape
+    B, T, HQ, D = xq.shape
     HK = xk.shape[2]
-    if B == 0 or T == 0 or Dh == 0:
+    if B == 0 or T == 0 or D == 0:
         return
-    HQ, HK, Dh = int(HQ), int(HK), int(Dh)
+    HQ, HK, D, R = int(HQ), int(HK), int(D), int(cos.shape[-1])
     # Heads left out (the backward of k alone) do not size the tile: k's blocks then take more tokens.
-    p = P.plan(rt.hint(T), HQ if yq is not None else 0, HK if yk is not None else 0, Dh,
+    p = P.plan(rt.hint(T), HQ if yq is not None else 0, HK if yk is not None else 0, D, R,
                min(xq.element_size(), xk.element_size()))
     q_blocks = rt.cdiv(HQ, p.BLOCK_HQ) if yq is not None else 0
     h_blocks = q_blocks + (rt.cdiv(HK, p.BLOCK_HK) if yk is not None else 0)
@@ -99,50 +122,70 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool) -> None:
     c_strides = (*cs_b, *cos.stride()[len(cs_b):])
     s_strides = (*cs_b, *sin.stride()[len(cs_b):])
     q_strides, k_strides, qo_strides, ko_strides = map(_strides, (xq, xk, yq, yk))
-    # Token and head strides (not Dh's: its half offset is a constexpr) decide the vector width.
+    # Token and head strides (not D's: the pair and pass offsets are constexprs) decide the vector width.
     align = rt.align(*[int(s) for st in (q_strides, k_strides, qo_strides, ko_strides) for s in st[:3]],
                      *[int(s) for s in (*c_strides[:2], *s_strides[:2])])
     acc = torch.float64 if torch.float64 in (xq.dtype, xk.dtype, cos.dtype, sin.dtype) else torch.float32
     _kernel[(rt.cdiv(T, p.BLOCK_T) * h_blocks, B)](
         xq, xk, yq, yk, cos, sin, T, HQ, HK, *q_strides, *k_strides, *qo_strides, *ko_strides,
-        *c_strides, *s_strides, q_blocks, h_blocks, HALF=Dh // 2, BLOCK_T=p.BLOCK_T, BLOCK_HQ=p.BLOCK_HQ,
-        BLOCK_HK=p.BLOCK_HK, BLOCK_HALF=p.BLOCK_HALF, HAS_Q=yq is not None, HAS_K=yk is not None,
-        BACKWARD=backward, ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=p.num_warps,
+        *c_strides, *s_strides, q_blocks, h_blocks, HALF=R // 2, PASS=D - R, BLOCK_T=p.BLOCK_T,
+        BLOCK_HQ=p.BLOCK_HQ, BLOCK_HK=p.BLOCK_HK, BLOCK_HALF=p.BLOCK_HALF, BLOCK_PASS=p.BLOCK_PASS,
+        INTERLEAVED=bool(interleaved), HAS_Q=yq is not None, HAS_K=yk is not None, BACKWARD=backward,
+        ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=p.num_warps,
     )
 
 
 @op("tritongrad::apply_rotary_pos_emb", reference=apply_rotary_pos_emb_reference, validate=_validate,
     outputs=("q_embed", "k_embed"), save=("cos", "sin"), nondiff=("cos", "sin"))
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's ``apply_rotary_pos_emb`` (``rotate_half`` convention) with one Triton kernel for q and
-    k together, forward and backward.
+                         unsqueeze_dim: int = 1, *, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb`` with one Triton kernel for q and k together, forward and
+    backward: the ``rotate_half`` convention, full or partial rotary, or the interleaved one.
 
-    ``q_embed = q * cos + rotate_half(q) * sin`` and the same for k, cos and sin unsqueezed at
-    ``unsqueeze_dim`` to broadcast over the heads; ``rotate_half([x1, x2]) = [-x2, x1]``.
+    With ``R = cos.shape[-1]`` (R even, 2 <= R <= D), cos and sin unsqueezed at ``unsqueeze_dim`` to broadcast
+    over the heads, and x = q, then k::
+
+        x_embed = cat([x[..., :R] * cos + rot(x[..., :R]) * sin, x[..., R:]], dim=-1)
+
+    - ``interleaved=False``: ``rot = rotate_half``, ``[x1, x2] -> [-x2, x1]`` over the R features. With
+      R = D this is Llama's ``apply_rotary_pos_emb`` (``transformers.models.llama.modeling_llama``, and the
+      many models that copy it); with R < D it is GPT-NeoX's and Phi-3's (``partial_rotary_factor``), which
+      rotate ``q[..., :cos.shape[-1]]`` and pass the rest, and what StableLM and Persimmon compute by calling
+      Llama's function on ``q[..., :rotary_ndims]`` and concatenating the rest.
+    - ``interleaved=True``: ``rot(x)[2i] = -x[2i + 1]``, ``rot(x)[2i + 1] = x[2i]`` (GPT-J's
+      ``rotate_every_two``, GLM's and Helium's ``rotate_half``), full or partial. cos and sin are used per
+      feature as passed: GLM's ``apply_rotary_pos_emb`` (partial) and Helium's (full width) equal this op
+      called with ``cos[..., :R // 2].repeat_interleave(2, -1)`` (and the same for sin) in place of their cos
+      and sin, the rewrite their own code does first; GPT-J's equals it with its per-pair tables
+      repeat-interleaved.
 
     Args:
-        q: ``[B, HQ, T, Dh]`` (``unsqueeze_dim=1``) or ``[B, T, HQ, Dh]`` (``unsqueeze_dim=2``),
-            float16/bfloat16/float32/float64, Dh even, any strides: the usual transposed view of a
-            ``[B, T, HQ, Dh]`` projection is read in place, never copied.
-        k: like q with HK heads, HK dividing HQ (grouped-query attention); same B, T and Dh; any floating
+        q: ``[B, HQ, T, D]`` (``unsqueeze_dim`` 1 or -3) or ``[B, T, HQ, D]`` (2 or -2),
+            float16/bfloat16/float32/float64, any strides: the usual transposed view of a ``[B, T, HQ, D]``
+            projection is read in place, never copied.
+        k: like q with HK heads, HK dividing HQ (grouped-query attention); same B, T and D; any floating
             dtype and strides.
-        cos, sin: ``[B, T, Dh]``, or ``[1, T, Dh]`` for all the batch (Hugging Face's tables for shared
-            position ids); any floating dtype and strides. They get no gradient: passing one that requires
-            grad is an error (detach it).
-        unsqueeze_dim: 1 or 2, as in Hugging Face's function.
+        cos, sin: ``[B, T, R]``, or ``[1, T, R]`` for all the batch (Hugging Face's tables for shared
+            position ids), one shape; any floating dtype and strides. They get no gradient: passing one that
+            requires grad is an error (detach it).
+        unsqueeze_dim: as in Hugging Face's function: the dim of ``cos.unsqueeze(unsqueeze_dim)`` (negative
+            values count from the 4-D result, as torch.unsqueeze does) that broadcasts over the heads: 1 or -3,
+            or 2 or -2. Any other value is an error.
+        interleaved: keyword-only; the rotation's pairing, above.
 
     Returns:
         ``(q_embed, k_embed)``: q's and k's shapes, in ``torch.promote_types(x.dtype, cos.dtype, sin.dtype)``
-        each, laid out in memory like q and k (a transposed view of [B, T, H, Dh] gives one too). Computed
-        in float32 (float64 when any input is float64), rounded once. Differentiable in q and k; inputs
-        are never written.
+        each, laid out in memory like q and k (a transposed view of [B, T, H, D] gives one too). Computed
+        in float32 (float64 when any input is float64), rounded once; passed features copied exactly.
+        Differentiable in q and k (the gradient of the passed features is the upstream gradient itself);
+        upstream gradients of any strides (expanded, transposed, permuted) are read as they are. Inputs are
+        never written.
     """
     dim = _dim(unsqueeze_dim)
     cs = torch.promote_types(cos.dtype, sin.dtype)
     q_embed = _empty_as(q, torch.promote_types(q.dtype, cs))
     k_embed = _empty_as(k, torch.promote_types(k.dtype, cs))
-    _rope(q, k, q_embed, k_embed, cos, sin, dim, backward=False)
+    _rope(q, k, q_embed, k_embed, cos, sin, dim, backward=False, interleaved=interleaved)
     return q_embed, k_embed
 
 
@@ -154,5 +197,6 @@ def _apply_rotary_pos_emb_backward(ctx, grad_q_embed: torch.Tensor, grad_k_embed
     need_q, need_k = ctx.needs_input_grad[:2]
     dq = _empty_as(grad_q_embed, grad_q_embed.dtype) if need_q else None
     dk = _empty_as(grad_k_embed, grad_k_embed.dtype) if need_k else None
-    _rope(grad_q_embed, grad_k_embed, dq, dk, ctx.cos, ctx.sin, _dim(ctx.unsqueeze_dim), backward=True)
+    _rope(grad_q_embed, grad_k_embed, dq, dk, ctx.cos, ctx.sin, _dim(ctx.unsqueeze_dim), backward=True,
+          interleaved=ctx.interleaved)
     return dq, dk, None, None

@@ -2,7 +2,7 @@
 
 The op is a stream over q and k with a small table (cos, sin) shared by all heads of a token: a program
 takes a block of tokens x a block of heads (of q, or of k), loads the tokens' cos and sin rows once for its
-heads and moves about TILE_BYTES of q or k. Plans depend on the head counts, Dh and the element size, and
+heads and moves about TILE_BYTES of q or k. Plans depend on the head counts, the head and rotary widths and the element size, and
 on the sequence length only to cap the block (callers pass ``rt.hint(T)``); grids take T itself. Sweeps on
 an H200: docs/swiglu-rope.md.
 """
@@ -19,7 +19,8 @@ class Plan(NamedTuple):
     BLOCK_T: int  # tokens per program
     BLOCK_HQ: int  # heads per program of q ...
     BLOCK_HK: int  # ... and of k
-    BLOCK_HALF: int  # columns of each half-head: Dh / 2, rounded up to a power of two
+    BLOCK_HALF: int  # pairs of rotated features per head: R / 2, rounded up to a power of two
+    BLOCK_PASS: int  # passed features per head: D - R rounded up to a power of two (1 when none)
     num_warps: int
 
 
@@ -32,6 +33,11 @@ NUM_WARPS = 4
 MAX_BLOCK_H = 16
 
 
+def _floor_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
 def _heads_block(H: int, widest: int) -> int:
     """Heads per block: the fewest padded (masked) heads, then the widest (up to 16: 32 heads: 16; 40: 8;
     28: 4; 14: 2)."""
@@ -40,12 +46,17 @@ def _heads_block(H: int, widest: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def plan(T: int, HQ: int, HK: int, Dh: int, elem: int) -> Plan:
-    """The plan for q of HQ heads and k of HK heads (0: not processed) of Dh elements of ``elem`` bytes (the
-    narrower of q and k, so that its loads stay 16-byte vectors); T (tokens per sequence) is a plan hint."""
-    BLOCK_HALF = rt.next_pow2(max(Dh // 2, 1))
+def plan(T: int, HQ: int, HK: int, D: int, R: int, elem: int) -> Plan:
+    """The plan for q of HQ heads and k of HK heads (0: not processed) of D elements of ``elem`` bytes (the
+    narrower of q and k, so that its loads stay 16-byte vectors), the first R of which rotate; T (tokens per
+    sequence) is a plan hint. A head's tile is its rotated pairs' two blocks and its passed features' block
+    (R = D: the plan sized for full rotary before partial rotary existed)."""
+    BLOCK_HALF = rt.next_pow2(max(R // 2, 1))
+    BLOCK_PASS = rt.next_pow2(max(D - R, 1))
+    width = 2 * BLOCK_HALF + (BLOCK_PASS if D > R else 0)
     elems = TILE_BYTES // elem
-    widest = max(1, min(MAX_BLOCK_H, elems // (2 * BLOCK_HALF)))
+    # Powers of two (block shapes), rounded down: a head of passed features makes the width no power of two.
+    widest = _floor_pow2(min(MAX_BLOCK_H, elems // width))
     BLOCK_HQ, BLOCK_HK = _heads_block(HQ, widest), _heads_block(HK, widest)
-    BLOCK_T = max(1, min(elems // (max(BLOCK_HQ, BLOCK_HK) * 2 * BLOCK_HALF), rt.next_pow2(T)))
-    return Plan(BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, NUM_WARPS)
+    BLOCK_T = min(_floor_pow2(elems // (max(BLOCK_HQ, BLOCK_HK) * width)), rt.next_pow2(T))
+    return Plan(BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, NUM_WARPS)
