@@ -1,6 +1,8 @@
 """The test kit (``tritongrad.testing.OpSuite``) applied to every op: values and gradients against float64 in
-every dtype, memory layouts, leading dims, mixed precision, needs_input_grad, no_grad, gradcheck, opcheck and
-torch.compile. What is special to one family (launch paths, determinism, modules) is in its own file.
+every dtype, memory layouts with NaN guard bands, leading dims, mixed precision, needs_input_grad, no_grad,
+repeated and accumulated backwards, torch.func transforms, gradcheck, opcheck and torch.compile, every case
+on every sample; then the kit against 13 bugs planted in a user's op. What is special to one family (launch
+paths, determinism, modules) is in its own file.
 
 Each sample says why it is in the grid. Shapes are small: through Triton's interpreter a larger shape proves
 nothing more unless it changes the launch plan, and the plans' paths (rows read in chunks, the long-row
@@ -190,43 +192,10 @@ def test_parameter_dtypes(op, x_dtype, param_dtype):
     suite.check_values(with_param_dtype(suite.samples[0], param_dtype), x_dtype)
 
 
-# The kit runs gradcheck and opcheck on each suite's first sample; these samples differ from it in schema (no
-# weight, weight or bias alone, two normalised dims, eps given, a default argument) or take another launch path.
-OTHER_SCHEMAS = {
-    "weighted_sum": ["2x2x3x9"],
-    "rms_norm": ["no-affine", "2x3x4x6", "eps-dominates"],
-    "layer_norm": ["weight-only", "bias-only", "no-affine", "2x3x4x6"],
-    "llama_rms_norm": ["6x1280"],
-    "softcap": ["softcap_blocks"],
-}
-
-
-@pytest.mark.parametrize("op,sample", [(op, name) for op, names in OTHER_SCHEMAS.items() for name in names], ids=str)
-def test_gradcheck_and_opcheck(op, sample):
-    suite = SUITES[op]
-    (make,) = [s for s in suite.samples if s.__name__ == sample]
-    suite.check_gradcheck(make)
-    suite.check_opcheck(make)
-
-
-@pytest.mark.parametrize("layout", ["col-strided", "permuted"])
-@pytest.mark.parametrize("op", list(SUITES))
-def test_other_layouts(op, layout):
-    # Beyond the kit's transposed and row-sliced inputs: every other column of a wider tensor (column stride
-    # 2), and leading dims that cannot be merged into one stride (a copy), on a 3-D sample.
-    suite = SUITES[op]
-    sample = next(s for s in suite.samples if _first_tensor(suite, s).dim() >= 3 and _first_tensor(suite, s).numel())
-    suite.check_values(sample, torch.float32, layout=layout)
-
-
 def _arguments(suite, sample, device) -> list:
     """The sample's arguments bound to the op's parameters, defaults filled in."""
     made = sample(torch.float32, device)
     return list(suite.op.bind((), made) if isinstance(made, dict) else suite.op.bind(tuple(made), {}))
-
-
-def _first_tensor(suite, sample) -> torch.Tensor:
-    return _arguments(suite, sample, "meta")[suite.op.tensor_positions[0]]
 
 
 @pytest.mark.parametrize("op", list(SUITES))
@@ -261,3 +230,195 @@ def test_norm_argument_errors(call, match):
     x, w = torch.randn(3, 8, device=DEVICE), torch.randn(8, device=DEVICE)
     with pytest.raises(TypeError, match=match):
         call(x, w)
+
+
+# ---------------------------------------------------------------- the kit against planted bugs
+# A user's op with a weight gradient, y = a * tanh(x / a) * g (g [D], its gradient summed over rows), written
+# once with 13 bugs that can be switched on one at a time. The kit alone, on the samples writing-an-op.md
+# recommends (a ragged tile, rows over several row tiles, 3-D x), must catch them.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+BUGS = ("scale", "strides", "load_mask", "store_mask", "bf16_math", "alias_input", "out_dtype", "first_chunk",
+        "masked_other", "dy_layout", "mutates_saved", "needs_grad", "shared_grad")
+_CODE = {b: i + 1 for i, b in enumerate(BUGS)}
+
+
+@triton.jit
+def _tanh(u):
+    e = tl.exp(-2.0 * tl.abs(u))  # no overflow
+    return tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+
+
+@triton.jit
+def _math(v, ref, BUG: tl.constexpr):
+    # bug bf16_math (5): every intermediate rounded to the input's 16-bit dtype
+    if BUG == 5 and (ref.dtype == tl.bfloat16 or ref.dtype == tl.float16):
+        v = v.to(ref.dtype).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _tanhw_fwd(x_ptr, g_ptr, y_ptr, N, D, sxn, sxd, sg, a, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BUG: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = (rows[:, None] < N) & (cols[None, :] < D)
+    if BUG == 2:  # strides: x read as if contiguous
+        offs = rows[:, None] * D + cols[None, :]
+    else:
+        offs = rows[:, None] * sxn + cols[None, :] * sxd
+    if BUG == 3:  # load_mask: x read unmasked
+        xr = tl.load(x_ptr + offs)
+    else:
+        xr = tl.load(x_ptr + offs, mask=m, other=0.0)
+    x = xr.to(tl.float64 if xr.dtype == tl.float64 else tl.float32)
+    g = tl.load(g_ptr + cols * sg, mask=cols < D, other=0.0).to(x.dtype)
+    a = tl.cast(a, x.dtype)
+    t = _math(_tanh(_math(x / a, xr, BUG)), xr, BUG)
+    y = _math(a * t, xr, BUG) * g
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _tanhw_bwd(x_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, N, D, sxn, sxd, sg, sdn, sdd, a, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, BUG: tl.constexpr):
+    # One program per column block, over all rows: dx = dy g (1 - t^2), dg = sum_rows dy a t.
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < D
+    f64 = x_ptr.dtype.element_ty == tl.float64
+    g = tl.load(g_ptr + cols * sg, mask=cm, other=0.0).to(tl.float64 if f64 else tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float64 if f64 else tl.float32)
+    other = 1.0 if BUG == 9 else 0.0  # masked_other: masked-off rows read as 1, not 0
+    steps = 1 if BUG == 8 else tl.cdiv(N, BLOCK_N)  # first_chunk: only the first row tile is summed
+    for i in range(0, steps):
+        rows = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = (rows[:, None] < N) & cm[None, :]
+        xr = tl.load(x_ptr + rows[:, None] * sxn + cols[None, :] * sxd, mask=m, other=other)
+        if BUG == 10:  # dy_layout: dy read as if contiguous
+            dy = tl.load(dy_ptr + rows[:, None] * D + cols[None, :], mask=m, other=other).to(g.dtype)
+        else:
+            dy = tl.load(dy_ptr + rows[:, None] * sdn + cols[None, :] * sdd, mask=m, other=other).to(g.dtype)
+        x = xr.to(g.dtype)
+        aa = tl.cast(a, g.dtype)
+        t = _math(_tanh(_math(x / aa, xr, BUG)), xr, BUG)
+        dx = dy * g[None, :] * (1.0 - t * t)
+        if BUG == 1:  # scale: dx off by a factor a
+            dx = dx * aa
+        if BUG == 4:  # store_mask: dx stored unmasked
+            tl.store(dx_ptr + rows[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty))
+        else:
+            tl.store(dx_ptr + rows[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+        acc = _math(acc + tl.sum(_math(dy * aa * t, xr, BUG), axis=0), xr, BUG)
+    tl.store(dg_ptr + cols, acc.to(dg_ptr.dtype.element_ty), mask=cm)
+
+
+fwd_kernel, bwd_kernel = tritongrad.kernel(_tanhw_fwd), tritongrad.kernel(_tanhw_bwd)
+TILE_N, TILE_D = 16, 32
+
+
+def tanhw_reference(x: torch.Tensor, g: torch.Tensor, a: float = 2.0) -> torch.Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (a * torch.tanh(x.to(acc) / a) * g.to(acc)).to(x.dtype)
+
+
+def declare_tanhw(bug: str | None):
+    code = _CODE.get(bug, 0)
+    shared = {}
+
+    def forward(x: torch.Tensor, g: torch.Tensor, a: float = 2.0) -> torch.Tensor:
+        D = x.shape[-1]
+        x2 = x.reshape(-1, D)
+        N = x2.shape[0]
+        if bug == "alias_input":  # writes y over x
+            y = x2
+        else:
+            y = torch.empty((N, D), dtype=torch.float32 if bug == "out_dtype" else x.dtype, device=x.device)
+        if N and D:
+            fwd_kernel[(triton.cdiv(N, TILE_N), triton.cdiv(D, TILE_D))](
+                x2, g, y, N, D, x2.stride(0), x2.stride(1), g.stride(0), a, BLOCK_N=TILE_N, BLOCK_D=TILE_D, BUG=code)
+        return y.view(x.shape)
+
+    op = tritongrad.op(f"kitbugs::tanhw_{bug or 'right'}", reference=tanhw_reference)(forward)
+
+    @op.backward
+    def _(ctx, dy):
+        x, g = ctx.x, ctx.g
+        if bug == "needs_grad" and not ctx.needs_input_grad[0]:
+            return None, None  # gives nothing unless x's gradient is asked for
+        D = x.shape[-1]
+        x2, dy2 = x.reshape(-1, D), dy.reshape(-1, D)
+        N = x2.shape[0]
+        dx = x2 if bug == "mutates_saved" else torch.empty((N, D), dtype=x.dtype, device=x.device)
+        if bug == "shared_grad":  # one dg buffer per shape, returned to every caller
+            dg = shared.setdefault((D, g.dtype), torch.empty(D, dtype=g.dtype, device=g.device))
+        else:
+            dg = torch.empty(D, dtype=g.dtype, device=g.device)
+        if D and N:
+            bwd_kernel[(triton.cdiv(D, TILE_D),)](x2, g, dy2, dx, dg, N, D, x2.stride(0), x2.stride(1), g.stride(0),
+                                                   dy2.stride(0), dy2.stride(1), a=ctx.a, BLOCK_N=TILE_N,
+                                                   BLOCK_D=TILE_D, BUG=code)
+        elif D:
+            dg.zero_()
+        return dx.view(x.shape), dg
+
+    return op
+
+
+def tanhw_ragged(dtype, device):
+    # one tile of rows and columns, both ragged (5 of 16 rows, 37 of 32 + 32 columns): every mask on
+    return randn(5, 37, dtype=dtype, device=device, scale=3.0), weight(37, dtype=dtype, device=device), 2.0
+
+
+def tanhw_rows(dtype, device):
+    # rows over several row tiles (70 = 4 x 16 + 6): dg sums partial tiles; the default a
+    return randn(70, 20, dtype=dtype, device=device, scale=3.0), weight(20, dtype=dtype, device=device)
+
+
+def tanhw_3d(dtype, device):
+    # 3-D x: leading dims flattened into rows
+    return randn(2, 3, 9, dtype=dtype, device=device, scale=3.0), weight(9, dtype=dtype, device=device), 0.5
+
+
+TANHW_SAMPLES = [tanhw_ragged, tanhw_rows, tanhw_3d]
+TANHW_RIGHT = declare_tanhw(None)
+test_tanhw = OpSuite(TANHW_RIGHT, TANHW_SAMPLES, leading=("x",)).pytest()
+
+
+def first_failure(suite) -> str | None:
+    """The id of the first case of ``suite`` that fails, or None."""
+    for case_id, check in suite.cases:
+        try:
+            check()
+        except Exception:
+            return case_id
+    return None
+
+
+# Every bug the kit catches, with the case that catches it first (the order of OpSuite.cases).
+CAUGHT_BY = {
+    "scale": "values-tanhw_ragged-float32",
+    "strides": "layout-transposed-tanhw_ragged",
+    "load_mask": "values-tanhw_ragged-float32",
+    "store_mask": "values-tanhw_ragged-float32",
+    "bf16_math": "values-tanhw_rows-bfloat16",
+    "alias_input": "values-tanhw_ragged-float32",
+    "out_dtype": "values-tanhw_ragged-float16",
+    "first_chunk": "values-tanhw_rows-float32",
+    "masked_other": "values-tanhw_ragged-float32",
+    "dy_layout": "upstream-grads-tanhw_ragged",
+    "mutates_saved": "values-tanhw_ragged-float32",
+    "needs_grad": "needs_input_grad-tanhw_ragged",
+    "shared_grad": "backward-reuse-tanhw_ragged",
+}
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_kit_catches_planted_bugs(bug):
+    suite = OpSuite(declare_tanhw(bug), TANHW_SAMPLES, leading=("x",))
+    caught = first_failure(suite)
+    assert caught == CAUGHT_BY.get(bug), f"bug {bug}: first failing case {caught}, expected {CAUGHT_BY.get(bug)}"
+
+
+def test_kit_catches_at_least_12_of_13():
+    assert len(BUGS) == 13 and len(CAUGHT_BY) >= 12
