@@ -37,11 +37,12 @@ def _targets(N, C, ignored=(1,), device=DEVICE):
 
 # ---------------------------------------------------------------- the error baseline: eager PyTorch
 def _eager_ce(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-              logit_softcap=None, z_loss=0.0, compute_grad=True, return_lse=True):
-    """What a user writes in plain PyTorch, in the logits' dtype (the cap and z-loss as extra ops);
+              logit_softcap=None, z_loss=0.0, compute_grad=True, return_lse=True, logit_scale=1.0):
+    """What a user writes in plain PyTorch, in the logits' dtype (the scale, cap and z-loss as extra ops);
     lse as a user would take it for logging, in float32 (float64 for float64)."""
     acc = torch.float64 if torch.float64 in (input.dtype, getattr(weight, "dtype", None)) else torch.float32
-    u = input if logit_softcap is None else logit_softcap * torch.tanh(input / logit_softcap)
+    u = input if logit_scale == 1.0 else input * logit_scale
+    u = u if logit_softcap is None else logit_softcap * torch.tanh(u / logit_softcap)
     w = weight.to(input.dtype) if weight is not None else None
     lse = torch.logsumexp(u.to(acc), -1)
     if not return_lse:
@@ -63,9 +64,9 @@ def _eager_ce(input, target, weight=None, ignore_index=-100, reduction="mean", l
 
 
 def _eager_lce(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-               logit_softcap=None, z_loss=0.0, grads=None, out_dtype=None):
+               logit_softcap=None, z_loss=0.0, grads=None, out_dtype=None, logit_scale=1.0):
     loss = _eager_ce(F.linear(input, weight, bias), target, None, ignore_index, reduction, label_smoothing,
-                     logit_softcap, z_loss)[0]
+                     logit_softcap, z_loss, logit_scale=logit_scale)[0]
     return loss if out_dtype is None else loss.to(out_dtype)
 
 
@@ -144,6 +145,72 @@ def lce_none_recompute(dtype, device):
 LCE_SUITE = OpSuite(linear_cross_entropy_op, [lce_basic, lce_bias_options_sum, lce_none_recompute],
                     baseline=_eager_lce, device=DEVICE)
 test_linear_cross_entropy_suite = LCE_SUITE.pytest()
+
+
+# ---------------------------------------------------------------- logit_scale (Granite, Cohere)
+def _lce_scaled(scale, softcap, reduction):
+    def lce_scaled(dtype, device):
+        # a bias, so that all three gradients carry the scale's factor
+        return {"input": torch.randn(9, 16, device=device).to(dtype),
+                "weight": (torch.randn(40, 16, device=device) / 2).to(dtype), "target": _targets(9, 40, device=device),
+                "bias": torch.randn(40, device=device).to(dtype), "reduction": reduction, "logit_softcap": softcap,
+                "logit_scale": scale, "grads": [True, True, True]}
+    return lce_scaled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale,softcap,reduction", [(0.125, None, "mean"), (2.5, 3.0, "mean"), (0.125, 4.0, "none")],
+                         ids=["granite", "scaled-capped", "capped-none"])
+def test_linear_logit_scale_against_float64(dtype, scale, softcap, reduction):
+    # loss and the gradients of input, weight and bias against the float64 reference, within the error of eager
+    # PyTorch in the same dtype (F.linear, then the scale and cap as ops), the forward's gradients and the recompute
+    LCE_SUITE.check_values(_lce_scaled(scale, softcap, reduction), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "capped"])
+def test_cross_entropy_logit_scale_against_float64(dtype, softcap):
+    def ce_scaled(dtype, device):
+        return {"input": torch.randn(7, 40, device=device).to(dtype), "target": _targets(7, 40, device=device),
+                "logit_softcap": softcap, "logit_scale": 1 / 8}
+    CE_SUITE.check_values(ce_scaled, dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_logit_scale_equals_scaled_logits_float64(reduction):
+    # logit_scale k: F on k * logits (before the cap), for both ops; all gradients, the lse's included
+    h = torch.randn(7, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    t = _targets(7, 30, (2,))
+    for k, cap in ((1 / 16, None), (-3.0, None), (2.0, 2.5)):
+        def capped(z):
+            return z if cap is None else cap * torch.tanh(z / cap)
+        got = linear_cross_entropy(h, W, t, b, reduction=reduction, label_smoothing=0.1, logit_softcap=cap,
+                                   z_loss=1e-3, logit_scale=k)
+        want = _eager_lce(h, W, t, b, reduction=reduction, label_smoothing=0.1, logit_softcap=cap, z_loss=1e-3,
+                          logit_scale=k)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        g = torch.randn_like(want)
+        for a, r in zip(torch.autograd.grad(got, (h, W, b), g), torch.autograd.grad(want, (h, W, b), g)):
+            torch.testing.assert_close(a, r, rtol=1e-11, atol=1e-12)
+        x = torch.randn(7, 30, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        loss, lse = cross_entropy(x, t, reduction=reduction, logit_softcap=cap, logit_scale=k, return_lse=True)
+        want, want_lse = F.cross_entropy(capped(k * x), t, reduction=reduction), torch.logsumexp(capped(k * x), -1)
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+        gs = [torch.randn_like(loss), torch.randn_like(lse)]
+        torch.testing.assert_close(torch.autograd.grad((loss, lse), x, gs)[0],
+                                   torch.autograd.grad((want, want_lse), x, gs)[0], rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan"), "2", True, None])
+def test_logit_scale_refused(bad):
+    x, t = torch.randn(4, 5), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cross_entropy: logit_scale must be a finite, nonzero float"):
+        cross_entropy(x, t, logit_scale=bad)
+    with pytest.raises(ValueError, match=r"linear_cross_entropy: logit_scale must be a finite, nonzero float"):
+        linear_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), t, logit_scale=bad)
 
 
 # ---------------------------------------------------------------- F's semantics in float64

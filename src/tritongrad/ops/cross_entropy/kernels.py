@@ -1,8 +1,9 @@
 r"""The cross-entropy family's Triton kernels.
 
-For one row n of logits z [C], its class index t, class weights w [C] (all 1 without ``weight``), label
-smoothing eps, z-loss scale s and soft cap c:
+For one row n of stored logits x [C], its class index t, class weights w [C] (all 1 without ``weight``), label
+smoothing eps, z-loss scale s, logit scale k and soft cap c:
 
+    z_j = k x_j                      (k = 1 by default: Granite divides its logits, Cohere multiplies them)
     u_j = c tanh(z_j / c)            (u = z without a cap)
     lse = log \sum_j exp(u_j),         p_j = exp(u_j - lse),        W = \sum_j w_j
     loss_n = (1 - eps) w_t (lse - u_t) + (eps / C) \sum_j w_j (lse - u_j) + s lse^2
@@ -21,11 +22,11 @@ Gradient. d lse / du_j = p_j, so for a non-ignored row
 (the three terms: d((1 - eps) w_t (lse - u_t)) = (1 - eps) w_t (p_j - [j = t]); d((eps/C)(W lse - \sum w_k u_k))
 = (eps/C)(W p_j - w_j); d(s lse^2) = 2 s lse p_j). Without weights or smoothing this is the familiar
 p_j - [j = t]. The cap's chain rule multiplies by du_j/dz_j = 1 - tanh^2(z_j / c) = 4 e / (1 + e)^2 with
-e = exp(-2 |z_j| / c), a form that stays accurate where tanh saturates. The loss's upstream gradient g (a
+e = exp(-2 |z_j| / c), a form that stays accurate where tanh saturates; the scale's by dz_j/dx_j = k. The loss's upstream gradient g (a
 scalar for sum and mean, g_n per row for none) and the mean's 1/D scale the row: with S_n = g_n / D (mean)
 or g_n, and an upstream gradient d_n of the returned lse (which also flows through ignored rows),
 
-    dL/dz_j = [ p_j (S_n A_n + d_n) - S_n (1 - eps) w_t [j = t] - S_n (eps / C) w_j ] du_j/dz_j.
+    dL/dx_j = [ p_j (S_n A_n + d_n) - S_n (1 - eps) w_t [j = t] - S_n (eps / C) w_j ] du_j/dz_j k.
 
 Precision: loads are cast to ACC (float32, float64 when the logits or the class weights are float64) before
 any arithmetic; every sum over a row or over rows is taken in ACC, and results are rounded once, on store.
@@ -78,17 +79,29 @@ def _softcap(z, cap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _grad_chunk(z, o, t, lse, a, b_t, b_s, w_ptr, stride_w, mask, cap, HAS_WEIGHT: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """dL/dz on one chunk of a row: ``(p a - b_t [o = t] - b_s w_o) du/dz`` (module docstring)."""
+def _logits(x, scale, cap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """``(u, du/dx)`` of ``u = cap * tanh(scale x / cap)`` (``z = scale x``; module docstring)."""
+    z = x
+    if HAS_SCALE:
+        z = x * scale
     u, du = _softcap(z, cap, HAS_SOFTCAP)
+    if HAS_SCALE:
+        du = du * scale
+    return u, du
+
+
+@triton.jit
+def _grad_chunk(x, o, t, lse, a, b_t, b_s, w_ptr, stride_w, mask, scale, cap, HAS_WEIGHT: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """dL/dx on one chunk of a row: ``(p a - b_t [o = t] - b_s w_o) du/dx`` (module docstring)."""
+    u, du = _logits(x, scale, cap, HAS_SCALE, HAS_SOFTCAP)
     g = tl.exp(u - lse) * a - tl.where(o == t, b_t, 0.0)
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             g -= b_s * tl.load(w_ptr + o * stride_w, mask=mask, other=0.0).to(g.dtype)
         else:
             g -= b_s
-    if HAS_SOFTCAP:
+    if HAS_SOFTCAP or HAS_SCALE:
         g *= du
     return g
 
@@ -119,9 +132,12 @@ def _cross_entropy_fwd_kernel(
     z_lo,
     cap_hi,  # the soft cap, likewise
     cap_lo,
+    scale_hi,  # the logit scale, likewise
+    scale_lo,
     BLOCK_C: tl.constexpr,
     STAGES: tl.constexpr,  # loads in flight in the column loops (software pipelining)
     HAS_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     MEAN: tl.constexpr,  # the gradient carries 1/D
@@ -145,6 +161,7 @@ def _cross_entropy_fwd_kernel(
     eps = float_arg(eps_hi, eps_lo, ACC)
     z_loss = float_arg(z_hi, z_lo, ACC)
     cap = float_arg(cap_hi, cap_lo, ACC)
+    scale = float_arg(scale_hi, scale_lo, ACC)
     inv_denom = 1.0
     if MEAN:
         inv_denom = 1.0 / tl.load(stats_ptr).to(ACC)
@@ -185,7 +202,7 @@ def _cross_entropy_fwd_kernel(
                 su_vec = tl.zeros([BLOCK_C], dtype=ACC)
                 for k in tl.range(0, K - 1, num_stages=STAGES):
                     o = k * BLOCK_C + o_c
-                    u, _ = _softcap(tl.load(p_x + o).to(ACC), cap, HAS_SOFTCAP)
+                    u, _ = _logits(tl.load(p_x + o).to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
                     m_new = tl.maximum(m, tl.max(u, 0))
                     m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: no inf - inf
                     s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
@@ -196,7 +213,7 @@ def _cross_entropy_fwd_kernel(
                         else:
                             su_vec += u
                 x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
-                u_c, _ = _softcap(x_last.to(ACC), cap, HAS_SOFTCAP)
+                u_c, _ = _logits(x_last.to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
                 u = tl.where(m_last, u_c, neg_inf)  # masked lanes after the cap (which maps -inf to -cap)
                 m_new = tl.maximum(m, tl.max(u, 0))
                 m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
@@ -214,7 +231,8 @@ def _cross_entropy_fwd_kernel(
         if HAS_WEIGHT:
             w_t = tl.load(weight_ptr + t_safe * stride_w, mask=valid & in_range, other=0.0).to(ACC)
         if STORE_LOSS:
-            u_t, _ = _softcap(tl.load(p_x + t_safe, mask=valid & in_range, other=0.0).to(ACC), cap, HAS_SOFTCAP)
+            x_t = tl.load(p_x + t_safe, mask=valid & in_range, other=0.0).to(ACC)
+            u_t, _ = _logits(x_t, scale, cap, HAS_SCALE, HAS_SOFTCAP)
             loss = (1.0 - eps) * w_t * (lse - u_t) + z_loss * lse * lse
             if HAS_SMOOTHING:
                 loss += eps / C * (w_sum * lse - su)
@@ -234,14 +252,14 @@ def _cross_entropy_fwd_kernel(
             if valid | (d_n != 0.0):
                 if LSE_KNOWN:
                     x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
-                g = _grad_chunk(x_last.to(ACC), o_last, t, lse, a, b_t, b_s, weight_ptr, stride_w, m_last, cap,
-                                HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING)
+                g = _grad_chunk(x_last.to(ACC), o_last, t, lse, a, b_t, b_s, weight_ptr, stride_w, m_last, scale,
+                                cap, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
                 tl.store(p_g + o_last, round_to(g, grad_ptr.dtype.element_ty), mask=m_last)
                 for i in tl.range(0, K - 1, num_stages=STAGES):
                     o = (K - 2 - i) * BLOCK_C + o_c  # newest chunks first: they are likeliest still in L2
                     z = tl.load(p_x + o).to(ACC)
-                    g = _grad_chunk(z, o, t, lse, a, b_t, b_s, weight_ptr, stride_w, o < C, cap, HAS_WEIGHT,
-                                    HAS_SOFTCAP, HAS_SMOOTHING)
+                    g = _grad_chunk(z, o, t, lse, a, b_t, b_s, weight_ptr, stride_w, o < C, scale, cap,
+                                    HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
                     tl.store(p_g + o, round_to(g, grad_ptr.dtype.element_ty))
             else:  # an ignored row: zeros, nothing read
                 zero = tl.zeros([BLOCK_C], dtype=grad_ptr.dtype.element_ty)
@@ -323,10 +341,13 @@ def _cross_entropy_bwd_kernel(
     ignore_index,
     cap_hi,
     cap_lo,
+    scale_hi,
+    scale_lo,
     ROWS: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,
     IN_PLACE: tl.constexpr,
     LSE_ALL: tl.constexpr,  # as in the forward kernel: without it, ignored rows' lse has no gradient
+    HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -342,6 +363,7 @@ def _cross_entropy_bwd_kernel(
     any_d = tl.sum((d != 0.0).to(tl.int32), 0) > 0
     gl = tl.load(dloss_ptr).to(ACC)
     cap = float_arg(cap_hi, cap_lo, ACC)
+    scale = float_arg(scale_hi, scale_lo, ACC)
     if IN_PLACE:
         work = (gl != 1.0) | any_d  # the gradient is already right: nothing to read or write
     else:
@@ -362,7 +384,8 @@ def _cross_entropy_bwd_kernel(
                     p_x = x_ptr + row64 * stride_x_row
                     for c0 in range(0, C, BLOCK_C):
                         o = c0 + o_c
-                        u, du = _softcap(tl.load(p_x + o, mask=o < C, other=0.0).to(ACC), cap, HAS_SOFTCAP)
+                        u, du = _logits(tl.load(p_x + o, mask=o < C, other=0.0).to(ACC), scale, cap, HAS_SCALE,
+                                        HAS_SOFTCAP)
                         g = tl.load(p_g + o, mask=o < C, other=0.0).to(ACC) * gl + d_n * tl.exp(u - lse) * du
                         tl.store(p_dx + o, round_to(g, dx_ptr.dtype.element_ty), mask=o < C)
                 elif (gl != 1.0) | (not IN_PLACE):

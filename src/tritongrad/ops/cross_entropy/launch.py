@@ -17,6 +17,7 @@ logits and one write of their gradient):
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
@@ -40,7 +41,7 @@ def _acc(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _check_options(name: str, ignore_index, reduction, label_smoothing, logit_softcap, z_loss) -> None:
+def _check_options(name: str, ignore_index, reduction, label_smoothing, logit_softcap, z_loss, logit_scale) -> None:
     if type(reduction) is not str or reduction not in REDUCTIONS:
         raise ValueError(f"tritongrad.{name}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
@@ -51,6 +52,15 @@ def _check_options(name: str, ignore_index, reduction, label_smoothing, logit_so
         raise ValueError(f"tritongrad.{name}: logit_softcap must be None or a float > 0, got {logit_softcap!r}")
     if not isinstance(z_loss, numbers.Real) or not z_loss >= 0:
         raise ValueError(f"tritongrad.{name}: z_loss must be a float >= 0, got {z_loss!r}")
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float may be symbolic
+    if (isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real)
+            or not -math.inf < logit_scale < math.inf or logit_scale == 0):
+        raise ValueError(f"tritongrad.{name}: logit_scale must be a finite, nonzero float, got {logit_scale!r}")
+
+
+def _as_float(v):
+    """A real number as a Python float (the registered ops' schema); anything else as is, for validate to refuse."""
+    return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
 
 
 def _host_checkable(t: torch.Tensor) -> bool:
@@ -76,9 +86,10 @@ def _take_buffer(ctx) -> bool | None:
     return True
 
 
-def _splits(label_smoothing: float, z_loss: float, logit_softcap: float | None) -> tuple:
+def _splits(label_smoothing: float, z_loss: float, logit_softcap: float | None, logit_scale: float) -> tuple:
     return (*rt.split_float(float(label_smoothing)), *rt.split_float(float(z_loss)),
-            *rt.split_float(float(logit_softcap) if logit_softcap is not None else 1.0))
+            *rt.split_float(float(logit_softcap) if logit_softcap is not None else 1.0),
+            *rt.split_float(float(logit_scale)))
 
 
 def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_index: int, acc: torch.dtype):
@@ -93,7 +104,8 @@ def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_ind
 
 
 def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
-                 store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, smoothing: bool, acc):
+                 store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, scaled: bool,
+                 smoothing: bool, acc):
     """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride)."""
     N, C = x.shape
     stride_g = grad.stride(0) if grad is not None else 0
@@ -105,7 +117,7 @@ def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_
         weight.stride(0) if weight is not None else 0,
         dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
         dlse.stride(0) if dlse is not None else 0, ignore_index, *splits,
-        BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SOFTCAP=softcap,
+        BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SCALE=scaled, HAS_SOFTCAP=softcap,
         HAS_SMOOTHING=smoothing, MEAN=mean, STORE_LOSS=loss is not None, STORE_LSE=store_lse, LSE_ALL=lse_all,
         STORE_GRAD=grad is not None, LSE_KNOWN=lse_known, DLOSS=dloss_mode, HAS_DLSE=dlse is not None,
         ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=plan.num_warps,
@@ -132,8 +144,8 @@ def _scale(src: torch.Tensor, s: torch.Tensor, in_place: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------- cross_entropy
 def _ce_validate(input, target, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                 compute_grad, return_lse) -> None:
-    _check_options("cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+                 compute_grad, return_lse, logit_scale) -> None:
+    _check_options("cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss, logit_scale)
     if input.dim() != 2:
         raise ValueError(f"tritongrad.cross_entropy: the registered op takes input [N, C], got shape "
                          f"{tuple(input.shape)}; tritongrad.cross_entropy takes [C] and [N, C, d1, ...] too")
@@ -156,7 +168,8 @@ def _ce_validate(input, target, weight, ignore_index, reduction, label_smoothing
 def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
                      ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                      logit_softcap: Optional[float] = None, z_loss: float = 0.0, compute_grad: bool = True,
-                     return_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     return_lse: bool = True, logit_scale: float = 1.0,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered cross_entropy over ``input [N, C]``: ``(loss, lse, grad)``; :func:`cross_entropy` is the
     public function. With ``compute_grad`` and reduction mean/sum the forward also writes ``grad``, the
     gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it). Without
@@ -174,9 +187,9 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     stats = _stats(target, weight, C, ignore_index, acc) if mean or (weight is not None and smoothing) else None
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     _rows_kernel(x, target, weight, stats, rows, lse, grad if fused else None, None, None, ignore_index,
-                 _splits(label_smoothing, z_loss, logit_softcap), mean=mean and fused, store_lse=True,
+                 _splits(label_smoothing, z_loss, logit_softcap, logit_scale), mean=mean and fused, store_lse=True,
                  lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None,
-                 smoothing=smoothing, acc=acc)
+                 scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
     if reduction != "none":
         _finish(rows, stats, loss, mean)
     return loss, lse, grad
@@ -192,14 +205,15 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     acc = lse.dtype
     softcap = ctx.logit_softcap is not None
     cap = rt.split_float(float(ctx.logit_softcap) if softcap else 1.0)
+    scale = rt.split_float(float(ctx.logit_scale))
     take = _take_buffer(ctx) if grad.numel() else None
     if take is not None:  # the forward wrote the gradient for an upstream 1: scale it, add the lse's term
         dx = grad if take else torch.empty_like(grad)
         rows = P.bwd_rows(rt.hint(N), rt.sm_count(x.device))
         _bwd_kernel[(rt.cdiv(N, rows),)](
             grad, dx, x, lse, grad_loss, grad_lse, ctx.target, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0),
-            ctx.target.stride(0), ctx.ignore_index, *cap, ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()],
-            IN_PLACE=take, LSE_ALL=ctx.return_lse, HAS_SOFTCAP=softcap,
+            ctx.target.stride(0), ctx.ignore_index, *cap, *scale, ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()],
+            IN_PLACE=take, LSE_ALL=ctx.return_lse, HAS_SCALE=ctx.logit_scale != 1.0, HAS_SOFTCAP=softcap,
             ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
         )
         return dx, None, None
@@ -210,9 +224,9 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     stats = _stats(target, weight, C, ctx.ignore_index, acc) if mean or (weight is not None and smoothing) else None
     dx = torch.empty((N, C), dtype=input.dtype, device=input.device)
     _rows_kernel(x, target, weight, stats, None, lse, dx, grad_loss, grad_lse, ctx.ignore_index,
-                 _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap), mean=mean, store_lse=False,
-                 lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1, softcap=softcap,
-                 smoothing=smoothing, acc=acc)
+                 _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap, ctx.logit_scale), mean=mean,
+                 store_lse=False, lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1,
+                 softcap=softcap, scaled=ctx.logit_scale != 1.0, smoothing=smoothing, acc=acc)
     return dx, None, None
 
 
@@ -227,6 +241,7 @@ def cross_entropy(
     logit_softcap: float | None = None,
     z_loss: float = 0.0,
     return_lse: bool = False,
+    logit_scale: float = 1.0,
 ):
     """``torch.nn.functional.cross_entropy`` for class-index targets, with Triton kernels for forward and
     backward; optionally with Gemma 2's logit soft cap and PaLM's z-loss.
@@ -246,6 +261,8 @@ def cross_entropy(
         reduction: ``"mean"`` (the default), ``"sum"`` or ``"none"`` (one loss per row, in input's shape less C).
         label_smoothing: in ``[0, 1]``, as in F.
         logit_softcap: if given, ``cap * tanh(input / cap)`` replaces the logits before the softmax (Gemma 2).
+        logit_scale: a finite, nonzero float k: the logits are ``k * input``, scaled before the soft cap
+            (``cap * tanh(k * input / cap)``) and the loss; the gradient of input carries k. Default 1.0.
         z_loss: each non-ignored row's loss gains ``z_loss * lse**2`` (PaLM), lse the row's log-sum-exp; the
             reduction applies to the total (so "mean" divides it by F's denominator too).
         return_lse: also return lse, float32 (float64 for float64 input) of shape ``[N]``, differentiable.
@@ -283,7 +300,7 @@ def cross_entropy(
         x, t = input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1)
     compute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
     loss, lse = cross_entropy_op(x, t, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                                 compute_grad, return_lse)
+                                 compute_grad, return_lse, _as_float(logit_scale))
     if input.is_cuda and torch.is_autocast_enabled():
         loss = loss.float()  # autocast runs F.cross_entropy in float32 (here: the logits stay as they are)
     if reduction == "none" and input.dim() != 2:
@@ -299,8 +316,9 @@ def cross_entropy(
 
 # ---------------------------------------------------------------- linear_cross_entropy
 def _lce_validate(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                  grads, out_dtype) -> None:
-    _check_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+                  grads, out_dtype, logit_scale) -> None:
+    _check_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                   logit_scale)
     if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"tritongrad.linear_cross_entropy: out_dtype must be a floating dtype or None, got {out_dtype}")
     if input.dim() != 2 or weight.dim() != 2 or input.shape[1] != weight.shape[1]:
@@ -326,8 +344,9 @@ def _lce_validate(input, weight, target, bias, ignore_index, reduction, label_sm
 
 
 def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-              rows, need: tuple[bool, bool, bool], dloss=None):
-    """Chunks of rows: logits (one product), the loss kernel writing the chunk's gradient over its logits,
+              logit_scale, rows, need: tuple[bool, bool, bool], dloss=None):
+    """Chunks of rows: logits (one product; the loss kernel applies ``logit_scale``), the loss kernel writing the
+    chunk's gradient (with respect to the product, so the scale's factor included) over its logits,
     then that chunk's share of the gradients asked for (``need``: input, weight, bias). ``rows``: the per-row
     loss buffer, or None. ``dloss``: the upstream gradient (None: 1, the forward's case). Returns the
     gradients (None where not asked)."""
@@ -342,7 +361,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     gb = torch.zeros(V, dtype=_acc(bias), device=input.device) if need[2] else None  # float sums, one rounding
     chunk = P.lce_chunk_rows(rt.hint(N), int(V), input.element_size())
     buf = torch.empty((min(chunk, N), V), dtype=input.dtype, device=input.device)
-    splits = _splits(label_smoothing, z_loss, logit_softcap)
+    splits = _splits(label_smoothing, z_loss, logit_softcap, logit_scale)
     dloss_mode = 0 if dloss is None else 2 if dloss.dim() == 1 else 1
     wt = weight.t()
     for r0 in range(0, N, chunk):
@@ -356,7 +375,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
         _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None,
                      logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
                      store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
-                     softcap=logit_softcap is not None, smoothing=smoothing, acc=acc)
+                     softcap=logit_softcap is not None, scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
         if need[0]:
             torch.mm(logits, weight, out=gi[r0:r1])
         if need[1]:
@@ -379,6 +398,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
                             label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
                             grads: Optional[list[bool]] = None, out_dtype: Optional[torch.dtype] = None,
+                            logit_scale: float = 1.0,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered linear_cross_entropy over ``input [N, H]``, ``weight [V, H]``: ``(loss, grad_input,
     grad_weight, grad_bias)``; :func:`linear_cross_entropy` is the public function. ``grads`` (input, weight,
@@ -400,7 +420,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
     acc = _acc(input)
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     gi, gw, gb = _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap,
-                           z_loss, rows, need)
+                           z_loss, logit_scale, rows, need)
     if reduction != "none":
         stats = _stats(target, None, weight.shape[0], ignore_index, acc) if mean else None
         _finish(rows, stats, loss, mean)
@@ -423,7 +443,8 @@ def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
     # Not computed in the forward (reduction="none": per-row upstream gradients), or handed back by an earlier
     # backward: recompute, in chunks.
     gi, gw, gb = _lce_pass(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.ignore_index, ctx.reduction,
-                           ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, None, need, dloss=grad_loss)
+                           ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, ctx.logit_scale, None, need,
+                           dloss=grad_loss)
     return gi, gw, None, gb
 
 
@@ -439,8 +460,10 @@ def linear_cross_entropy(
     logit_softcap: float | None = None,
     z_loss: float = 0.0,
     out_dtype: torch.dtype | None = None,
+    logit_scale: float = 1.0,
 ):
-    """``cross_entropy(F.linear(input, weight, bias), target, ...)`` without the ``[N, V]`` logits in memory.
+    """``cross_entropy(logit_scale * F.linear(input, weight, bias), target, ...)`` without the ``[N, V]`` logits
+    in memory.
 
     Args:
         input: hidden states ``[..., H]``, float16/bfloat16/float32/float64.
@@ -449,6 +472,10 @@ def linear_cross_entropy(
             :func:`cross_entropy` for ``ignore_index`` and out-of-range indices.
         bias: optional ``[V]``, input's dtype.
         ignore_index, reduction, label_smoothing, logit_softcap, z_loss: as in :func:`cross_entropy`.
+        logit_scale: a finite, nonzero float k: the logits are ``k * (input @ weight.T + bias)``, scaled before
+            the soft cap and the loss (Granite's ``logits / logits_scaling`` is ``k = 1 / logits_scaling``;
+            Cohere's ``logits * logit_scale``). The product is rounded as F.linear rounds it, then scaled in
+            float32 (float64 for float64), not rounded again; the gradients of input, weight and bias carry k. Default 1.0.
         out_dtype: the loss's dtype; None (F's semantics) is input's. ``torch.float32`` returns the float32
             accumulation unrounded, as Hugging Face's causal-LM loss (which upcasts the logits) does.
 
@@ -486,5 +513,5 @@ def linear_cross_entropy(
     if autocast and out_dtype is None:
         out_dtype = torch.float32  # the loss in float32, as F.cross_entropy under autocast
     loss = linear_cross_entropy_op(x, weight, t, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                                   grads, out_dtype)
+                                   grads, out_dtype, _as_float(logit_scale))
     return loss.reshape(target.shape) if reduction == "none" else loss

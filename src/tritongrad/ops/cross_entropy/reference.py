@@ -2,7 +2,8 @@
 Triton. Imports torch only.
 
 Semantics are ``torch.nn.functional.cross_entropy``'s for class-index targets (kernels.py has the formulas),
-plus two extras: ``logit_softcap`` (``u = cap * tanh(z / cap)`` before the softmax) and ``z_loss`` (each
+plus three extras: ``logit_scale`` (``z = k * input``, before everything else), ``logit_softcap``
+(``u = cap * tanh(z / cap)`` before the softmax) and ``z_loss`` (each
 non-ignored row's loss gains ``z_loss * lse**2``; the reduction, F's weighted mean included, applies to the
 total). Out-of-range targets raise, as PyTorch's CPU loss does.
 """
@@ -38,13 +39,15 @@ def _readable(t: torch.Tensor) -> bool:
 
 
 def _rows(input: torch.Tensor, target: torch.Tensor, weight, ignore_index: int, reduction: str,
-          label_smoothing: float, logit_softcap, z_loss: float):
+          label_smoothing: float, logit_softcap, z_loss: float, logit_scale: float = 1.0):
     """(per-row loss, lse, denominator of the mean) in the accumulation dtype; input [N, C], target [N]."""
     acc = acc_dtype(input, weight)
     C = input.shape[-1]
     if _readable(target):
         check_targets(target, C, ignore_index)
     z = input.to(acc)
+    if logit_scale != 1.0:
+        z = z * logit_scale
     u = z if logit_softcap is None else logit_softcap * torch.tanh(z / logit_softcap)
     lse = torch.logsumexp(u, -1)
     logp = u - lse[:, None]
@@ -80,12 +83,14 @@ def cross_entropy_reference(
     z_loss: float = 0.0,
     compute_grad: bool = True,
     return_lse: bool = True,
+    logit_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, lse)`` of logits ``input [N, C]`` and class indices ``target [N]``; the loss in input's dtype
     (``[N]`` for reduction="none", else 0-d), lse in float32 (float64 when input or weight is float64).
     Accumulated in that dtype, rounded once. ``compute_grad`` is the registered op's hint (kernels only);
     without ``return_lse`` the lse of ignored rows is 0 (the kernels do not read those rows)."""
-    loss, lse, denom = _rows(input, target, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+    loss, lse, denom = _rows(input, target, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                             logit_scale)
     if not return_lse:
         lse = torch.where(target != ignore_index, lse, 0.0)
     return _reduce(loss, denom, reduction).to(input.dtype), lse
@@ -103,11 +108,13 @@ def linear_cross_entropy_reference(
     z_loss: float = 0.0,
     grads: list[bool] | None = None,
     out_dtype: torch.dtype | None = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
-    """``cross_entropy(F.linear(input, weight, bias), target, ...)`` for ``input [N, H]``, ``weight [V, H]``:
-    the logits rounded to input's dtype as F.linear returns them, the loss accumulated in float32 (float64 for
-    float64) and returned in ``out_dtype`` (None: input's dtype). ``grads`` is the registered op's hint
+    """``cross_entropy(logit_scale * F.linear(input, weight, bias), target, ...)`` for ``input [N, H]``,
+    ``weight [V, H]``: the product rounded to input's dtype as F.linear returns it, then scaled, and the loss
+    accumulated in float32 (float64 for float64) and returned in ``out_dtype`` (None: input's dtype). ``grads`` is the registered op's hint
     (kernels only)."""
     logits = torch.nn.functional.linear(input, weight, bias)
-    loss, _, denom = _rows(logits, target, None, ignore_index, reduction, label_smoothing, logit_softcap, z_loss)
+    loss, _, denom = _rows(logits, target, None, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                           logit_scale)
     return _reduce(loss, denom, reduction).to(input.dtype if out_dtype is None else out_dtype)
