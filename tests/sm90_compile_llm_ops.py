@@ -1,9 +1,9 @@
-"""Compile, for an H100/H200 (sm_90), every kernel specialization that the swiglu and rotary-embedding
+"""Compile, for an H100/H200 (sm_90), every kernel specialization that the swiglu, geglu and rotary-embedding
 launchers request at realistic shapes, without a GPU, and check that 16-byte aligned rows get vector loads
 and stores. The launchers run on CPU tensors (never filled: nothing executes) with kernel launches
 replaced by ``triton.compile``. Run as a script, without TRITON_INTERPRET:
 
-    python tests/sm90_compile_llm_ops.py swiglu|rope [--resources]
+    python tests/sm90_compile_llm_ops.py swiglu|geglu|rope [--resources]
 
 prints one line per failure and a final count (``--resources``: each specialization's registers, spills
 and shared memory, from the cubin by the cuobjdump that Triton ships). tests/test_swiglu.py and
@@ -61,6 +61,33 @@ def run_swiglu() -> None:
             out.backward(_empty(*out.shape, dtype=out.dtype))
 
 
+def geglu_cases():
+    bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+    # Rows of (why): 16384 Gemma-2B, 24576 Gemma-7B (3 x 8192), 14336 Gemma-2-9B (7 x 2048), 9216 Gemma-2-2B
+    # (9 x 1024), 1000 (a masked block). dtypes and layouts as swiglu's; the kernels are swiglu's with another
+    # activation, so fewer rows suffice.
+    for D in (16384, 24576, 14336, 9216, 1000):
+        for gdt, udt in ((bf, bf), (f16, f16), (f32, f32), (f64, f64), (bf, f32)):
+            for fused in (False, True):
+                if fused and (gdt is not udt or D not in (16384, 1000)):
+                    continue
+                if fused:
+                    x = _empty(64, 2 * D, dtype=gdt)
+                    g, u = x[:, :D], x[:, D:]
+                else:
+                    g, u = _empty(64, D, dtype=gdt), _empty(64, D, dtype=udt)
+                yield f"geglu D={D} {gdt} {udt} fused={fused}", g, u
+
+
+def run_geglu() -> None:
+    for name, g, u in geglu_cases():
+        for approximate in ("tanh", "none"):
+            for need in ((True, True), (False, True), (True, False)):
+                gg, uu = g.detach().requires_grad_(need[0]), u.detach().requires_grad_(need[1])
+                out = tritongrad.geglu(gg, uu, approximate=approximate)
+                out.backward(_empty(*out.shape, dtype=out.dtype))
+
+
 def rope_cases():
     bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     # (HQ, HK, Dh), why: Llama-3-8B (GQA 4:1), Llama-2-7B (MHA), Qwen2-7B (28/4: head blocks of 4), Qwen2.5-0.5B
@@ -90,7 +117,7 @@ def run_rope() -> None:
 def main(which: str) -> int:
     compiler = sm90.Compiler(_check)
     compiler.install()
-    {"swiglu": run_swiglu, "rope": run_rope}[which]()
+    {"swiglu": run_swiglu, "geglu": run_geglu, "rope": run_rope}[which]()
     return compiler.report()
 
 

@@ -4,6 +4,7 @@ formulas in float64, the halves of a fused projection read in place, inputs neve
 and every graph that is used again (retained, checkpointed, accumulated, hooked, compiled), determinism,
 bad inputs, export, CUDA graphs and the sm_90 compile of every specialization."""
 
+import math
 import os
 
 import pytest
@@ -79,10 +80,22 @@ def _tanh(sample):
 
 
 # Both GELUs on the samples that reach a kernel path of their own: masked columns, strided halves, leading
-# dims, saturated tails (erf and the tanh form's sigmoid at +-120).
-geglu_suite = OpSuite(geglu, [odd_sizes, _tanh(odd_sizes), _tanh(fused_halves), leading_dims, large_gate,
-                              _tanh(large_gate)], baseline=geglu_eager, leading=("gate", "up"), mixed=True)
+# dims, saturated tails (erf and the tanh form's sigmoid at +-120). float64 values below.
+GEGLU_SAMPLES = [odd_sizes, _tanh(odd_sizes), _tanh(fused_halves), leading_dims, large_gate, _tanh(large_gate)]
+geglu_suite = OpSuite(geglu, GEGLU_SAMPLES, baseline=geglu_eager, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                      leading=("gate", "up"), mixed=True)
 test_geglu_suite = geglu_suite.pytest()
+
+
+@pytest.mark.parametrize("sample", GEGLU_SAMPLES, ids=lambda s: s.__name__)
+def test_geglu_suite_float64_values(sample):
+    # The kit's float64 case, whose baseline is the reference itself (F.gelu in float64, error 0): the erf GELU
+    # shares F.gelu's formulas and passes at the kit's 4 ulps. The tanh form's derivative is computed without
+    # 1 - tanh^2's cancellation: F.gelu's own float64 derivative is off by up to 22 eps for |g| < 8 (ours by
+    # 2: test_geglu_float64_values_and_gradients, against 40-digit truth), so the two differ by F.gelu's error.
+    tanh = sample(torch.float64, "meta").get("approximate") == "tanh" if isinstance(
+        sample(torch.float64, "meta"), dict) else False
+    OpSuite(geglu, [sample], baseline=geglu_eager, ulps=24.0 if tanh else 4.0).check_values(sample, torch.float64)
 
 
 # ---------------------------------------------------------------- Hugging Face's LlamaMLP
@@ -130,6 +143,137 @@ def test_float64_equals_hugging_face_activation():
     g = torch.randn(4, 33, dtype=torch.float64, device=DEVICE)
     u = torch.randn(4, 33, dtype=torch.float64, device=DEVICE)
     torch.testing.assert_close(swiglu(g, u), ACT2FN["silu"](g) * u, rtol=1e-14, atol=1e-15)
+
+
+# ---------------------------------------------------------------- geglu: GELU's formulas, Gemma's activation
+def _gelu_truth(g, approximate):
+    """GELU, its derivative, and the derivative's two terms in magnitude (their sum is the scale of its
+    rounding, where they cancel), from the kernels' docstring in 40-digit arithmetic (mpmath), rounded to
+    float64: the truth that float64 results are measured against."""
+    import mpmath
+
+    mpmath.mp.dps = 40
+    k, c = mpmath.sqrt(2 / mpmath.pi), mpmath.mpf("0.044715")
+
+    def one(x):
+        # Exact identities keep the tails' digits: 1 + erf(y) = erfc(-y), 1 +- tanh(z) = 2 / (1 + e^(-+2z)).
+        x = mpmath.mpf(x)
+        if approximate == "none":
+            cdf = mpmath.erfc(-x / mpmath.sqrt(2)) / 2
+            left, right = cdf, x * mpmath.exp(-x * x / 2) / mpmath.sqrt(2 * mpmath.pi)
+            return x * cdf, left + right, abs(left) + abs(right)
+        z = k * (x + c * x**3)
+        one_plus_t, one_minus_t = 2 / (1 + mpmath.exp(-2 * z)), 2 / (1 + mpmath.exp(2 * z))
+        left, right = one_plus_t / 2, x * one_minus_t * one_plus_t * k * (1 + 3 * c * x * x) / 2
+        return x * one_plus_t / 2, left + right, abs(left) + abs(right)
+
+    rows = [one(x) for x in g.flatten().tolist()]
+    return [torch.tensor([float(r[i]) for r in rows], dtype=torch.float64).reshape(g.shape).to(g.device)
+            for i in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_geglu_float64_values_and_gradients(approximate):
+    # Over the range where GELU bends (|g| < 6) and into both tails: values and both gradients against
+    # 40-digit truth, each error at most twice F.gelu's own float64 error (erf's left tail cancels in
+    # 1 + erf, for both) plus 4 ulps; and against F.gelu's autograd.
+    g = torch.cat((torch.linspace(-6, 6, 97), torch.tensor([-30.0, -12.0, 12.0, 30.0]))).to(torch.float64)
+    g = torch.cat((g, torch.randn(3 * 101 - g.numel(), dtype=torch.float64))).reshape(3, 101).to(DEVICE)
+    u = torch.randn(3, 101, dtype=torch.float64, device=DEVICE)
+    dout = torch.randn(3, 101, dtype=torch.float64, device=DEVICE)
+    gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+    out = geglu(gr, ur, approximate=approximate)
+    dg, du = torch.autograd.grad(out, (gr, ur), dout)
+    gf, uf = g.clone().requires_grad_(), u.clone().requires_grad_()
+    eager = F.gelu(gf, approximate=approximate)
+    eager_d = torch.autograd.grad(eager, gf, torch.ones_like(g), retain_graph=True)[0]
+    act, dact, dact_terms = _gelu_truth(g, approximate)
+    ulp = torch.finfo(torch.float64).eps
+    for what, got, base, want, scale in (("gelu", out / u, eager, act, act.abs()),
+                                         ("gelu'", dg / (dout * u), eager_d, dact, dact_terms),
+                                         ("gelu in the backward", du / dout, eager, act, act.abs())):
+        err, base_err = (got - want).abs(), (base.detach() - want).abs()
+        limit = 2 * base_err + 4 * ulp * scale + 1e-300
+        worst = (err - limit).argmax()
+        assert (err <= limit).all(), (f"{what}({g.flatten()[worst].item()}) = {got.flatten()[worst].item()!r}, "
+                                      f"true {want.flatten()[worst].item()!r}, F.gelu's {base.flatten()[worst].item()!r}")
+    # And F.gelu's autograd itself, to its own float64 precision: it rounds the tails' tiny values to 0 (1 + tanh
+    # cancels) and loses up to ~1e-10 of its tanh derivative near g = -5.
+    ref = eager * uf
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-15)
+    for a, b in zip((dg, du), torch.autograd.grad(ref, (gf, uf), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-15)
+
+
+def test_geglu_approximations_differ():
+    # The two GELUs differ by up to ~1e-3 near |g| = 2: each call must run the one it names.
+    g = torch.linspace(-4, 4, 64, dtype=torch.float64, device=DEVICE).reshape(2, 32)
+    u = torch.ones_like(g)
+    exact, tanh = geglu(g, u), geglu(g, u, approximate="tanh")
+    torch.testing.assert_close(exact, F.gelu(g), rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(tanh, F.gelu(g, approximate="tanh"), rtol=1e-13, atol=1e-15)
+    assert (exact - tanh).abs().max() > 1e-4
+
+
+def _gemma_mlp(dtype):
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    cfg = GemmaConfig(hidden_size=24, intermediate_size=40, hidden_act="gelu_pytorch_tanh",
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    return GemmaMLP(cfg).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_geglu_tanh_equals_gemma_mlp_activation(dtype):
+    # GemmaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)), act_fn = ACT2FN["gelu_pytorch_tanh"] (GELUTanh,
+    # PytorchGELUTanh's new name): geglu(gate, up, approximate="tanh") is it to float rounding, gradients too.
+    from transformers import activations
+
+    assert activations.PytorchGELUTanh is activations.GELUTanh
+    torch.manual_seed(0)
+    mlp = _gemma_mlp(dtype)
+    assert isinstance(mlp.act_fn, activations.GELUTanh)
+    x = torch.randn(2, 5, 24, device=DEVICE, dtype=dtype)
+    gate, up = mlp.gate_proj(x).detach(), mlp.up_proj(x).detach()
+    ga, ua = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    gb, ub = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    ours, hf = geglu(ga, ua, approximate="tanh"), mlp.act_fn(gb) * ub
+    dout = torch.randn_like(hf)
+    torch.autograd.backward(ours, dout)
+    torch.autograd.backward(hf, dout)
+    # Float32: a few ulps; bfloat16: geglu rounds once where Hugging Face rounds gelu, then the product.
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for what, a, b in (("out", ours, hf), ("dgate", ga.grad, gb.grad), ("dup", ua.grad, ub.grad)):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}: {m}")
+    # And the whole MLP with geglu in place of act_fn(gate) * up.
+    torch.testing.assert_close(mlp.down_proj(geglu(mlp.gate_proj(x), mlp.up_proj(x), approximate="tanh")), mlp(x),
+                               **tol)
+
+
+@pytest.mark.parametrize("approximate, words", [
+    ("exact", ["approximate", "'exact'", "(3, 8)"]),
+    ("TANH", ["approximate", "'TANH'"]),
+    (None, ["approximate", "None"]),
+])
+def test_geglu_refuses_unknown_approximations(approximate, words):
+    g = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError) as info:
+        geglu(g, torch.randn(3, 8, device=DEVICE), approximate=approximate)
+    for w in words:
+        assert w in str(info.value) and "tritongrad.geglu" in str(info.value), str(info.value)
+
+
+def test_geglu_bad_shapes_name_the_op():
+    with pytest.raises(ValueError, match=r"tritongrad.geglu: gate \(3, 8\) and up \(3, 9\) must have the same shape"):
+        geglu(torch.randn(3, 8, device=DEVICE), torch.randn(3, 9, device=DEVICE), approximate="tanh")
+
+
+def test_geglu_is_exported_and_runs_its_own_node():
+    assert tritongrad.geglu is geglu
+    g = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    assert type(tritongrad.geglu(g, torch.randn(3, 8, device=DEVICE)).grad_fn).__name__ == "GegluBackward"
 
 
 # ---------------------------------------------------------------- memory: in place, no copies, no writes
@@ -511,7 +655,8 @@ def test_cuda_graph_capture_and_replay():
 
 # ---------------------------------------------------------------- sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
-def test_kernels_compile_for_sm90_with_vector_access():
+@pytest.mark.parametrize("which", ["swiglu", "geglu"])
+def test_kernels_compile_for_sm90_with_vector_access(which):
     script = os.path.join(os.path.dirname(__file__), "sm90_compile_llm_ops.py")
-    out = run_without_interpreter([script, "swiglu"], timeout=900)
+    out = run_without_interpreter([script, which], timeout=900)
     assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]

@@ -40,6 +40,10 @@ computed as act(g) = g * s with s = sigmoid(2z), since 1 + tanh(z) = 2 e^(2z) / 
 
 using 1 - tanh(z)^2 = (1 - tanh(z)) (1 + tanh(z)) = 2 (1 - s) * 2 s.
 
+In the tanh form's backward, 1 - s is computed as e * s (e = e^-2z) where s is near 1: 1 - s itself would
+cancel, and g (1 - s) (1 + 3 c g^2) carry tens of ulps (float64 act'(g) within 2 eps of the truth for
+|g| < 8, where F.gelu's own, through 1 - tanh^2, is off by up to 22). SiLU's keeps PyTorch's 1 - s.
+
 Precision: loads are cast to ACC (float32, float64 when an input is float64) before any arithmetic; each
 result is rounded once, on store (eager ``F.silu(g) * u`` or ``F.gelu(g) * u`` in bfloat16 rounds the
 activation first). Constants are Python floats, which Triton materializes in the type they meet (float64
@@ -90,21 +94,30 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid_pair(x):
+    """(sigmoid(x), 1 - sigmoid(x)), the second without cancellation: e s where s is near 1 (x > 0), with
+    e = e^-x; 1 - s itself elsewhere, where e may be inf and s is 0."""
+    e = tl.exp(-x)
+    s = 1.0 / (1.0 + e)
+    return s, tl.where(e < 1.0, tl.minimum(e, 1.0) * s, 1.0 - s)  # min: no inf * 0 in the unused lanes
+
+
+@triton.jit
 def _act_and_grad(g, ACT: tl.constexpr):
     """(act(g), act'(g)) in g's type, sharing their common terms (module docstring)."""
     if ACT == _SILU:
         s = _sigmoid(g)
         a = g * s
-        d = s * (1.0 + g * (1.0 - s))
+        d = s * (1.0 + g * (1.0 - s))  # PyTorch's formula and rounding (its float64 silu' is the reference)
     elif ACT == _GELU:
         cdf = 0.5 * (1.0 + tl.math.erf(g * _SQRT1_2))
         a = g * cdf
         d = cdf + g * (tl.exp(-0.5 * g * g) * _INV_SQRT_2PI)
     else:
         g2 = g * g
-        s = _sigmoid((g + g2 * g * _C) * _K2)
+        s, one_minus_s = _sigmoid_pair((g + g2 * g * _C) * _K2)
         a = g * s
-        d = s * (1.0 + g * (1.0 - s) * (1.0 + g2 * _C3) * _K2)
+        d = s * (1.0 + g * one_minus_s * (1.0 + g2 * _C3) * _K2)
     return a, d
 
 
