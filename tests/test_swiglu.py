@@ -1,4 +1,4 @@
-"""swiglu (``silu(gate) * up``), geglu (``gelu(gate) * up``) and the SwiGLUMLP module: the OpSuite battery of
+"""swiglu (``silu(gate) * up``), geglu (``gelu(gate) * up``) and the SwiGLUMLP and GeGLUMLP modules: the OpSuite battery of
 each op, then what is special to them: Hugging Face's LlamaMLP in float64 and Gemma's MLP activation, GELU's
 formulas in float64, the halves of a fused projection read in place, inputs never written, inplace_backward
 and every graph that is used again (retained, checkpointed, accumulated, hooked, compiled), determinism,
@@ -250,6 +250,29 @@ def test_geglu_tanh_equals_gemma_mlp_activation(dtype):
     # And the whole MLP with geglu in place of act_fn(gate) * up.
     torch.testing.assert_close(mlp.down_proj(geglu(mlp.gate_proj(x), mlp.up_proj(x), approximate="tanh")), mlp(x),
                                **tol)
+
+
+def test_geglu_module_is_a_drop_in_for_gemma_mlp():
+    hf = _gemma_mlp(torch.float64)
+    ours = tritongrad.nn.GeGLUMLP(24, 40, device=DEVICE, dtype=torch.float64)
+    assert [(k, v.shape) for k, v in ours.named_parameters()] == [(k, v.shape) for k, v in hf.named_parameters()]
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 5, 24, dtype=torch.float64, device=DEVICE)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), hf(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
+    for (name, pa), (_, pb) in zip(ours.named_parameters(), hf.named_parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-12, msg=name)
+    seen = []
+    ours.down_proj.register_forward_pre_hook(lambda mod, args: seen.append(type(args[0].grad_fn).__name__))
+    ours(xa)
+    assert seen == ["GegluBackward"] and "approximate='tanh'" in repr(ours)
+    with pytest.raises(ValueError, match="approximate"):
+        tritongrad.nn.GeGLUMLP(4, 8, approximate="exact")
 
 
 @pytest.mark.parametrize("approximate, words", [

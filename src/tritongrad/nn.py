@@ -126,7 +126,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- MLP (ops/swiglu)
-from .ops.swiglu import swiglu  # noqa: E402  (kept with its module, below the marker)
+from .ops.swiglu import geglu, swiglu  # noqa: E402  (kept with its modules, below the marker)
 
 
 class SwiGLUMLP(torch.nn.Module):
@@ -153,3 +153,35 @@ class SwiGLUMLP(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
+
+
+class GeGLUMLP(torch.nn.Module):
+    """Hugging Face's ``GemmaMLP`` with tritongrad's GeGLU: ``down_proj(geglu(gate_proj(x), up_proj(x),
+    approximate=approximate))``, where ``geglu(g, u) = gelu(g) * u`` (:func:`tritongrad.geglu`).
+
+    ``approximate="tanh"`` (the default) is Gemma's ``gelu_pytorch_tanh``; ``"none"`` the exact GELU. Same
+    parameters, names and state_dict as ``GemmaMLP`` (``gate_proj``, ``up_proj``: ``hidden_size ->
+    intermediate_size``, ``down_proj``: ``intermediate_size -> hidden_size``; biases only when ``bias``), so
+    ``GeGLUMLP(h, i).load_state_dict(gemma_mlp.state_dict())`` takes a model's weights. Input
+    ``[..., hidden_size]``, output the same shape, in the parameters' dtype.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, approximate: str = "tanh",
+                 device=None, dtype=None):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"tritongrad.nn.GeGLUMLP: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.approximate = approximate
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate=self.approximate))
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"approximate={self.approximate!r}")
