@@ -301,7 +301,8 @@ class OpSuite:
             add(f"backward-reuse-{name}", self.check_backward_reuse, sample)
             add(f"transforms-{name}", self.check_transforms, sample)
             add(f"gradcheck-{name}", self.check_gradcheck, sample)
-            add(f"opcheck-{name}", self.check_opcheck, sample)
+            # AOT dispatch with dynamic shapes once: compile-dynamic traces it on every sample.
+            add(f"opcheck-{name}", self.check_opcheck, sample, aot=sample is self.samples[0])
             if self.compile:
                 # Dynamic shapes on every sample (the launcher's shape logic traced symbolically); the static
                 # trace runs the same code on concrete sizes, once.
@@ -655,14 +656,16 @@ class OpSuite:
         with _time_cap(self.gradcheck_seconds, f"{op.label} gradcheck"):
             assert torch.autograd.gradcheck(f, tuple(slices), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
 
-    def check_opcheck(self, sample) -> None:
+    def check_opcheck(self, sample, aot: bool = True) -> None:
         """``torch.library.opcheck`` on the registered forward (schema, fake tensors, autograd registration,
-        AOT dispatch) and on the registered backward (schema, fake tensors)."""
+        and with ``aot`` AOT dispatch) and on the registered backward (schema, fake tensors)."""
         op = self.op
         args = self._args(sample, torch.float32)
         diff = self._diff(args)
         req = [a.detach().requires_grad_() if i in diff else a for i, a in enumerate(args)]
-        torch.library.opcheck(op.opoverload, tuple(req))
+        utils = ("test_schema", "test_autograd_registration", "test_faketensor") + (
+            ("test_aot_dispatch_dynamic",) if aot else ())
+        torch.library.opcheck(op.opoverload, tuple(req), test_utils=utils)
         outs = _tuple(op.opoverload(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args]))
         returned = dict(zip(op.outputs + op.residuals, outs))
         saved = [args[op._names.index(s)] if s in op._names else returned[s] for s in op.save]
