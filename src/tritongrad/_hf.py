@@ -26,6 +26,7 @@ The replacements:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -197,31 +198,90 @@ def gated_mlp_why_not(cls: type) -> str | None:
     return None if _equal(got, want) else f"{cls.__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
 
 
-def activation_why_not(act) -> str | None:
-    """None for a SiLU activation, else a description of the gate."""
+GATE_OPS = {"silu": "swiglu", "tanh": "geglu", "none": "geglu"}
+GATE_DETAIL = {"silu": "down_proj(swiglu(gate_proj(x), up_proj(x)))",
+               "tanh": "down_proj(geglu(gate_proj(x), up_proj(x), approximate='tanh'))",
+               "none": "down_proj(geglu(gate_proj(x), up_proj(x)))"}
+GATE_ATTR = "_tritongrad_gate"
+
+
+def gate_kind(act) -> tuple[str | None, str | None]:
+    """``(kind, None)``: ``act`` computes SiLU (``"silu"``), GELU's tanh approximation (``"tanh"``) or the exact
+    GELU (``"none"``), checked on a probe that reaches far into both tails (a clipped GELU fails it); else
+    ``(None, what the gate is)``."""
     if isinstance(act, silu_types()):
-        return None
+        return "silu", None
     name = type(act).__name__
+    t = torch.cat((torch.linspace(-30, 30, 121), torch.linspace(-3, 3, 97)))
     try:
-        t = torch.linspace(-4, 4, 33)
-        if torch.allclose(act(t), F.gelu(t, approximate="tanh"), atol=1e-6):
-            return f"act_fn is {name} (GELU, tanh approximation): a GELU-gated MLP (GeGLU), not SwiGLU"
-        if torch.allclose(act(t), F.gelu(t), atol=1e-6):
-            return f"act_fn is {name} (GELU): a GELU-gated MLP (GeGLU), not SwiGLU"
-    except Exception:  # noqa: BLE001
+        with torch.no_grad():
+            got = act(t)
+        for kind, want in (("silu", F.silu(t)), ("tanh", F.gelu(t, approximate="tanh")), ("none", F.gelu(t))):
+            if isinstance(got, torch.Tensor) and got.shape == t.shape and torch.allclose(got, want, rtol=1e-6,
+                                                                                          atol=1e-6):
+                return kind, None
+    except Exception:  # noqa: BLE001 - an activation that fails on a probe is not one of these
         pass
-    return f"act_fn is {name}, not SiLU: not SwiGLU"
+    return None, f"act_fn is {name}: neither SiLU nor GELU (exact or tanh), so neither swiglu nor geglu"
 
 
-def _swiglu_forward(self, x):
-    if isinstance(self.act_fn, SILU_TYPES):  # a plain global read: torch.compile traces it without a break
-        # The projections' outputs feed swiglu alone: their storage takes their gradients.
+def _gated_forward(self, x):
+    kind = getattr(self, GATE_ATTR, None)
+    if kind is None and isinstance(self.act_fn, SILU_TYPES):  # a plain global read: no graph break
+        kind = "silu"
+    if kind is None and not torch.compiler.is_compiling():  # a class patched by patch_transformers
+        kind = gate_kind(self.act_fn)[0] or False
+        self.__dict__[GATE_ATTR] = kind
+    # The projections' outputs feed the gate alone: their storage takes their gradients.
+    if kind == "silu":
         return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
-    # A class patched for SiLU (patch_transformers), built here with another activation.
+    if kind in ("tanh", "none"):
+        return self.down_proj(tritongrad.geglu(self.gate_proj(x), self.up_proj(x), approximate=kind,
+                                               inplace_backward=True))
+    # A class patched for a gate, built here with another activation.
     return original_forward_of(type(self))(self, x)
 
 
-swiglu_forward = marked(_swiglu_forward, "swiglu")
+swiglu_forward = marked(_gated_forward, "swiglu")
+geglu_forward = marked(functools.wraps(_gated_forward)(lambda self, x: _gated_forward(self, x)), "geglu")
+
+
+# ---------------------------------------------------------------- MoE experts
+def looks_like_experts(m: torch.nn.Module) -> bool:
+    return isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and callable(getattr(m, "act_fn", None)) \
+        and hasattr(type(m), "_apply_gate")
+
+
+def experts_why_not(m: torch.nn.Module, base: type) -> str | None:
+    """None when ``base``'s gate is transformers' default ``act_fn(gate) * up`` over the concatenated
+    ``[gate; up]`` projection (``integrations.moe._default_apply_gate``), which the grouped_mm and batched_mm
+    experts implementations call; else why not."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return "this transformers has no integrations.moe"
+    if base.__dict__.get("_apply_gate", getattr(base, "_apply_gate", None)) is not moe._default_apply_gate:
+        return f"{base.__name__} gates its experts with its own _apply_gate"
+    if not getattr(m, "is_concatenated", False) or not getattr(m, "has_gate", False):
+        return f"{base.__name__}'s gate_up_proj is not the concatenated [gate; up] layout"
+    return None
+
+
+def _experts_gate(self, gate_up_out):
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    kind = getattr(self, GATE_ATTR, None)
+    if kind == "silu":
+        return tritongrad.swiglu(gate, up)
+    if kind in ("tanh", "none"):
+        return tritongrad.geglu(gate, up, approximate=kind)
+    return self.act_fn(gate) * up
+
+
+experts_gate = {"swiglu": marked(_experts_gate, "swiglu"),
+                "geglu": marked(functools.wraps(_experts_gate)(lambda self, g: _experts_gate(self, g)), "geglu")}
+EXPERTS_DETAIL = {"silu": "experts' act_fn(gate) * up -> swiglu (grouped_mm and batched_mm experts; eager keeps its loop)",
+                  "tanh": "experts' act_fn(gate) * up -> geglu tanh (grouped_mm and batched_mm experts; eager keeps its loop)",
+                  "none": "experts' act_fn(gate) * up -> geglu (grouped_mm and batched_mm experts; eager keeps its loop)"}
 
 
 # ---------------------------------------------------------------- rotary embeddings
@@ -230,36 +290,92 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_why_not(fn) -> str | None:
-    """None when ``fn`` is Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``."""
+def _rotate_pairs(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _rope_formula(kind: str, x, cos, sin):
+    """Hugging Face's rotary embeddings, as written in their modeling files: ``llama`` (rotate_half over the
+    whole head), ``partial`` (GPT-NeoX, Phi3, StableLM: the first ``cos.shape[-1]`` features rotate, the rest
+    pass), ``glm`` (GLM: cos/sin's first half repeat-interleaved, feature pairs rotate, partial as ``partial``)."""
+    if kind == "glm":
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    turned = _rotate_pairs(rot) if kind in ("glm", "interleaved") else _rotate_half(rot)
+    return torch.cat((rot * cos + turned * sin, rest), dim=-1)
+
+
+ROPE_DETAIL = {"llama": "rotate_half over the whole head (Llama)",
+               "partial": "rotate_half over cos.shape[-1] features, the rest passed (partial rotary)",
+               "glm": "interleaved pairs over cos.shape[-1] features (GLM)",
+               "interleaved": "interleaved pairs over the whole head (Cohere)"}
+
+
+def _rope_matches(fn, kind: str, r: int) -> bool:
+    """Whether ``fn`` computes ``kind`` on probes with rotary width ``r`` of head width 8, both layouts."""
+    g = _probe_rng()
+    for dtype in (torch.float32, torch.bfloat16):
+        for dim in (1, 2):
+            shape_q, shape_k = ((2, 3, 5, 8), (2, 1, 5, 8)) if dim == 1 else ((2, 5, 3, 8), (2, 5, 1, 8))
+            q, k = torch.randn(*shape_q, generator=g).to(dtype), torch.randn(*shape_k, generator=g).to(dtype)
+            cos, sin = torch.randn(2, 5, r, generator=g).to(dtype), torch.randn(2, 5, r, generator=g).to(dtype)
+            try:
+                got = fn(q, k, cos, sin, dim)
+            except Exception:  # noqa: BLE001 - a function that refuses this width does not compute it
+                return False
+            c, s = cos.unsqueeze(dim), sin.unsqueeze(dim)
+            # In the inputs' dtype, or in float32 rounded once (Cohere's): the kernels compute in float32.
+            ways = [(_rope_formula(kind, q, c, s), _rope_formula(kind, k, c, s)),
+                    tuple(_rope_formula(kind, x.float(), c.float(), s.float()).to(dtype) for x in (q, k))]
+            if not any(_equal(tuple(got), want) for want in ways):
+                return False
+    return True
+
+
+@functools.cache
+def rope_kind(fn) -> tuple[str | None, str | None]:
+    """``(kind, None)`` when ``fn`` is one of Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin,
+    unsqueeze_dim=1)`` (see :func:`_rope_formula`), checked bit for bit on probes; else ``(None, why not)``.
+    ``llama`` is established for full-width cos/sin only (the replacement leaves other widths to ``fn``)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return "apply_rotary_pos_emb has no readable signature"
+        return None, "apply_rotary_pos_emb has no readable signature"
     if [p.name for p in params] != ["q", "k", "cos", "sin", "unsqueeze_dim"] or params[4].default != 1:
-        return f"apply_rotary_pos_emb{inspect.signature(fn)} is not (q, k, cos, sin, unsqueeze_dim=1)"
-    g = _probe_rng()
-    for dtype in (torch.float32, torch.bfloat16):
-        q, k = torch.randn(2, 3, 5, 8, generator=g).to(dtype), torch.randn(2, 1, 5, 8, generator=g).to(dtype)
-        cos, sin = torch.randn(2, 5, 8, generator=g).to(dtype), torch.randn(2, 5, 8, generator=g).to(dtype)
-        try:
-            got = fn(q, k, cos, sin)
-        except Exception as e:  # noqa: BLE001
-            return f"apply_rotary_pos_emb failed on a probe ({type(e).__name__}: {e})"
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        if not _equal(tuple(got), (q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s)):
-            return "apply_rotary_pos_emb does not compute q * cos + rotate_half(q) * sin"
-    return None
+        return None, f"apply_rotary_pos_emb{inspect.signature(fn)} is not (q, k, cos, sin, unsqueeze_dim=1)"
+    if _rope_matches(fn, "llama", 8):
+        return ("partial" if _rope_matches(fn, "partial", 4) else "llama"), None
+    if _rope_matches(fn, "glm", 8) and _rope_matches(fn, "glm", 4):
+        return "glm", None
+    if _rope_matches(fn, "interleaved", 8):
+        return "interleaved", None
+    return None, ("apply_rotary_pos_emb computes none of the known rotary embeddings (Llama's rotate_half, "
+                  "partial rotary, GLM's or Cohere's interleaved pairs)")
+
+
+def rope_why_not(fn) -> str | None:
+    return rope_kind(fn)[1]
 
 
 def rope_function(original):
-    """The replacement of a module's ``apply_rotary_pos_emb``. Inputs of mixed dtypes (where the original's own
-    promotion rules decide the result) and cos/sin that require grad keep the original."""
+    """The replacement of a module's ``apply_rotary_pos_emb``, for the kind :func:`rope_kind` established.
+    Inputs of mixed dtypes (where the original's own promotion rules decide the result), cos/sin that
+    require grad, layouts other than ``unsqueeze_dim`` 1 or 2, and widths the kind was not established for
+    keep the original."""
+    kind = rope_kind(original)[0]
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad \
-                or sin.requires_grad:
+        if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
+                or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
+                or kind in ("llama", "interleaved") and cos.shape[-1] != q.shape[-1]):
             return original(q, k, cos, sin, unsqueeze_dim)
+        if kind == "glm":
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+        if kind in ("glm", "interleaved"):
+            return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, interleaved=True)
         return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb._tritongrad_original = original
@@ -400,13 +516,15 @@ LOSS_FUNCTION = staticmethod(marked(causal_lm_loss, "cross_entropy"))
 
 
 def causal_lm_linear_loss(hidden_states, weight, bias, labels, logit_softcap=None, num_items_in_batch=None,
-                          ignore_index: int = -100, shift_labels=None, **kwargs):
-    """The loss of :func:`causal_lm_loss` from the hidden states and the LM head, without logits."""
+                          ignore_index: int = -100, shift_labels=None, logit_scale: float = 1.0, **kwargs):
+    """The loss of :func:`causal_lm_loss` from the hidden states and the LM head, without logits: the logits
+    ``logit_scale * (h @ weight.T + bias)``, soft-capped where the model caps them."""
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     target = _shifted(labels, shift_labels, ignore_index).to(h.device)
+    extra = {} if logit_scale == 1.0 else {"logit_scale": logit_scale}
     loss = tritongrad.linear_cross_entropy(h, weight, target, bias, ignore_index=ignore_index,
                                            reduction="sum" if num_items_in_batch is not None else "mean",
-                                           logit_softcap=logit_softcap, out_dtype=torch.float32)
+                                           logit_softcap=logit_softcap, out_dtype=torch.float32, **extra)
     return _mean_or_per_item(loss, num_items_in_batch)
 
 
@@ -431,30 +549,191 @@ def _transformers_parts() -> tuple:
     return CausalLMOutputWithPast, copied, slice_logits_to_keep
 
 
-def _linear_loss_forward(self, parts, labels, logits_to_keep=0, return_dict=None, **kwargs):
+# ---------------------------------------------------------------- what the causal-LM head computes
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """How a causal LM's training loss comes from its base model, established by :func:`head_spec`: the base
+    model's and the LM head's attribute names, and the logits as ``softcap(logit_scale * lm_head(h))``."""
+
+    base: str
+    head: str
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    router_logits: bool = False  # a MoE forward whose loss adds the router's aux loss when asked for
+
+
+class _ProbeOutput(dict):
+    """A base model's output carrying only the last hidden states (every other field None)."""
+
+    def __init__(self, h):
+        super().__init__(last_hidden_state=h)
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+    def __getitem__(self, key):
+        return self["last_hidden_state"] if key == 0 else dict.__getitem__(self, key)
+
+    def to_tuple(self):
+        return (self["last_hidden_state"],)
+
+
+class _ProbeBase(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.h = h
+
+    def forward(self, *args, **kwargs):
+        return _ProbeOutput(self.h)
+
+
+def _config_float(obj, name):
+    v = getattr(obj, name, None)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0 else None
+
+
+def head_spec(model: torch.nn.Module) -> HeadSpec | str:
+    """What ``model``'s causal-LM forward computes from its base model's last hidden states ``h``, or why
+    that is not established.
+
+    The forward the model's class had before tritongrad runs on a probe: a shallow copy of ``model`` whose
+    base model returns a fixed random ``h`` and whose LM head is a small random stand-in with the real
+    vocabulary. Its logits must equal ``softcap(s * lm_head(h))`` for a scale ``s`` read from the config
+    (1, ``1 / logits_scaling``, ``logit_scale``) and the config's ``final_logit_softcapping``; its loss, with
+    and without ``num_items_in_batch``, Hugging Face's shifted cross-entropy of those logits. Anything else the
+    forward does to the logits or the loss (a scale of another name, an extra term) fails the probe.
+    """
+    cls = type(model)
+    try:
+        original = original_forward_of(cls)
+    except RuntimeError as e:
+        return str(e)
+    prefix = getattr(model, "base_model_prefix", None) or "model"
+    base = model._modules.get(prefix)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((n for n, m in model._modules.items() if m is head and head is not None), None)
+    if not isinstance(base, torch.nn.Module):
+        return f"{cls.__name__} has no base model at .{prefix} (its base_model_prefix)"
+    if head_name is None or type(head) is not torch.nn.Linear:
+        return f"{cls.__name__}'s output embedding is a {type(head).__name__}, not a torch.nn.Linear attribute"
+    config = copy.copy(model.config)
+    router = getattr(config, "output_router_logits", None) is not None
+    if router:
+        config.output_router_logits = False  # the aux-loss path keeps the original forward (causal_lm_forward)
+    V, bias = head.out_features, head.bias is not None
+    g = _probe_rng()
+    h = torch.randn(2, 5, 4, generator=g) * 2
+    stand_in = torch.nn.Linear(4, V, bias=bias)
+    with torch.no_grad():
+        stand_in.weight.copy_(torch.randn(V, 4, generator=g))
+        if bias:
+            stand_in.bias.copy_(torch.randn(V, generator=g))
+    probe = copy.copy(model)
+    probe.__dict__["_modules"] = {**model._modules, prefix: _ProbeBase(h), head_name: stand_in}
+    probe.__dict__["config"] = config
+    labels = torch.randint(0, V, (2, 5), generator=g)
+    labels[0, 2] = -100
+    params = inspect.signature(original).parameters
+    call = {"input_ids": labels.clamp(min=0), "labels": labels}
+    if "use_cache" in params:
+        call["use_cache"] = False
+    try:
+        with torch.no_grad():
+            out = original(probe, **call)
+            out_n = original(probe, **call, num_items_in_batch=3) if "kwargs" in params else None
+    except Exception as e:  # noqa: BLE001 - any failure: the forward is not the layout this replaces
+        return f"{cls.__name__}.forward failed on a probe with a stand-in base model ({type(e).__name__}: {e})"
+    logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
+    if not isinstance(logits, torch.Tensor) or not isinstance(loss, torch.Tensor):
+        return f"{cls.__name__}.forward returns no logits and loss"
+    raw = stand_in(h).detach()
+    scales = [1.0]
+    for where, name, invert in ((config, "logits_scaling", True), (model, "logit_scale", False),
+                                (config, "logit_scale", False)):
+        v = _config_float(where, name)
+        if v is not None:
+            scales.append(1.0 / v if invert else v)
+    cap = _config_float(config, "final_logit_softcapping")
+    found = None
+    for s in scales:
+        for c in ((cap, None) if cap is not None else (None,)):
+            z = raw * s
+            if c is not None:
+                z = torch.tanh(z / c) * c
+            if logits.shape == z.shape and torch.allclose(logits.float(), z, rtol=1e-5, atol=1e-5):
+                found = (s, c)
+                break
+        if found:
+            break
+    if found is None:
+        return (f"{cls.__name__}.forward computes logits other than softcap(scale * lm_head(h)) for the scales "
+                f"its config names ({', '.join(f'{s:g}' for s in scales)})")
+    s, c = found
+    z = raw * s if c is None else torch.tanh(raw * s / c) * c
+    target = _shifted(labels, None, -100)
+    want = F.cross_entropy(z.reshape(-1, V).double(), target, reduction="sum")
+    count = (target != -100).sum()
+    for got, expect in ((loss, want / count), (getattr(out_n, "loss", None), want / 3)):
+        if out_n is None and got is None:
+            continue
+        if not isinstance(got, torch.Tensor) or not torch.allclose(got.double(), expect, rtol=1e-5, atol=0):
+            return (f"{cls.__name__}.forward's loss is not Hugging Face's shifted cross-entropy of its logits "
+                    "(mean over labelled tokens, or sum / num_items_in_batch)")
+    return HeadSpec(prefix, head_name, s, c, router)
+
+
+def spec_detail(spec: HeadSpec) -> str:
+    parts = [f"training loss from {spec.base}'s hidden states and {spec.head}, no logits"]
+    if spec.logit_scale != 1.0:
+        parts.append(f"logit scale {spec.logit_scale:g}")
+    if spec.softcap is not None:
+        parts.append(f"soft cap {spec.softcap:g}")
+    if spec.router_logits:
+        parts.append("the original forward when router logits are asked for (aux loss)")
+    return "; ".join(parts)
+
+
+def _linear_loss_forward(self, spec: HeadSpec, parts, labels, logits_to_keep=0, return_dict=None, **kwargs):
     out_cls, copied, slice_to_keep = parts
     # No position_ids and no attention_mask: the base model numbers each row 0, 1, ...: nothing is packed.
     outer = _UNPACKED[0]
     _UNPACKED[0] = kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None
     try:
-        outputs = self.model(**kwargs)
+        outputs = getattr(self, spec.base)(**kwargs)
     finally:
         _UNPACKED[0] = outer
     hidden_states = slice_to_keep(outputs[0], logits_to_keep)
-    head = self.lm_head
-    loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels,
-                                 getattr(self.config, "final_logit_softcapping", None), **kwargs)
-    out = out_cls(loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in copied})
+    head = getattr(self, spec.head)
+    loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels, spec.softcap,
+                                 logit_scale=spec.logit_scale, **kwargs)
+    fields = {name: getattr(outputs, name, None) for name in copied}
+    out = out_cls(loss=loss, logits=None, **fields)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    return out if return_dict is not False else out.to_tuple()
+    if return_dict is not False:
+        return out
+    # The original's tuple keeps logits at position 1 (never None there): so does this one.
+    return (loss, None, *(v for v in fields.values() if v is not None))
+
+
+SPEC_ATTR = "_tritongrad_head"
+
+
+def instance_spec(model) -> HeadSpec | str:
+    """``head_spec(model)``, kept on the instance (set by patch, or on a class-patched model's first call)."""
+    spec = model.__dict__.get(SPEC_ATTR)
+    if spec is None:
+        spec = head_spec(model)
+        model.__dict__[SPEC_ATTR] = spec
+    return spec
 
 
 @functools.cache
 def causal_lm_forward(original):
     """The forward of a ``*ForCausalLM`` class with linear_cross_entropy: in training with ``labels``, the loss
-    from the last hidden states and ``lm_head.weight`` (``logits`` is None in the output); otherwise (no labels,
-    eval mode, or an LM head whose weight is still sharded) the original forward, logits and all."""
+    from the last hidden states and the LM head's weight (``logits`` is None in the output), as established for
+    the instance by :func:`head_spec`; otherwise (no labels, eval mode, an LM head whose weight is still
+    sharded, router logits asked for, or a head the probe did not establish) the original forward."""
     parts = _transformers_parts()
     names = []
     for p in list(inspect.signature(original).parameters.values())[1:]:
@@ -468,10 +747,16 @@ def causal_lm_forward(original):
                 raise TypeError(f"{type(self).__name__}.forward takes {len(names)} positional arguments, "
                                 f"got {len(args)}")
             kwargs.update(zip(names, args))
-        if (not self.training or kwargs.get("labels") is None
-                or type(self.lm_head.weight) not in PLAIN_TENSORS):
+        if not self.training or kwargs.get("labels") is None:
             return original(self, **kwargs)
-        return _linear_loss_forward(self, parts, **kwargs)
+        spec = self.__dict__.get(SPEC_ATTR)
+        if spec is None and not torch.compiler.is_compiling():
+            spec = instance_spec(self)  # a class patched by patch_transformers: established on first use
+        if (not isinstance(spec, HeadSpec) or type(getattr(self, spec.head).weight) not in PLAIN_TENSORS
+                or spec.router_logits and kwargs.get("output_router_logits",
+                                                     getattr(self.config, "output_router_logits", False))):
+            return original(self, **kwargs)
+        return _linear_loss_forward(self, spec, parts, **kwargs)
 
     functools.update_wrapper(forward, original)
     del forward.__wrapped__  # inspect.signature shows the original's parameters through __signature__
@@ -491,9 +776,10 @@ def classes_of(module) -> list[type]:
             and issubclass(v, torch.nn.Module)]
 
 
-def config_activation_why_not(mlp_cls: type, causal_lm_classes: list[type]) -> str | None:
-    """For class-level patching: does the family's default config build ``mlp_cls`` with a SiLU gate? Built on
-    the meta device (no memory). None: yes, or it could not be built (then the forward checks at run time)."""
+def config_gate_kind(mlp_cls: type, causal_lm_classes: list[type]) -> tuple[str | None, str | None]:
+    """For class-level patching: the gate (:func:`gate_kind`) the family's default config builds ``mlp_cls``
+    with, built on the meta device (no memory); ``("silu", None)`` if it cannot be built (the forward then
+    checks each instance's activation when it first runs)."""
     for lm in causal_lm_classes:
         config_cls = getattr(lm, "config_class", None)
         if config_cls is None:
@@ -502,7 +788,7 @@ def config_activation_why_not(mlp_cls: type, causal_lm_classes: list[type]) -> s
             with torch.device("meta"):
                 mlp = mlp_cls(config_cls())
         except Exception:  # noqa: BLE001
-            return None
-        why = activation_why_not(mlp.act_fn)
-        return None if why is None else f"{why} (the default {config_cls.__name__})"
-    return None
+            return "silu", None
+        kind, why = gate_kind(mlp.act_fn)
+        return kind, None if why is None else f"{why} (the default {config_cls.__name__})"
+    return "silu", None

@@ -22,16 +22,17 @@ import torch
 from . import nn as tg_nn
 
 # The public function each op needs (tritongrad.<name>), imported when a candidate for the op is found.
-_NEEDS = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "swiglu": "swiglu",
+_NEEDS = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "swiglu": "swiglu", "geglu": "geglu",
           "rope": "apply_rotary_pos_emb", "cross_entropy": "cross_entropy",
           "linear_cross_entropy": "linear_cross_entropy"}
 
 # What patch() looks for in a Hugging Face model, per op (said in the report when none is found).
 _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps",
                "swiglu": "no MLP with gate_proj, up_proj, down_proj and act_fn",
+               "geglu": "no MLP with gate_proj, up_proj, down_proj and a GELU act_fn",
                "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
-               "cross_entropy": "no module with lm_head and model (a *ForCausalLM)",
-               "linear_cross_entropy": "no module with lm_head and model (a *ForCausalLM)"}
+               "cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
+               "linear_cross_entropy": "no *ForCausalLM module (or one with lm_head and model)"}
 _MASK_MODULE = "transformers.masking_utils"
 # causal_mask's module-wide replacements: function -> (why_not, replacement, detail), names in _hf.
 _MASK_FNS = {
@@ -112,7 +113,8 @@ def _subclass(base: type, attrs: dict) -> type:
 
 def _own_attrs(cls: type) -> dict:
     """The attributes a tritongrad subclass overrides."""
-    return {k: v for k, v in vars(cls).items() if k in ("forward", "_loss_function")} if cls in _BASE else {}
+    return {k: v for k, v in vars(cls).items() if k in ("forward", "_loss_function", "_apply_gate")} \
+        if cls in _BASE else {}
 
 
 def _require(op: str) -> None:
@@ -149,7 +151,7 @@ def _nothing(report: PatchReport, what: str, strict: bool) -> None:
 
 # ---------------------------------------------------------------- instances
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True,
-          rope: bool = True, cross_entropy: bool = False, linear_cross_entropy: bool = True,
+          geglu: bool = True, rope: bool = True, cross_entropy: bool = False, linear_cross_entropy: bool = True,
           causal_mask: bool = True, strict: bool = False) -> PatchReport:
     """Make ``model`` (itself included) run tritongrad's Triton kernels, in place.
 
@@ -160,6 +162,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     - ``layer_norm``: ``torch.nn.LayerNorm`` -> :class:`tritongrad.nn.LayerNorm`;
     - ``swiglu``: Hugging Face gated MLPs (``gate_proj``, ``up_proj``, ``down_proj``) with a SiLU
       activation -> :func:`tritongrad.swiglu`;
+    - ``geglu``: the same MLPs with a GELU activation (exact or tanh, Gemma's) -> :func:`tritongrad.geglu`;
     - ``rope``: the modeling module's ``apply_rotary_pos_emb`` -> :func:`tritongrad.apply_rotary_pos_emb`.
       A module-level function: every model of that family in the process gets it;
     - ``cross_entropy``: the causal-LM loss on the logits -> :func:`tritongrad.cross_entropy`;
@@ -187,7 +190,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     """
     from . import _hf as hf
 
-    on = _flags(dict(rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, rope=rope,
+    on = _flags(dict(rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu, rope=rope,
                      cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                      causal_mask=causal_mask))
     report = PatchReport()
@@ -221,7 +224,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     mask_plan = _plan_mask(hf, report) if attention and "causal_mask" in on else []
     if hf_model:
         seen = {e.op for e in report.replaced + report.already + report.skipped}
-        for op in sorted(on - seen - {"layer_norm", "causal_mask"}):
+        if seen & {"swiglu", "geglu"}:  # one kind of candidate: gated MLPs
+            seen |= {"swiglu", "geglu"}
+        for op in sorted(on - seen - {"layer_norm", "causal_mask", "geglu"}):  # geglu: swiglu's candidates
             report._add("skipped", op, "", _CANDIDATES[op])
     for op in sorted({e.op for e in report.replaced}):
         _require(op)
@@ -235,8 +240,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     return report
 
 
-def _patched_before(hf, cls: type, op: str) -> bool:
-    return hf.patched_op(getattr(cls, "_loss_function" if op == "cross_entropy" else "forward", None)) == op
+def _patched_before(hf, cls: type, op: str, attr: str | None = None) -> bool:
+    attr = attr or ("_loss_function" if op == "cross_entropy" else "forward")
+    return hf.patched_op(getattr(cls, attr, None)) == op
 
 
 def _is_torch_norm(m, base) -> bool:
@@ -272,28 +278,53 @@ def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
             return {}, {}
         return {"forward": hf.norm_forward(kind, eps_name)}, {"rms_norm": hf.NORM_DETAIL[kind]}
     if hf.looks_like_gated_mlp(m):
-        if "swiglu" not in on:
+        kind, why = hf.gate_kind(m.act_fn)
+        op = hf.GATE_OPS.get(kind, "swiglu")
+        if op not in on:
             return {}, {}
-        if _patched_before(hf, cls, "swiglu") and hf.activation_why_not(m.act_fn) is None:
-            return {}, {"swiglu": ""}
-        why = hf.gated_mlp_why_not(base) or hf.activation_why_not(m.act_fn)
+        if kind is not None and _patched_before(hf, cls, op):
+            m.__dict__[hf.GATE_ATTR] = kind
+            return {}, {op: ""}
+        why = hf.gated_mlp_why_not(base) or why
         if why is not None:
-            report._add("skipped", "swiglu", name, f"{base.__name__}: {why}")
+            report._add("skipped", op, name, f"{base.__name__}: {why}")
             return {}, {}
-        return {"forward": hf.swiglu_forward}, {"swiglu": "down_proj(swiglu(gate_proj(x), up_proj(x)))"}
-    if hasattr(m, "lm_head") and hasattr(m, "model"):
+        m.__dict__[hf.GATE_ATTR] = kind
+        return ({"forward": hf.swiglu_forward if op == "swiglu" else hf.geglu_forward},
+                {op: hf.GATE_DETAIL[kind]})
+    if hf.looks_like_experts(m):
+        kind, why = hf.gate_kind(m.act_fn)
+        op = hf.GATE_OPS.get(kind, "swiglu")
+        if op not in on:
+            return {}, {}
+        if kind is not None and _patched_before(hf, cls, op, "_apply_gate"):
+            m.__dict__[hf.GATE_ATTR] = kind
+            return {}, {op: ""}
+        why = hf.experts_why_not(m, base) or why
+        if why is not None:
+            report._add("skipped", op, name, f"{base.__name__}: {why}")
+            return {}, {}
+        m.__dict__[hf.GATE_ATTR] = kind
+        return {"_apply_gate": hf.experts_gate[op]}, {op: hf.EXPERTS_DETAIL[kind]}
+    if base.__name__.endswith("ForCausalLM") or hasattr(m, "lm_head") and hasattr(m, "model"):
         wanted = on & {"cross_entropy", "linear_cross_entropy"}
-        why = hf.causal_lm_why_not(base) if wanted else None
-        if why is None and wanted and not isinstance(m.lm_head, torch.nn.Linear):
-            why = f"lm_head is a {type(m.lm_head).__name__}, not a torch.nn.Linear"
+        if not wanted:
+            return {}, {}
+        why = hf.causal_lm_why_not(base)
+        if why is None and not isinstance(m.get_output_embeddings(), torch.nn.Linear):
+            why = f"the output embedding is a {type(m.get_output_embeddings()).__name__}, not a torch.nn.Linear"
+        spec = hf.head_spec(m) if why is None and "linear_cross_entropy" in wanted else None
         if why is not None:
             for op in sorted(wanted):
                 report._add("skipped", op, name, why)
             return {}, {}
         attrs, ops = {}, {}
-        if "linear_cross_entropy" in wanted:
+        if isinstance(spec, str):
+            report._add("skipped", "linear_cross_entropy", name, spec)
+        elif spec is not None:
+            m.__dict__[hf.SPEC_ATTR] = spec
             attrs["forward"] = hf.causal_lm_forward(hf.original_forward_of(base))
-            ops["linear_cross_entropy"] = "training loss from hidden states and lm_head, no logits"
+            ops["linear_cross_entropy"] = hf.spec_detail(spec)
         if "cross_entropy" in wanted:
             attrs["_loss_function"] = hf.LOSS_FUNCTION
             ops["cross_entropy"] = "loss_function on the logits"
@@ -319,8 +350,10 @@ def _plan_function(mod, attr: str, op: str, why_not, detail: str, report) -> boo
 
 
 def _plan_rope(hf, mod, report) -> bool:
+    kind = hf.rope_kind(vars(mod)["apply_rotary_pos_emb"])[0]
+    detail = hf.ROPE_DETAIL.get(kind, "")
     return _plan_function(mod, "apply_rotary_pos_emb", "rope", hf.rope_why_not,
-                          "apply_rotary_pos_emb (module-wide: every model of this family)", report)
+                          f"apply_rotary_pos_emb, {detail} (module-wide: every model of this family)", report)
 
 
 def _plan_mask(hf, report) -> list[str]:
@@ -359,6 +392,8 @@ def unpatch(model: torch.nn.Module) -> int:
         if _from_transformers(cls):
             modules.add(_MASK_MODULE)
         base = _BASE.get(cls) or back.get(cls)
+        m.__dict__.pop(hf.SPEC_ATTR, None)
+        m.__dict__.pop(hf.GATE_ATTR, None)
         if base is not None:
             m.__class__ = base
             count += 1
@@ -373,7 +408,8 @@ def unpatch(model: torch.nn.Module) -> int:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2")
 
 
-def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = True, geglu: bool = True,
+                       rope: bool = True,
                        cross_entropy: bool = False, linear_cross_entropy: bool = True, causal_mask: bool = True,
                        strict: bool = False) -> PatchReport:
     """Patch a Hugging Face ``transformers`` family at the class level: every model of it, built before or
@@ -394,7 +430,7 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     """
     from . import _hf as hf
 
-    on = _flags(dict(rms_norm=rms_norm, swiglu=swiglu, rope=rope, cross_entropy=cross_entropy,
+    on = _flags(dict(rms_norm=rms_norm, swiglu=swiglu, geglu=geglu, rope=rope, cross_entropy=cross_entropy,
                      linear_cross_entropy=linear_cross_entropy, causal_mask=causal_mask))
     try:
         mod = hf.modeling_module(family)
@@ -412,14 +448,18 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
                 report._add("skipped", "rms_norm", f"{mod.__name__}.{name}", eps_name)
             else:
                 _set(cls, "forward", hf.norm_forward(kind, eps_name), "rms_norm", report, hf.NORM_DETAIL[kind])
-        elif name.endswith("MLP") and "swiglu" in on:
+        elif name.endswith("MLP") and on & {"swiglu", "geglu"}:
             hf.silu_types()
-            why = hf.gated_mlp_why_not(cls) or hf.config_activation_why_not(cls, causal)
+            kind, why = hf.config_gate_kind(cls, causal)
+            op = hf.GATE_OPS.get(kind, "swiglu")
+            why = hf.gated_mlp_why_not(cls) or why
+            if op not in on:
+                continue
             if why is not None:
-                report._add("skipped", "swiglu", f"{mod.__name__}.{name}", why)
+                report._add("skipped", op, f"{mod.__name__}.{name}", why)
             else:
-                _set(cls, "forward", hf.swiglu_forward, "swiglu", report,
-                     "down_proj(swiglu(gate_proj(x), up_proj(x))) where act_fn is SiLU")
+                _set(cls, "forward", hf.swiglu_forward if op == "swiglu" else hf.geglu_forward, op, report,
+                     f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
         elif cls in causal:
             why = hf.causal_lm_why_not(cls)
             for op in sorted(on & {"cross_entropy", "linear_cross_entropy"}):
