@@ -36,20 +36,21 @@ transformers = pytest.importorskip("transformers")
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
-# family: (config model_type, RMSNorm modules, SwiGLU MLPs). Why each: Llama, Mistral, Qwen2 copy Llama's
-# norm; Qwen3 adds per-head q_norm/k_norm; Gemma's norm is (1 + w) in float32 and its MLP GELU-gated; Gemma2 and
-# Gemma3 add sandwich norms (and q/k norms) and final-logit softcapping; Olmo2 multiplies before the cast.
+# family: (config model_type, RMSNorm modules, gated MLPs, their op). Why each: Llama, Mistral, Qwen2 copy
+# Llama's norm; Qwen3 adds per-head q_norm/k_norm; Gemma's norm is (1 + w) in float32 and its MLP GELU-gated
+# (geglu); Gemma2 and Gemma3 add sandwich norms (and q/k norms) and final-logit softcapping; Olmo2 multiplies
+# before the cast.
 FAMILIES = {
-    "llama": ("llama", 5, 2),
-    "mistral": ("mistral", 5, 2),
-    "qwen2": ("qwen2", 5, 2),
-    "qwen3": ("qwen3", 9, 2),
-    "gemma": ("gemma", 5, 0),
-    "gemma2": ("gemma2", 9, 0),
-    "gemma3": ("gemma3_text", 13, 0),
-    "olmo2": ("olmo2", 9, 2),
+    "llama": ("llama", 5, 2, "swiglu"),
+    "mistral": ("mistral", 5, 2, "swiglu"),
+    "qwen2": ("qwen2", 5, 2, "swiglu"),
+    "qwen3": ("qwen3", 9, 2, "swiglu"),
+    "gemma": ("gemma", 5, 2, "geglu"),
+    "gemma2": ("gemma2", 9, 2, "geglu"),
+    "gemma3": ("gemma3_text", 13, 2, "geglu"),
+    "olmo2": ("olmo2", 9, 2, "swiglu"),
 }
-NORMS_ONLY = dict(swiglu=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+NORMS_ONLY = dict(swiglu=False, geglu=False, rope=False, linear_cross_entropy=False, causal_mask=False)
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -234,14 +235,19 @@ def test_unpatch():
     assert tritongrad.patch(model, **NORMS_ONLY).count == 9  # and again
 
 
-def test_report_says_why_gemma_mlp_is_left_alone():
+def test_gemma_mlp_is_geglu_and_another_gate_is_left_alone():
     model = _model("gemma")
+    report = tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.ops() == {"geglu": 2}
+    assert all("approximate='tanh'" in e.detail for e in report.replaced)
+    other = _model("gemma")
+    for layer in other.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nothing patched: the warning is tested below
-        report = tritongrad.patch(model, rms_norm=False, swiglu=True, rope=False, linear_cross_entropy=False,
-                                  causal_mask=False)
+        report = tritongrad.patch(other, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
     assert report.count == 0 and len(report.skipped) == 2
-    assert all(e.op == "swiglu" and "GELU" in e.detail and "not SwiGLU" in e.detail for e in report.skipped)
+    assert all(e.op == "swiglu" and "ReLU" in e.detail and "neither SiLU nor GELU" in e.detail for e in report.skipped)
     assert "GemmaMLP" in str(report)
 
 
@@ -253,7 +259,9 @@ def test_nothing_to_patch_warns_or_raises():
     with pytest.raises(ValueError, match="nothing in Sequential was patched"):
         tritongrad.patch(model, strict=True)
     gemma = _model("gemma")
-    with pytest.warns(UserWarning, match="GELU"):  # the reason is in the warning
+    for layer in gemma.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
+    with pytest.warns(UserWarning, match="ReLU"):  # the reason is in the warning
         tritongrad.patch(gemma, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
 
 
@@ -261,8 +269,8 @@ def test_report_says_what_has_no_candidate():
     model = _model("llama").model  # the base model: no lm_head
     report = tritongrad.patch(model, swiglu=False, rope=False, causal_mask=False)
     assert report.ops() == {"rms_norm": 5}
-    assert [(e.op, e.detail) for e in report.skipped] == [("linear_cross_entropy", "no module with lm_head and "
-                                                          "model (a *ForCausalLM)")]
+    assert [(e.op, e.detail) for e in report.skipped] == [("linear_cross_entropy", "no *ForCausalLM module (or one with "
+                                                          "lm_head and model)")]
 
 
 def test_flags_off_patch_nothing_of_theirs():
@@ -318,12 +326,15 @@ def test_patch_transformers_norms():
     assert "LlamaRmsNormBackward" not in _autograd_nodes(model(**batch).loss)
 
 
-def test_patch_transformers_reports_gemma_mlp_and_unknown_family():
-    with pytest.warns(UserWarning, match="GELU"):
-        report = tritongrad.patch_transformers("gemma", rms_norm=False, rope=False, linear_cross_entropy=False,
-                                               causal_mask=False)
-    assert [e.target.rsplit(".", 1)[-1] for e in report.skipped] == ["GemmaMLP"]
-    assert "GELU" in report.skipped[0].detail and "GemmaConfig" in report.skipped[0].detail
+def test_patch_transformers_gemma_mlp_is_geglu_and_unknown_family():
+    report = tritongrad.patch_transformers("gemma", rms_norm=False, rope=False, linear_cross_entropy=False,
+                                           causal_mask=False)
+    assert [e.target.rsplit(".", 2)[-2] for e in report.replaced] == ["GemmaMLP"]
+    assert report.ops() == {"geglu": 1} and "GELU" in report.replaced[0].detail
+    model = _model("gemma")
+    batch = _batch()
+    loss = model(**batch).loss
+    assert "GegluBackward" in _autograd_nodes(loss)
     with pytest.raises(ValueError, match="tested families"):
         tritongrad.patch_transformers("no_such_family")
 
@@ -339,7 +350,7 @@ def test_multimodal_wrapper_gets_its_text_stack():
     model = transformers.Gemma3ForConditionalGeneration(config).to(DEVICE)
     batch = _batch()
     want = copy.deepcopy(model)(**batch).loss
-    report = tritongrad.patch(model, swiglu=False, rope=False, causal_mask=False)
+    report = tritongrad.patch(model, swiglu=False, geglu=False, rope=False, causal_mask=False)
     assert report.ops() == {"rms_norm": 14, "layer_norm": 4}
     assert [(e.op, e.target) for e in report.skipped] == [("linear_cross_entropy", "")]
     got = model(**batch).loss
@@ -350,7 +361,7 @@ def test_multimodal_wrapper_gets_its_text_stack():
 # ---------------------------------------------------------------- with swiglu, rope and linear_cross_entropy
 @pytest.mark.parametrize("family", FAMILIES)
 def test_all_ops_match_hf(family, spy):
-    calls = spy("swiglu", "apply_rotary_pos_emb", "linear_cross_entropy")
+    calls = spy("swiglu", "geglu", "apply_rotary_pos_emb", "linear_cross_entropy")
     model = _model(family)
     batch = _batch()
     refs = _references(model, batch)
@@ -359,13 +370,13 @@ def test_all_ops_match_hf(family, spy):
         logits_want = model(input_ids=batch["input_ids"]).logits
     model.train()
     report = tritongrad.patch(model)
-    n_norms, n_mlps = FAMILIES[family][1:]
+    n_norms, n_mlps, gate = FAMILIES[family][1:]
     assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2,
-                            **({"swiglu": n_mlps} if n_mlps else {})}
-    assert len(report.skipped) == (2 if n_mlps == 0 else 0)  # Gemma's GELU-gated MLPs
+                            gate: n_mlps}
+    assert not report.skipped
     out, grads = _run(model, batch)
     assert out.logits is None  # no logits in training with labels
-    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, **({"swiglu": 2} if n_mlps else {})}
+    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, gate: 2}
     _assert_matches(out, grads, refs)
     # No labels, or eval mode: the logits, as Hugging Face computes them.
     model.eval()
@@ -416,8 +427,8 @@ def test_cross_entropy_loss_function(family, spy):
     model = _model(family)
     batch = _batch()
     refs = _references(model, batch)
-    report = tritongrad.patch(model, rms_norm=False, swiglu=False, rope=False, linear_cross_entropy=False,
-                              cross_entropy=True, causal_mask=False)
+    report = tritongrad.patch(model, rms_norm=False, swiglu=False, geglu=False, rope=False,
+                              linear_cross_entropy=False, cross_entropy=True, causal_mask=False)
     assert report.ops() == {"cross_entropy": 1}
     out, grads = _run(model, batch)
     assert calls == {"cross_entropy": 1} and out.logits is not None

@@ -1,4 +1,4 @@
-"""``tritongrad`` command line: ``demo`` and ``bench``."""
+"""``tritongrad`` command line: ``demo``, ``bench`` and ``models``."""
 
 from __future__ import annotations
 
@@ -48,12 +48,57 @@ def demo(args) -> int:
     return 0
 
 
+def models(args) -> int:
+    """The family matrix (:mod:`tritongrad.zoo`): exit status 1 if any family is wrong."""
+    import json
+
+    from . import zoo
+
+    names = args.family or zoo.families()
+    unknown = sorted(set(names) - set(zoo.families()))
+    if unknown:
+        print(f"unknown famil{'y' if len(unknown) == 1 else 'ies'}: {', '.join(unknown)} (see "
+              "`tritongrad models --list`)", file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(zoo.families()))
+        return 0
+    modes = ("eager", "compiled") if args.mode == "both" else (args.mode,)
+
+    def progress(v):
+        if not args.json:
+            print(f"{v.family:28} {v.mode:9} {v.line()}", flush=True)
+
+    rows = zoo.run(names, modes, progress=progress if not args.markdown else None)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif args.markdown:
+        print(zoo.markdown(rows, modes))
+    else:
+        counts = {}
+        for r in rows:
+            for m in modes:
+                k = (m, r[m].split(":")[0])
+                counts[k] = counts.get(k, 0) + 1
+        for m in modes:
+            print(f"{m}: " + ", ".join(f"{n} {s}" for (mm, s), n in sorted(counts.items()) if mm == m))
+    return 1 if any(r[m].startswith("wrong") for r in rows for m in modes) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tritongrad", description="Differentiable Triton operators for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run weighted_sum forward and backward and compare with PyTorch")
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.set_defaults(func=demo)
+    p_models = sub.add_parser("models", help="check tritongrad.patch on a tiny model of every Hugging Face "
+                              "causal-LM family (or those named): exact, refused, wrong or error")
+    p_models.add_argument("family", nargs="*", help="model_type names (default: every causal-LM family)")
+    p_models.add_argument("--mode", choices=("eager", "compiled", "both"), default="both")
+    p_models.add_argument("--json", action="store_true", help="print a list of {family, eager, compiled, ops}")
+    p_models.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table")
+    p_models.add_argument("--list", action="store_true", help="list the families and exit")
+    p_models.set_defaults(func=models)
     try:
         from .bench.cli import add_parser as add_bench_parser
     except ImportError:  # the bench package is optional at import time (e.g. a trimmed install)

@@ -1,0 +1,369 @@
+"""The family matrix: every causal-LM family of the installed ``transformers``, patched against unpatched.
+
+For each family (``model_type``) that transformers' auto mapping lists for causal language modelling, a tiny
+random-init model is built from the family's own default config, shrunk (:data:`TINY`, with the per-family
+values of :data:`FAMILY_CONFIG` where the defaults do not shrink), in float32. A deep copy is patched with
+:func:`tritongrad.patch`; both run the same checks, and the patched model must reproduce the unpatched one:
+
+- the training loss (labels with ignored positions): relative difference at most :data:`LOSS_RTOL`;
+- every parameter's gradient: relative difference (max abs over max abs) at most :data:`GRAD_RTOL`;
+- eval-mode logits, with padding (a left-padded attention mask), with ``position_ids`` given;
+- ``generate`` of 3 tokens (greedy): the same tokens;
+- gradient checkpointing; a second backward through the retained graph (twice the gradients);
+- :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
+
+``mode="compiled"`` runs the training step under ``torch.compile`` (``backend="aot_eager"`` off the GPU: it
+traces the backward with fake tensors, with the layouts a compiled model's backward really gets).
+
+Each family and mode gets a :class:`Verdict`: ``exact`` (with what was patched), ``refused`` (nothing that
+was patched computes differently, and the report says why each op was left alone), ``wrong: <figures>`` or
+``error: <message>``. A family whose tiny model cannot be built is an ``error``, never left out.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import traceback
+
+import torch
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+LOGITS_RTOL = 1e-5
+MAX_PARAMS = 4_000_000
+
+# The sizes every tiny model gets, where its config has the attribute (or takes it as an argument).
+TINY = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=256, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+    topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    sliding_window=8, tie_word_embeddings=False, d_model=64, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+    # No dropout: the two models draw random numbers in different orders.
+    attention_dropout=0.0, hidden_dropout=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    dropout=0.0, activation_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, resid_dropout=0.0,
+    embed_dropout=0.0, mlp_dropout=0.0, classifier_dropout=0.0,
+)
+# Per family: values its defaults need beyond TINY (e.g. a vocabulary its special tokens fit in).
+FAMILY_CONFIG: dict[str, dict] = {
+    # Scales and caps away from 1 and None, so that a patch that drops them shows.
+    "granite": dict(logits_scaling=4.0),
+    "granitemoe": dict(logits_scaling=4.0),
+    "granitemoeshared": dict(logits_scaling=4.0),
+    "gemma3_text": dict(final_logit_softcapping=30.0),
+    "phi3": dict(partial_rotary_factor=0.5),
+    "stablelm": dict(partial_rotary_factor=0.5),
+}
+
+
+@dataclasses.dataclass
+class Verdict:
+    family: str
+    mode: str
+    status: str                     # "exact", "refused", "wrong", "error"
+    detail: str = ""
+    ops: dict = dataclasses.field(default_factory=dict)     # op -> "replaced xN" | "left alone: why"
+
+    def line(self) -> str:
+        return self.status if not self.detail else f"{self.status}: {self.detail}"
+
+
+def families() -> list[str]:
+    """Every ``model_type`` transformers maps to a causal-LM class, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    """The family's tiny float32 causal LM, random-init with ``seed`` (eager attention, train mode)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config_cls = CONFIG_MAPPING[family]
+    default = config_cls()
+    wanted = {**TINY, **FAMILY_CONFIG.get(family, {})}
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    kwargs = {k: v for k, v in wanted.items() if k in known}
+    if "head_dim" in kwargs and "hidden_size" in kwargs and "num_attention_heads" in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    config = config_cls(**kwargs)
+    for sub in ("text_config",):  # multimodal configs: shrink the text model too
+        inner = getattr(config, sub, None)
+        if inner is not None and hasattr(inner, "hidden_size"):
+            for k, v in wanted.items():
+                if hasattr(inner, k):
+                    setattr(inner, k, v)
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    with torch.device("meta"):  # sized first, on no memory
+        size = sum(p.numel() for p in cls._from_config(config, attn_implementation="eager").parameters())
+    if size > MAX_PARAMS:
+        raise ValueError(f"the shrunk default config still has {size / 1e6:.1f}M parameters (a tiny model has "
+                         f"at most {MAX_PARAMS / 1e6:g}M): the family needs an entry in zoo.FAMILY_CONFIG")
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # norm weights away from their constant init, so that their semantics show
+        g = torch.Generator().manual_seed(seed + 1)
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if "norm" in type(m).__name__.lower() and isinstance(w, torch.Tensor) and w.dim() == 1:
+                w.add_(0.3 * torch.randn(w.shape, generator=g).to(w.dtype))
+    return model.train()
+
+
+def _batch(vocab: int, device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, -2:] = -100
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max |a - b| over max |b| (at least ``floor``: a gradient that is zero in exact arithmetic, such as a
+    key projection's bias, holds rounding noise only)."""
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return math.inf
+    scale = max(b.abs().max().item() if b.numel() else 0.0, floor)
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    if not math.isfinite(err):
+        return math.inf
+    return err / scale if scale > 0 else err
+
+
+def _no_cache(model) -> dict:
+    """``use_cache=False`` where the forward takes it: a training step builds no cache."""
+    import inspect
+
+    return {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
+
+
+def _step(model, batch, compiled: bool, **extra):
+    """Loss and gradients of one training step (gradients zeroed first, then read and detached)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    fn = model
+    if compiled:
+        fn = torch.compile(model, backend="aot_eager" if not torch.cuda.is_available() else "inductor")
+    loss = fn(**batch, **_no_cache(model), **extra).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _logits(model, batch, **extra):
+    model.eval()
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad():
+            return model(input_ids=batch["input_ids"], **_no_cache(model), **extra).logits
+    finally:
+        model.train()
+
+
+def _second_backward(model, batch):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = model(**batch, **_no_cache(model)).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpointed(model, batch):
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise NotImplementedError("no gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        return _step(model, batch, False)[1]
+    finally:
+        model.gradient_checkpointing_disable()
+
+
+def _generate(model, batch):
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model.generate(batch["input_ids"][:1, :6], max_new_tokens=3, do_sample=False,
+                                  pad_token_id=0).float()
+    finally:
+        model.train()
+
+
+def _check_fns(batch, compiled: bool) -> dict:
+    """The checks, by name: each a function of the model returning tensors to compare."""
+    if compiled:
+        return {"loss": lambda m: _step(m, batch, True)[0], "grads": lambda m: _step(m, batch, True)[1]}
+    ids = batch["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return {
+        "loss": lambda m: _step(m, batch, False)[0],
+        "grads": lambda m: _step(m, batch, False)[1],
+        "logits": lambda m: _logits(m, batch),
+        "logits, padding mask": lambda m: _logits(m, batch, attention_mask=mask),
+        "logits, position_ids": lambda m: _logits(m, batch, position_ids=pos),
+        "loss, padding mask": lambda m: _step(m, batch, False, attention_mask=mask)[0],
+        "loss, position_ids": lambda m: _step(m, batch, False, position_ids=pos)[0],
+        "generate": lambda m: _generate(m, batch),
+        "gradient checkpointing": lambda m: _checkpointed(m, batch),
+        "second backward": lambda m: _second_backward(m, batch),
+    }
+
+
+def _checks(model, fns: dict, only=None) -> tuple[dict, dict]:
+    """``(results, failures)``: each check's tensors, or the exception it raised."""
+    out, failed = {}, {}
+    for name, fn in fns.items():
+        if only is not None and name not in only:
+            continue
+        try:
+            out[name] = fn(model)
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            failed[name] = e
+    return out, failed
+
+
+def _compare(got: dict, want: dict) -> list[str]:
+    """The checks where ``got`` differs from ``want`` beyond the tolerances, with their figures."""
+    bad = []
+    for key, w in want.items():
+        g = got.get(key)
+        tol = GRAD_RTOL if isinstance(w, dict) else LOSS_RTOL if "loss" in key else LOGITS_RTOL
+        if key == "generate":
+            if g is None or not torch.equal(g, w):
+                bad.append("generate: different tokens")
+            continue
+        if isinstance(w, dict):
+            missing = sorted(set(w) ^ set(g or {}))
+            if missing:
+                bad.append(f"{key}: gradients of {missing[:3]} present on one side only")
+                continue
+            floor = 1e-2 * max((t.abs().max().item() for t in w.values() if t.numel()), default=0.0)
+            worst = max(((_rel(g[n], w[n], floor), n) for n in w), default=(0.0, ""))
+            if worst[0] > tol:
+                bad.append(f"{key}: {worst[1]} off by {worst[0]:.2e} (relative)")
+        elif _rel(g, w) > tol:
+            bad.append(f"{key}: off by {_rel(g, w):.2e} (relative)")
+    return bad
+
+
+def _report_ops(report) -> dict:
+    ops = {}
+    for e in report.replaced + report.already:
+        ops.setdefault(e.op, []).append(e.detail)
+    out = {op: f"replaced x{len(v)}" for op, v in ops.items()}
+    for e in report.skipped:
+        if e.op not in out:
+            out[e.op] = f"left alone: {e.detail}"
+    return out
+
+
+def check(family: str, mode: str = "eager", device=None) -> Verdict:
+    """One family in one mode (``"eager"`` or ``"compiled"``): see the module docstring."""
+    import tritongrad
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    compiled = mode == "compiled"
+    try:
+        model = build(family).to(device)
+    except Exception as e:  # noqa: BLE001 - a family that cannot be built is reported, not dropped
+        return Verdict(family, mode, "error", f"cannot build a tiny model: {type(e).__name__}: {_short(e)}")
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 256
+    batch = _batch(min(vocab, 256), device)
+    fns = _check_fns(batch, compiled)
+    want, failed = _checks(model, fns)
+    if "loss" in failed or "grads" in failed:
+        e = failed.get("loss") or failed["grads"]
+        return Verdict(family, mode, "error", f"the unpatched model fails a training step: {type(e).__name__}: "
+                                              f"{_short(e)}")
+    try:
+        patched = copy.deepcopy(model)
+    except RuntimeError:  # non-leaf parameters (weight_norm): the same seed builds the same weights
+        patched = build(family).to(device)
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = tritongrad.patch(patched)
+    except Exception as e:  # noqa: BLE001
+        tritongrad.unpatch(patched)
+        return Verdict(family, mode, "error", f"patch raised {type(e).__name__}: {_short(e)}")
+    ops = _report_ops(report)
+    if not report.replaced:
+        tritongrad.unpatch(patched)
+        return Verdict(family, mode, "refused", "nothing replaced", ops)
+    got, errors = _checks(patched, fns, only=want)
+    tritongrad.unpatch(patched)
+    if errors:
+        name, e = next(iter(errors.items()))
+        return Verdict(family, mode, "error", f"{name}: {type(e).__name__}: {_short(e)}\n{_where(e)}", ops)
+    bad = _compare(got, want)
+    if not compiled:
+        if any(type(a) is not type(b) for a, b in zip(patched.modules(), model.modules())):
+            bad.append("unpatch: a module keeps a tritongrad class")
+        elif "logits" in want and not torch.equal(_logits(patched, batch), want["logits"]):
+            bad.append("unpatch: eval logits differ from the unpatched model's")
+    if bad:
+        return Verdict(family, mode, "wrong", "; ".join(bad), ops)
+    skipped = sorted(failed)
+    return Verdict(family, mode, "exact", f"not checked (the unpatched model fails them): {', '.join(skipped)}"
+                   if skipped else "", ops)
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    s = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _where(e: BaseException) -> str:
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if "tritongrad" in f.filename]
+    f = (mine or frames)[-1]
+    return f"  at {f.filename.rsplit('/', 2)[-1]}:{f.lineno} ({f.name})"
+
+
+def run(names=None, modes=("eager", "compiled"), device=None, progress=None) -> list[dict]:
+    """``[{"family", "eager", "compiled", "ops"}]`` for ``names`` (default: every family)."""
+    rows = []
+    for family in names or families():
+        row = {"family": family}
+        ops = {}
+        for mode in modes:
+            try:
+                v = check(family, mode, device)
+            except Exception as e:  # noqa: BLE001 - one family's failure never stops the matrix
+                v = Verdict(family, mode, "error", f"{type(e).__name__}: {_short(e)}")
+            row[mode] = v.line()
+            ops = ops or v.ops
+            if progress:
+                progress(v)
+        row["ops"] = ops
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], modes=("eager", "compiled")) -> str:
+    """The matrix as a Markdown table: family, a column per mode, and what was patched."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")[:160]
+
+    lines = ["| family | " + " | ".join(modes) + " | patched | left alone |",
+             "|---" * (len(modes) + 3) + "|"]
+    for r in rows:
+        ops = r.get("ops", {})
+        done = ", ".join(f"{op} {v.split()[-1]}" for op, v in sorted(ops.items()) if v.startswith("replaced"))
+        alone = "; ".join(f"{op}: {v[len('left alone: '):]}" for op, v in sorted(ops.items())
+                          if v.startswith("left alone"))
+        lines.append(f"| {r['family']} | " + " | ".join(cell(r.get(m, '')) for m in modes)
+                     + f" | {cell(done)} | {cell(alone)} |")
+    return "\n".join(lines)
