@@ -632,9 +632,9 @@ class OpSuite:
 
     def check_gradcheck(self, sample) -> None:
         """``torch.autograd.gradcheck`` (fast mode) in float64 on a few elements of each differentiable input
-        (spread over it, the last included), the others held: a wrong gradient fails in seconds, and torch's
-        slow-mode report on failure costs two forward runs per element checked. Capped at
-        ``gradcheck_seconds``."""
+        (spread over it, the last included), the others held, and two random projections of each output: a
+        wrong gradient fails in seconds, as torch's slow-mode report on a failure costs two forward runs per
+        element checked and two backwards per output. Capped at ``gradcheck_seconds``."""
         op = self.op
         args = list(self._args(sample, torch.float64))
         held, slices = [], []
@@ -647,11 +647,17 @@ class OpSuite:
         if not slices:
             return
 
+        # Each output seen through two fixed random projections: torch's slow-mode report on a failure then
+        # runs two backwards per output, not one per output element.
+        outs = [o for o in _tuple(op(*args)) if o.is_floating_point()]
+        proj = [torch.randn((2, o.numel()), dtype=o.dtype, device=o.device) for o in outs]
+
         def f(*parts):
             full = list(args)
             for (i, a, idx), part in zip(held, parts):
                 full[i] = a.flatten().index_put((idx,), part).view(a.shape)
-            return op(*full)
+            got = [o for o in _tuple(op(*full)) if o.is_floating_point()]
+            return torch.cat([p @ o.reshape(-1) for p, o in zip(proj, got)])
 
         with _time_cap(self.gradcheck_seconds, f"{op.label} gradcheck"):
             assert torch.autograd.gradcheck(f, tuple(slices), eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
