@@ -47,7 +47,8 @@ cos and sin [Bc, T, R] with Bc = 1 broadcast over the batch (batch stride 0). Gr
 blocks, B). A program covers BLOCK_T tokens of one sequence and BLOCK_HQ heads of q or BLOCK_HK heads of k
 (head blocks of q, then of k, fastest, so that neighbouring programs cover neighbouring memory), loads its
 tokens' cos and sin rows, rotates its heads' first R features and copies the rest. Interleaved pairs are
-loaded as [..., R/2, 2] tiles (a pair's two elements adjacent in memory, as they are) and split.
+loaded as contiguous rows of R features, reshaped to [..., R/2, 2] and split (a pair's two elements are
+adjacent in memory).
 """
 
 import triton
@@ -60,8 +61,9 @@ from .._tl import aligned, round_to
 def _rotate_heads(
     x_ptr, y_ptr, cos_ptr, sin_ptr, h0, H, row_x, row_y, row_c, row_s, m_t,
     stride_x_h, stride_x_d, stride_y_h, stride_y_d, stride_c_d, stride_s_d,
-    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """y = rope(x) (or its adjoint) for heads h0 .. h0 + BLOCK_H of the tokens whose rows start at row_x (x),
     row_y (y), row_c (cos) and row_s (sin), [BLOCK_T] offsets each: the first 2 * HALF features rotate, the
@@ -78,25 +80,28 @@ def _rotate_heads(
     x_rows = row_x[:, None, None] + (o_h * stride_x_h)[None, :, None]
     y_rows = row_y[:, None, None] + (o_h * stride_y_h)[None, :, None]
     if INTERLEAVED:
-        # Pairs (2i, 2i + 1) as a last dim of 2: [BLOCK_T, BLOCK_H, BLOCK_HALF, 2] tiles, split into the
-        # pairs' first and second elements.
-        o_p = tl.arange(0, 2).to(tl.int64)
-        o_f = (2 * o_d)[:, None] + o_p[None, :]  # [BLOCK_HALF, 2]: feature index
-        m_f = (o_f < 2 * HALF)[None, None, :, :]
-        mask = m_th[:, :, :, None] & m_f
-        m_cs = m_t[:, None, None, None] & m_f & (zero_h == 0)[:, :, :, None]
-        p_c = cos_ptr + row_c[:, None, None, None] + zero_h[:, :, :, None] + (o_f * stride_c_d)[None, None, :, :]
-        p_s = sin_ptr + row_s[:, None, None, None] + zero_h[:, :, :, None] + (o_f * stride_s_d)[None, None, :, :]
-        c1, c2 = tl.split(tl.load(p_c, mask=m_cs, other=0.0).to(ACC))
-        s1, s2 = tl.split(tl.load(p_s, mask=m_cs, other=0.0).to(ACC))
+        # Pairs (2i, 2i + 1): the head's first 2 * BLOCK_HALF features loaded as one row (vector loads),
+        # reshaped to [..., BLOCK_HALF, 2] and split into the pairs' first and second elements; the result
+        # joined and stored the same way. (Loads through a [..., BLOCK_HALF, 2] pointer tile compiled for
+        # sm_90 without 16-byte vectors.)
+        o_w = tl.arange(0, 2 * BLOCK_HALF).to(tl.int64)
+        m_w = (o_w < 2 * HALF)[None, None, :]
+        mask = m_th & m_w
+        m_cs = m_t[:, None, None] & m_w & (zero_h == 0)
+        p_c = cos_ptr + row_c[:, None, None] + zero_h + (o_w * stride_c_d)[None, None, :]
+        p_s = sin_ptr + row_s[:, None, None] + zero_h + (o_w * stride_s_d)[None, None, :]
+        b_c = tl.load(p_c, mask=m_cs, other=0.0).to(ACC)
+        b_s = tl.load(p_s, mask=m_cs, other=0.0).to(ACC)
+        c1, c2 = tl.split(tl.reshape(b_c, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
+        s1, s2 = tl.split(tl.reshape(b_s, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
         if BACKWARD:
             # The adjoint is the forward with s -> [-s2, -s1] (module docstring).
             s1, s2 = -s2, -s1
-        p_x = x_ptr + x_rows[:, :, :, None] + (o_f * stride_x_d)[None, None, :, :]
-        b_x1, b_x2 = tl.split(tl.load(p_x, mask=mask, other=0.0).to(ACC))
-        p_y = y_ptr + y_rows[:, :, :, None] + (o_f * stride_y_d)[None, None, :, :]
+        b_x = tl.load(x_ptr + x_rows + (o_w * stride_x_d)[None, None, :], mask=mask, other=0.0).to(ACC)
+        b_x1, b_x2 = tl.split(tl.reshape(b_x, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
         b_y = tl.join(b_x1 * c1 - b_x2 * s1, b_x2 * c2 + b_x1 * s2)
-        tl.store(p_y, round_to(b_y, Y), mask=mask)
+        b_y = tl.reshape(b_y, [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(y_ptr + y_rows + (o_w * stride_y_d)[None, None, :], round_to(b_y, Y), mask=mask)
     else:
         # Masked: tokens past T, heads past H, and columns past the half (when R/2 is not a power of two).
         m_d = (o_d < HALF)[None, None, :]
@@ -186,14 +191,14 @@ def _rope_kernel(
             _rotate_heads(
                 q_ptr, qo_ptr, cos_ptr, sin_ptr, pid_h * BLOCK_HQ, HQ, pid_b * stride_q_b + o_t * stride_q_t,
                 pid_b * stride_qo_b + o_t * stride_qo_t, row_c, row_s, m_t, stride_q_h, stride_q_d, stride_qo_h,
-                stride_qo_d, stride_c_d, stride_s_d, HALF, PASS, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, INTERLEAVED,
-                BACKWARD, ACC,
+                stride_qo_d, stride_c_d, stride_s_d, HALF, PASS, BLOCK_T, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS,
+                INTERLEAVED, BACKWARD, ACC,
             )
     if HAS_K:
         if pid_h >= Q_BLOCKS:
             _rotate_heads(
                 k_ptr, ko_ptr, cos_ptr, sin_ptr, (pid_h - Q_BLOCKS) * BLOCK_HK, HK,
                 pid_b * stride_k_b + o_t * stride_k_t, pid_b * stride_ko_b + o_t * stride_ko_t, row_c, row_s, m_t,
-                stride_k_h, stride_k_d, stride_ko_h, stride_ko_d, stride_c_d, stride_s_d, HALF, PASS, BLOCK_HK,
+                stride_k_h, stride_k_d, stride_ko_h, stride_ko_d, stride_c_d, stride_s_d, HALF, PASS, BLOCK_T, BLOCK_HK,
                 BLOCK_HALF, BLOCK_PASS, INTERLEAVED, BACKWARD, ACC,
             )
