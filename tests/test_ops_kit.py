@@ -428,3 +428,23 @@ def test_gradcheck_reports_a_wrong_gradient():
     suite = OpSuite(declare_tanhw("scale"), TANHW_SAMPLES, gradcheck_seconds=60)
     with pytest.raises(GradcheckError, match="Jacobian mismatch for output 0 with respect to input 0"):
         suite.check_gradcheck(tanhw_ragged)
+
+
+def test_isolated_case_reports_a_crash():
+    # OpSuite(isolate=True): a case whose process dies (here an abort in the launcher) fails with a message
+    # that says so; the test session goes on.
+    import os
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        os.abort()
+
+    op = tritongrad.op("kitbugs::aborts", reference=lambda x: x, save=())(forward)
+    op.backward(lambda ctx, dy: dy)
+    suite = OpSuite(op, [lambda dtype, device: (torch.randn(3, dtype=dtype, device=device),)], isolate=True)
+    case_id, check = suite.cases[0]
+    with pytest.raises(AssertionError, match=rf"kitbugs.aborts {case_id}: the case crashed its process with SIGABRT"):
+        check()
+    # a failing assertion comes back from the child as itself
+    wrong = OpSuite(declare_tanhw("scale"), TANHW_SAMPLES, isolate=True)
+    with pytest.raises(AssertionError, match=r"kitbugs.tanhw_scale\(torch.float32\) grad x: error"):
+        dict(wrong.cases)["values-tanhw_ragged-float32"]()

@@ -768,6 +768,9 @@ def _in_child(fn, what: str) -> None:
         code = 0
         try:
             os.close(read)
+            import faulthandler
+
+            faulthandler.disable()  # a crash is reported by the parent, without the child's thread dump
             try:
                 fn()
                 payload = pickle.dumps(None)
