@@ -383,8 +383,8 @@ def test_deterministic_bitwise(small_chunks):
 
 
 def test_backward_through_one_graph_twice():
-    # eager: the first backward scales the gradient the forward wrote, in place, and hands that buffer back
-    # (it becomes x.grad); a second backward through the same graph recomputes from the logits instead
+    # eager, retain_graph=True: the first backward returns a scaled copy of the gradient the forward wrote and
+    # leaves that buffer intact; the second, which frees the graph, scales the buffer in place and hands it over
     x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
     t = _targets(4, 10)
     want = torch.autograd.grad(F.cross_entropy(x, t), x)[0]
@@ -629,3 +629,198 @@ def test_linear_cross_entropy_out_dtype_keeps_the_float32_loss():
     assert abs(got.double() - want) < abs(rounded.double() - want) or rounded.double() == want
     with pytest.raises(TypeError, match="out_dtype"):
         tritongrad.linear_cross_entropy(h, w, t, out_dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- shift invariance
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max error of ``a`` against ``ref``, relative to ref's largest magnitude."""
+    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300)).item()
+
+
+def _outs_and_grads(fn, x, ups):
+    """``fn(x)``'s outputs and the gradient of x for upstream gradients ``ups`` (float64, cast to each output)."""
+    x = x.detach().requires_grad_()
+    outs = fn(x)
+    (gx,) = torch.autograd.grad(outs, x, [u.to(o.dtype) for o, u in zip(outs, ups)])
+    return [*outs, gx]
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("case", ["mean", "none", "smoothing", "lse-grad"])
+def test_large_common_offset_costs_no_precision(offset, case):
+    # randn logits + a large offset, float32: loss, lse and gradient as close to float64 as F.cross_entropy's
+    # in float32 (lse - x_t, rounded, would lose the offset's bits). Paths: the forward's gradient (mean,
+    # smoothing), the recompute from the saved row maxima (none), the lse's gradient re-reading the logits.
+    # Rows of several chunks, so that the online max moves.
+    C = 2 * P.ONE_CHUNK_MAX[4] + 37
+    x64 = (torch.randn(6, C, dtype=torch.float64, device=DEVICE) + offset).float().double()  # float32 values
+    t = _targets(6, C, (2,))
+    kw = {"mean": {}, "none": {"reduction": "none"}, "smoothing": {"label_smoothing": 0.1},
+          "lse-grad": {"reduction": "sum"}}[case]
+    ups = [torch.randn(6 if case == "none" else (), dtype=torch.float64, device=DEVICE)]
+    if case == "lse-grad":
+        ups.append(torch.randn(6, dtype=torch.float64, device=DEVICE))
+
+    def ours(x):
+        out = cross_entropy(x, t, return_lse=case == "lse-grad", **kw)
+        return out if isinstance(out, tuple) else (out,)
+
+    def theirs(x):
+        loss = F.cross_entropy(x, t, **kw)
+        return (loss, torch.logsumexp(x, -1)) if case == "lse-grad" else (loss,)
+
+    ref = _outs_and_grads(theirs, x64, ups)
+    got = _outs_and_grads(ours, x64.float(), ups)
+    base = _outs_and_grads(theirs, x64.float(), ups)
+    eps32 = torch.finfo(torch.float32).eps
+    for k, (a, b, r) in enumerate(zip(got, base, ref)):
+        err, base_err = _rel(a, r), _rel(b, r)
+        assert err <= 4 * base_err + 4 * eps32, f"result {k}: error {err:.3e}, F's {base_err:.3e} (offset {offset})"
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_linear_large_common_offset_costs_no_precision(offset):
+    # the same through linear_cross_entropy (the offset in the bias): loss, grad_input and grad_bias against
+    # float64 on the same float32 logits, as close as eager F.cross_entropy(F.linear(...)) in float32
+    h = torch.randn(9, 16, device=DEVICE)
+    W = torch.randn(50, 16, device=DEVICE) / 4
+    b = torch.randn(50, device=DEVICE) + offset
+    t = _targets(9, 50)
+    logits = F.linear(h, W, b).double().requires_grad_()
+    want = F.cross_entropy(logits, t, label_smoothing=0.1)
+    (G,) = torch.autograd.grad(want, logits)
+    ref = [want, G @ W.double(), G.sum(0)]
+
+    def run(fn):
+        hh, bb = h.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = fn(hh, bb)
+        return [loss, *torch.autograd.grad(loss, (hh, bb))]
+
+    got = run(lambda hh, bb: linear_cross_entropy(hh, W, t, bb, label_smoothing=0.1))
+    base = run(lambda hh, bb: F.cross_entropy(F.linear(hh, W, bb), t, label_smoothing=0.1))
+    eps32 = torch.finfo(torch.float32).eps
+    for name, a, bs, r in zip(("loss", "grad_input", "grad_bias"), got, base, ref):
+        err, base_err = _rel(a, r), _rel(bs, r)
+        assert err <= 4 * base_err + 4 * eps32, f"{name}: error {err:.3e}, F's {base_err:.3e} (offset {offset})"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bfloat16_logits_near_the_largest_finite(reduction):
+    # bfloat16 logits of +-3e38: the loss is the log of the number of maxima (F gives it), not 0 from
+    # lse - x_t rounded at 3e38; the gradient is F's (1/k at the maxima, minus 1 at the target)
+    x = torch.where(torch.rand(4, 20, device=DEVICE) < 0.45, 3e38, -3e38).to(torch.bfloat16)
+    t = torch.tensor([0, 3, 7, 11], device=DEVICE)
+    x[torch.arange(4), t] = 3e38  # each target is one of its row's maxima
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = cross_entropy(xa, t, reduction=reduction), F.cross_entropy(xb, t, reduction=reduction)
+    assert torch.isfinite(want).all() and (want > 0).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0)
+    g = torch.ones_like(want)
+    torch.testing.assert_close(torch.autograd.grad(got, xa, g)[0].float(), torch.autograd.grad(want, xb, g)[0].float(),
+                               rtol=1e-2, atol=1e-3)
+    if reduction == "none":
+        for k in range(4):  # the log of the count of maxima, to bfloat16's precision
+            count = (x[k] == x[k].max()).sum().double()
+            assert count > 1 and abs(got[k].double() - count.log()) <= 2**-7 * count.log()
+
+
+# ---------------------------------------------------------------- the caller owns every gradient
+def _lce_pair(reduction="mean"):
+    """(tritongrad loss, F loss, parameters of each): the same linear_cross_entropy on separate leaves."""
+    h, W, b = torch.randn(7, 8, device=DEVICE), torch.randn(30, 8, device=DEVICE) / 3, torch.randn(30, device=DEVICE)
+    t = _targets(7, 30)
+    ours = [a.clone().requires_grad_() for a in (h, W, b)]
+    theirs = [a.clone().requires_grad_() for a in (h, W, b)]
+    loss = linear_cross_entropy(ours[0], ours[1], t, ours[2], reduction=reduction)
+    want = F.cross_entropy(F.linear(*theirs), t, reduction=reduction)
+    return loss, want, ours, theirs
+
+
+def test_linear_backward_three_times_through_a_retained_graph():
+    # the first backward hands nothing over while the graph is retained: three backwards accumulate 3x F's
+    loss, want, ours, theirs = _lce_pair()
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+        want.backward(retain_graph=True)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_linear_backward_after_zeroing_the_gradient():
+    # backward(retain_graph=True), p.grad.zero_(), backward(): the zeroed .grad is the caller's, not the
+    # forward's buffer, and the second backward reads that buffer intact
+    loss, want, ours, theirs = _lce_pair()
+    for lo, params in ((loss, ours), (want, theirs)):
+        lo.backward(retain_graph=True)
+        for p in params:
+            p.grad.zero_()
+        lo.backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_mutating_a_returned_gradient_then_backward_again(op):
+    # torch.autograd.grad's result belongs to the caller: mutating it changes nothing for the next backward
+    if op == "cross_entropy":
+        x = torch.randn(5, 40, device=DEVICE)
+        t = _targets(5, 40)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        loss, want, ours, theirs = cross_entropy(xa, t, label_smoothing=0.1), F.cross_entropy(
+            xb, t, label_smoothing=0.1), [xa], [xb]
+    else:
+        loss, want, ours, theirs = _lce_pair()
+    first = torch.autograd.grad(loss, ours, retain_graph=True)
+    wanted = torch.autograd.grad(want, theirs)
+    for g in first:
+        g.mul_(2)
+    second = torch.autograd.grad(loss, ours, retain_graph=True)
+    third = torch.autograd.grad(loss, ours)
+    for a, b, c, w in zip(first, second, third, wanted):
+        torch.testing.assert_close(a, 2 * w)
+        torch.testing.assert_close(b, w)
+        torch.testing.assert_close(c, w)
+
+
+# ---------------------------------------------------------------- bitwise equal backwards through one graph
+@pytest.mark.parametrize("case", ["ce-mean", "ce-sum-lse", "ce-none", "lce-mean", "lce-none"])
+def test_backwards_through_one_graph_are_bitwise_equal(case):
+    # three backwards through one retained graph, upstream gradients != 1: every gradient bitwise equal
+    # (the last backward, which frees the graph, scales the forward's buffer in place: the same arithmetic)
+    torch.manual_seed(3)
+    if case.startswith("ce"):
+        x = torch.randn(6, 300, device=DEVICE).to(torch.bfloat16).requires_grad_()
+        t = _targets(6, 300, (0,))
+        red = case.split("-")[1]
+        out = cross_entropy(x, t, reduction=red, label_smoothing=0.1, return_lse=case.endswith("lse"))
+        outs = out if isinstance(out, tuple) else (out,)
+        ins = [x]
+    else:
+        red = case.split("-")[1]
+        loss, _, ins, _ = _lce_pair(red)
+        outs = (loss,)
+    ups = [torch.full_like(o, 0.37) if o.dim() == 0 else torch.rand_like(o) for o in outs]
+    runs = [torch.autograd.grad(outs, ins, ups, retain_graph=k < 2) for k in range(3)]
+    for k in (1, 2):
+        for a, b in zip(runs[0], runs[k]):
+            assert torch.equal(a, b), f"backward {k + 1} differs from the first by {(a - b).abs().max():.3e}"
+
+
+# ---------------------------------------------------------------- F's NaN for a zero denominator
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_mean_with_every_target_weight_zero_is_nan(smoothing):
+    # reduction="mean" where every non-ignored target's class weight is 0: F's denominator is 0 and F gives
+    # NaN (with smoothing too, where the sum is not 0), and NaN gradients for the non-ignored rows
+    x = torch.randn(4, 5, dtype=torch.float64, device=DEVICE)
+    w = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64, device=DEVICE)
+    t = torch.tensor([0, -100, 1, 0], device=DEVICE)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = cross_entropy(xa, t, w, label_smoothing=smoothing)
+    want = F.cross_entropy(xb, t, w, label_smoothing=smoothing)
+    assert torch.isnan(want) and torch.isnan(got)
+    torch.testing.assert_close(torch.autograd.grad(got, xa)[0],
+                               torch.autograd.grad(want, xb, retain_graph=True)[0], equal_nan=True)
+    xr = x.clone().requires_grad_()
+    ref = tritongrad.ops.cross_entropy.cross_entropy_reference(xr, t, w, label_smoothing=smoothing)[0]
+    assert torch.isnan(ref)
+    torch.testing.assert_close(torch.autograd.grad(ref, xr)[0], torch.autograd.grad(want, xb)[0], equal_nan=True)

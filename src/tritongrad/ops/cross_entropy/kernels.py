@@ -12,8 +12,8 @@ smoothing eps, z-loss scale s, logit scale k and soft cap c:
 for rows whose target is not ``ignore_index`` (an ignored row's loss is 0). This is
 ``torch.nn.functional.cross_entropy``'s loss with label smoothing and class weights, plus PaLM's z-loss.
 Reductions: ``none`` returns loss_n; ``sum`` returns \sum_n loss_n; ``mean`` returns \sum_n loss_n / D with
-F's denominator D = \sum_{n not ignored} w_{t_n} (the count of non-ignored rows without weights; 0/0 = NaN
-when every row is ignored, as in F).
+F's denominator D = \sum_{n not ignored} w_{t_n} (the count of non-ignored rows without weights; the mean is
+NaN where D = 0, as in F: every row ignored, or every non-ignored target's weight 0).
 
 Gradient. d lse / du_j = p_j, so for a non-ignored row
 
@@ -32,7 +32,15 @@ Precision: loads are cast to ACC (float32, float64 when the logits or the class 
 any arithmetic; every sum over a row or over rows is taken in ACC, and results are rounded once, on store.
 lse uses the online form m_k = max(m_{k-1}, max chunk_k), s_k = s_{k-1} exp(m_{k-1} - m_k) + \sum exp(u - m_k),
 with the running sum kept per lane (one block reduction per chunk, for the max). A row that is all -inf so far
-uses 0 in place of m, so exp never sees inf - inf.
+uses 0 in place of m, so exp never sees inf - inf. Shift invariance: lse is kept in two parts, the row max mx
+and ls = log \sum_j exp(u_j - mx), and every formula takes mx out before it subtracts anything large:
+
+    lse - u_t = (mx - u_t) + ls,     p_j = exp((u_j - mx) - ls),
+    \sum_j w_j (lse - u_j) = W ((mx - r) + ls) - \sum_j w_j (u_j - r)   (r = u_t, or 0 where u_t = -inf)
+
+so a large common offset of the logits (1e6, or bfloat16's 3e38) costs no precision, as in F's log_softmax
+(lse itself, rounded, would carry half an ulp of mx into every difference). ``parts`` [2, N] keeps mx and ls
+for the backward.
 
 Kernels:
 
@@ -47,12 +55,14 @@ Kernels:
   gradient is written as zeros.
 - ``_cross_entropy_stats_kernel``: one program: the mean's denominator D (and W for weighted smoothing),
   over all targets in a fixed order, before the main kernel, so that the gradient can include 1/D.
-- ``_cross_entropy_sum_kernel``: one program: \sum_n loss_n in a fixed order (times 1/D for the mean).
+- ``_cross_entropy_sum_kernel``: one program: \sum_n loss_n in a fixed order (times 1/D for the mean; NaN
+  where D = 0, as in F, even where smoothing makes the sum nonzero).
 - ``_cross_entropy_bwd_kernel``: the backward when the forward already wrote the gradient for an upstream
   gradient of 1: it scales the gradient rows by g, and adds d_n p_j du_j/dz_j (re-reading the logits) for rows
-  with d_n != 0 (without LSE_ALL, only non-ignored rows: the others' lse is the constant 0). Written in place,
-  programs with nothing to do (g == 1, every d_n == 0) exit after reading g and their d_n: the common
-  ``loss.backward()`` costs one tiny launch.
+  with d_n != 0 (without LSE_ALL, only non-ignored rows: the others' lse is the constant 0). Written in place
+  (the backward that frees the graph), programs with nothing to do (g == 1, every d_n == 0) exit after
+  reading g and their d_n: the common ``loss.backward()`` costs one tiny launch. In place or into a fresh
+  tensor, the arithmetic is the same, so every backward through one graph gives the same bits.
 - ``_scale_kernel``: y = g x over flat buffers, skipped when in place and g == 1 (the linear op's gradients).
 
 Out-of-range class indices (neither in [0, C) nor ignore_index) are never read: their row's loss and gradient
@@ -91,11 +101,12 @@ def _logits(x, scale, cap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _grad_chunk(x, o, t, lse, a, b_t, b_s, w_ptr, stride_w, mask, scale, cap, HAS_WEIGHT: tl.constexpr,
+def _grad_chunk(x, o, t, mx, ls, a, b_t, b_s, w_ptr, stride_w, mask, scale, cap, HAS_WEIGHT: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """dL/dx on one chunk of a row: ``(p a - b_t [o = t] - b_s w_o) du/dx`` (module docstring)."""
+    """dL/dx on one chunk of a row: ``(p a - b_t [o = t] - b_s w_o) du/dx`` (module docstring), with
+    ``p = exp((u - mx) - ls)``: the row's max out before ls, so that nothing large cancels."""
     u, du = _logits(x, scale, cap, HAS_SCALE, HAS_SOFTCAP)
-    g = tl.exp(u - lse) * a - tl.where(o == t, b_t, 0.0)
+    g = tl.exp((u - mx) - ls) * a - tl.where(o == t, b_t, 0.0)
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             g -= b_s * tl.load(w_ptr + o * stride_w, mask=mask, other=0.0).to(g.dtype)
@@ -113,8 +124,9 @@ def _cross_entropy_fwd_kernel(
     weight_ptr,  # [C] class weights; None without HAS_WEIGHT
     stats_ptr,  # [2] ACC: D (read with MEAN), then W (read with HAS_WEIGHT and HAS_SMOOTHING); else None
     loss_ptr,  # [N] per-row loss (ACC buffer, or the output for reduction="none"); None without STORE_LOSS
-    lse_ptr,  # [N] ACC: written with STORE_LSE, read with LSE_KNOWN
-    grad_ptr,  # [N, C] dL/dz; may be x_ptr itself (written after being read); None without STORE_GRAD
+    lse_ptr,  # [N] ACC: written with STORE_LSE
+    parts_ptr,  # [2, N] ACC: each row's max (the shift) mx, then ls: written with STORE_LSE, read with LSE_KNOWN
+    grad_ptr,  # [N, C] dL/dx; may be x_ptr itself (written after being read); None without STORE_GRAD
     dloss_ptr,  # the loss's upstream gradient: a scalar (DLOSS == 1) or one per row (DLOSS == 2)
     dlse_ptr,  # [N] the lse's upstream gradient; None without HAS_DLSE
     N,
@@ -189,12 +201,21 @@ def _cross_entropy_fwd_kernel(
         if DLOSS == 2:
             g_n = tl.load(dloss_ptr + row64 * stride_dloss).to(ACC)
 
-        # ---- pass 1: lse (and the target logit, the smoothing sum); the last chunk stays in registers
+        u_t = tl.zeros([], dtype=ACC)
+        r = tl.zeros([], dtype=ACC)  # the smoothing sum's reference: u_t, or 0 where u_t is -inf
+        if STORE_LOSS:
+            x_t = tl.load(p_x + t_safe, mask=valid & in_range, other=0.0).to(ACC)
+            u_t, du_t = _logits(x_t, scale, cap, HAS_SCALE, HAS_SOFTCAP)  # not "_": the loops below reassign it
+            r = tl.where(u_t == neg_inf, 0.0, u_t)
+
+        # ---- pass 1: mx and ls (and the smoothing sum); the last chunk stays in registers
         x_last = tl.zeros([BLOCK_C], dtype=x_ptr.dtype.element_ty)  # kept as loaded: half the registers
-        lse = tl.zeros([], dtype=ACC)
-        su = tl.zeros([], dtype=ACC)  # sum_j w_j u_j
+        mx = tl.zeros([], dtype=ACC)
+        ls = tl.zeros([], dtype=ACC)
+        su = tl.zeros([], dtype=ACC)  # sum_j w_j (u_j - r)
         if LSE_KNOWN:
-            lse = tl.load(lse_ptr + row64).to(ACC)
+            mx = tl.load(parts_ptr + row64).to(ACC)
+            ls = tl.load(parts_ptr + N + row64).to(ACC)
         else:
             if valid | LSE_ALL | (d_n != 0.0):  # an ignored row needs no read unless its lse is asked for
                 m = tl.full([], neg_inf, dtype=ACC)
@@ -207,39 +228,43 @@ def _cross_entropy_fwd_kernel(
                     m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: no inf - inf
                     s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
                     m = m_new
-                    if HAS_SMOOTHING:
+                    if HAS_SMOOTHING and STORE_LOSS:
                         if HAS_WEIGHT:
-                            su_vec += u * tl.load(weight_ptr + o * stride_w).to(ACC)
+                            su_vec += (u - r) * tl.load(weight_ptr + o * stride_w).to(ACC)
                         else:
-                            su_vec += u
+                            su_vec += u - r
                 x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
                 u_c, _ = _logits(x_last.to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
                 u = tl.where(m_last, u_c, neg_inf)  # masked lanes after the cap (which maps -inf to -cap)
                 m_new = tl.maximum(m, tl.max(u, 0))
                 m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
                 s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
-                lse = m_safe + tl.log(tl.sum(s_vec, 0))
-                if HAS_SMOOTHING:
+                mx = m_safe
+                ls = tl.log(tl.sum(s_vec, 0))
+                if HAS_SMOOTHING and STORE_LOSS:
                     if HAS_WEIGHT:
                         w = tl.load(weight_ptr + o_last * stride_w, mask=m_last, other=0.0).to(ACC)
-                        su_vec += tl.where(m_last, u_c * w, 0.0)
+                        su_vec += tl.where(m_last, (u_c - r) * w, 0.0)
                     else:
-                        su_vec += tl.where(m_last, u_c, 0.0)
+                        su_vec += tl.where(m_last, u_c - r, 0.0)
                     su = tl.sum(su_vec, 0)
+        lse = mx + ls
 
         w_t = 1.0
         if HAS_WEIGHT:
             w_t = tl.load(weight_ptr + t_safe * stride_w, mask=valid & in_range, other=0.0).to(ACC)
         if STORE_LOSS:
-            x_t = tl.load(p_x + t_safe, mask=valid & in_range, other=0.0).to(ACC)
-            u_t, _ = _logits(x_t, scale, cap, HAS_SCALE, HAS_SOFTCAP)
-            loss = (1.0 - eps) * w_t * (lse - u_t) + z_loss * lse * lse
+            # lse - u_t as (mx - u_t) + ls, and sum_j w_j (lse - u_j) as W ((mx - r) + ls) - su: no large
+            # common offset of the logits is ever subtracted after rounding
+            loss = (1.0 - eps) * w_t * ((mx - u_t) + ls) + z_loss * lse * lse
             if HAS_SMOOTHING:
-                loss += eps / C * (w_sum * lse - su)
+                loss += eps / C * (w_sum * ((mx - r) + ls) - su)
             loss = tl.where(valid, tl.where(in_range, loss, float("nan")), 0.0)
             tl.store(loss_ptr + row64, round_to(loss, loss_ptr.dtype.element_ty))
         if STORE_LSE:
             tl.store(lse_ptr + row64, lse)
+            tl.store(parts_ptr + row64, mx)
+            tl.store(parts_ptr + N + row64, ls)
 
         # ---- pass 2: the gradient
         if STORE_GRAD:
@@ -252,13 +277,13 @@ def _cross_entropy_fwd_kernel(
             if valid | (d_n != 0.0):
                 if LSE_KNOWN:
                     x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
-                g = _grad_chunk(x_last.to(ACC), o_last, t, lse, a, b_t, b_s, weight_ptr, stride_w, m_last, scale,
+                g = _grad_chunk(x_last.to(ACC), o_last, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, m_last, scale,
                                 cap, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
                 tl.store(p_g + o_last, round_to(g, grad_ptr.dtype.element_ty), mask=m_last)
                 for i in tl.range(0, K - 1, num_stages=STAGES):
                     o = (K - 2 - i) * BLOCK_C + o_c  # newest chunks first: they are likeliest still in L2
                     z = tl.load(p_x + o).to(ACC)
-                    g = _grad_chunk(z, o, t, lse, a, b_t, b_s, weight_ptr, stride_w, o < C, scale, cap,
+                    g = _grad_chunk(z, o, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, o < C, scale, cap,
                                     HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
                     tl.store(p_g + o, round_to(g, grad_ptr.dtype.element_ty))
             else:  # an ignored row: zeros, nothing read
@@ -319,7 +344,10 @@ def _cross_entropy_sum_kernel(
         acc += tl.load(rows_ptr + n0 + o, mask=n0 + o < N, other=0.0)
     total = tl.sum(acc, 0)
     if MEAN:
-        total = total / tl.load(stats_ptr)  # 0 / 0 = NaN when every row is ignored, as in PyTorch
+        # D = 0 (every row ignored, or every target's class weight 0) is NaN, as in PyTorch, even where the
+        # smoothing term makes the sum nonzero (F's nll part is 0 / 0 there)
+        d = tl.load(stats_ptr)
+        total = tl.where(d == 0.0, float("nan"), total / d)
     tl.store(out_ptr, round_to(total, out_ptr.dtype.element_ty))
 
 
@@ -328,7 +356,7 @@ def _cross_entropy_bwd_kernel(
     g_ptr,  # [N, C] the gradient the forward wrote for an upstream gradient of 1
     dx_ptr,  # [N, C] out; g_ptr itself with IN_PLACE
     x_ptr,  # [N, C] logits (read for rows with d_n != 0)
-    lse_ptr,  # [N] ACC
+    parts_ptr,  # [2, N] ACC: each row's mx, then ls
     dloss_ptr,  # [] upstream gradient of the (reduced) loss
     dlse_ptr,  # [N] upstream gradient of lse
     target_ptr,  # [N] class indices (read without LSE_ALL)
@@ -380,13 +408,14 @@ def _cross_entropy_bwd_kernel(
                 if not LSE_ALL:
                     d_n = tl.where(tl.load(target_ptr + row64 * stride_t) != ignore_index, d_n, 0.0)
                 if d_n != 0.0:
-                    lse = tl.load(lse_ptr + row64).to(ACC)
+                    mx = tl.load(parts_ptr + row64).to(ACC)
+                    ls = tl.load(parts_ptr + N + row64).to(ACC)
                     p_x = x_ptr + row64 * stride_x_row
                     for c0 in range(0, C, BLOCK_C):
                         o = c0 + o_c
                         u, du = _logits(tl.load(p_x + o, mask=o < C, other=0.0).to(ACC), scale, cap, HAS_SCALE,
                                         HAS_SOFTCAP)
-                        g = tl.load(p_g + o, mask=o < C, other=0.0).to(ACC) * gl + d_n * tl.exp(u - lse) * du
+                        g = tl.load(p_g + o, mask=o < C, other=0.0).to(ACC) * gl + d_n * tl.exp((u - mx) - ls) * du
                         tl.store(p_dx + o, round_to(g, dx_ptr.dtype.element_ty), mask=o < C)
                 elif (gl != 1.0) | (not IN_PLACE):
                     for c0 in range(0, C, BLOCK_C):

@@ -70,18 +70,22 @@ def _host_checkable(t: torch.Tensor) -> bool:
 
 
 def _take_buffer(ctx) -> bool | None:
-    """How the backward may use the gradient buffers its forward saved: True where it runs in the op's own
-    eager autograd node for the first time, and may scale them in place and hand them back (they become the
-    caller's gradients); None on a later backward through that node (retain_graph=True, gradcheck), when
-    they were handed back already and must not be read; False in the registered backward op (torch.compile,
-    torch.export, opcheck), which must return fresh tensors and may read the buffers. The pattern does not
-    say which path called: the running autograd node tells (docs/cross-entropy.md, 'what the pattern could
-    offer')."""
+    """How the backward may use the gradient buffers its forward saved. True: it runs in the op's own eager
+    autograd node, in a backward that frees the graph (no ``retain_graph``, no ``create_graph``), so no later
+    backward can read the buffers: it may scale them in place and hand them over (they become the caller's
+    gradients). False: it must return fresh tensors and leave the buffers as they are, which it may read: the
+    graph is retained (a later backward reads them again, and the caller may mutate what it gets), or this is
+    the registered backward op (torch.compile, torch.export, opcheck). None: the buffers were handed over
+    already and must not be read (not reachable through PyTorch's engine, which refuses a backward through a
+    freed graph; kept as a guard). The pattern does not say which path called: the running autograd node
+    and its graph task tell (docs/cross-entropy.md, 'who owns the gradient buffer')."""
     node = torch._C._current_autograd_node()
     if node is None or type(node) is not ctx.op._function._backward_cls:
         return False
     if getattr(node, "_tritongrad_buffers_taken", False):
         return None
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        return False
     node._tritongrad_buffers_taken = True
     return True
 
@@ -103,7 +107,7 @@ def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_ind
     return stats
 
 
-def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
+def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
                  store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, scaled: bool,
                  smoothing: bool, acc):
     """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride)."""
@@ -113,7 +117,7 @@ def _rows_kernel(x, target, weight, stats, loss, lse, grad, dloss, dlse, ignore_
     narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16) + int(softcap)
     plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.sm_count(x.device), narrow)
     _fwd_kernel[(plan.programs,)](
-        x, target, weight, stats, loss, lse, grad, dloss, dlse, N, C, x.stride(0), stride_g, target.stride(0),
+        x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, N, C, x.stride(0), stride_g, target.stride(0),
         weight.stride(0) if weight is not None else 0,
         dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
         dlse.stride(0) if dlse is not None else 0, ignore_index, *splits,
@@ -163,17 +167,18 @@ def _ce_validate(input, target, weight, ignore_index, reduction, label_smoothing
 
 
 @op("tritongrad::cross_entropy", reference=cross_entropy_reference, validate=_ce_validate, index=("target",),
-    nondiff=("weight",), outputs=("loss", "lse"), residuals=("grad",),
-    save=("input", "target", "weight", "lse", "grad"))
+    nondiff=("weight",), outputs=("loss", "lse"), residuals=("grad", "parts"),
+    save=("input", "target", "weight", "parts", "grad"))
 def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
                      ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                      logit_softcap: Optional[float] = None, z_loss: float = 0.0, compute_grad: bool = True,
                      return_lse: bool = True, logit_scale: float = 1.0,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The registered cross_entropy over ``input [N, C]``: ``(loss, lse, grad)``; :func:`cross_entropy` is the
-    public function. With ``compute_grad`` and reduction mean/sum the forward also writes ``grad``, the
-    gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it). Without
-    ``return_lse``, ignored rows are not read: their lse is 0, without gradient."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered cross_entropy over ``input [N, C]``: ``(loss, lse, grad, parts)``; :func:`cross_entropy` is
+    the public function. With ``compute_grad`` and reduction mean/sum the forward also writes ``grad``, the
+    gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it). ``parts``
+    [2, N]: each row's max and the log of its shifted sum (lse = their sum), which the backward's softmax
+    needs apart. Without ``return_lse``, ignored rows are not read: their lse is 0, without gradient."""
     N, C = input.shape
     acc = _acc(input, weight)
     x = input if input.stride(1) == 1 else input.contiguous()  # the kernels take rows of unit column stride
@@ -181,28 +186,29 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
     lse = torch.empty(N, dtype=acc, device=input.device)
     grad = torch.empty((N, C) if fused else (0,), dtype=input.dtype, device=input.device)
+    parts = torch.empty((2, N), dtype=acc, device=input.device)
     if N == 0:  # F: the mean of nothing is NaN, the sum 0
-        return loss.fill_(float("nan") if mean else 0.0), lse, grad
+        return loss.fill_(float("nan") if mean else 0.0), lse, grad, parts
     smoothing = label_smoothing > 0
     stats = _stats(target, weight, C, ignore_index, acc) if mean or (weight is not None and smoothing) else None
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
-    _rows_kernel(x, target, weight, stats, rows, lse, grad if fused else None, None, None, ignore_index,
+    _rows_kernel(x, target, weight, stats, rows, lse, parts, grad if fused else None, None, None, ignore_index,
                  _splits(label_smoothing, z_loss, logit_softcap, logit_scale), mean=mean and fused, store_lse=True,
                  lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None,
                  scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
     if reduction != "none":
         _finish(rows, stats, loss, mean)
-    return loss, lse, grad
+    return loss, lse, grad, parts
 
 
 @cross_entropy_op.backward
 def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor):
-    input, grad, lse = ctx.input, ctx.grad, ctx.lse
+    input, grad, parts = ctx.input, ctx.grad, ctx.parts
     N, C = input.shape
     if N == 0 or C == 0:
         return torch.zeros_like(input), None, None
     x = input if input.stride(1) == 1 else input.contiguous()
-    acc = lse.dtype
+    acc = parts.dtype
     softcap = ctx.logit_softcap is not None
     cap = rt.split_float(float(ctx.logit_softcap) if softcap else 1.0)
     scale = rt.split_float(float(ctx.logit_scale))
@@ -211,19 +217,19 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
         dx = grad if take else torch.empty_like(grad)
         rows = P.bwd_rows(rt.hint(N), rt.sm_count(x.device))
         _bwd_kernel[(rt.cdiv(N, rows),)](
-            grad, dx, x, lse, grad_loss, grad_lse, ctx.target, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0),
+            grad, dx, x, parts, grad_loss, grad_lse, ctx.target, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0),
             ctx.target.stride(0), ctx.ignore_index, *cap, *scale, ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()],
             IN_PLACE=take, LSE_ALL=ctx.return_lse, HAS_SCALE=ctx.logit_scale != 1.0, HAS_SOFTCAP=softcap,
             ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
         )
         return dx, None, None
-    # The gradient from the logits and the saved lse (reduction="none", compute_grad off, or the buffer
-    # handed back by an earlier backward): one read of the logits, one write.
+    # The gradient from the logits and the saved row maxima and sums (reduction="none", compute_grad off):
+    # one read of the logits, one write.
     weight, target, reduction = ctx.weight, ctx.target, ctx.reduction
     mean, smoothing = reduction == "mean", ctx.label_smoothing > 0
     stats = _stats(target, weight, C, ctx.ignore_index, acc) if mean or (weight is not None and smoothing) else None
     dx = torch.empty((N, C), dtype=input.dtype, device=input.device)
-    _rows_kernel(x, target, weight, stats, None, lse, dx, grad_loss, grad_lse, ctx.ignore_index,
+    _rows_kernel(x, target, weight, stats, None, None, parts, dx, grad_loss, grad_lse, ctx.ignore_index,
                  _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap, ctx.logit_scale), mean=mean,
                  store_lse=False, lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1,
                  softcap=softcap, scaled=ctx.logit_scale != 1.0, smoothing=smoothing, acc=acc)
@@ -272,8 +278,10 @@ def cross_entropy(
         it; with ``return_lse``, ``(loss, lse)``. The gradient of input comes back in its dtype and is bitwise
         reproducible. For reduction mean/sum the forward computes it (one read of the logits, one write of the
         gradient) and ``loss.backward()`` only scales it by the upstream gradient, on the device, skipping
-        even that when it is 1. The logits are never written. A second backward through the same graph
-        (``retain_graph=True``) recomputes the gradient from the logits: the first handed its buffer back.
+        even that when it is 1. The logits are never written. The caller owns every gradient it receives: the
+        forward's buffer is handed over only by a backward that frees the graph; with ``retain_graph=True``
+        each backward returns a fresh copy scaled the same way, so every backward through one graph gives the
+        same bits. Large common offsets of the logits cost no precision (the row's max is taken out first).
         Under CUDA autocast the loss is float32, as F's; the logits are read in their own dtype (not copied).
     """
     if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
@@ -372,7 +380,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
         else:
             torch.addmm(bias, h, wt, out=logits)
         d = dloss[r0:r1] if dloss_mode == 2 else dloss
-        _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None,
+        _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None, None,
                      logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
                      store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
                      softcap=logit_softcap is not None, scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
@@ -440,8 +448,8 @@ def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
         out = [_scale(g, grad_loss, take) if n else None
                for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias))]
         return out[0], out[1], None, out[2]
-    # Not computed in the forward (reduction="none": per-row upstream gradients), or handed back by an earlier
-    # backward: recompute, in chunks.
+    # Not computed in the forward (reduction="none": per-row upstream gradients, or a gradient the forward was
+    # not asked for): recompute, in chunks.
     gi, gw, gb = _lce_pass(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.ignore_index, ctx.reduction,
                            ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, ctx.logit_scale, None, need,
                            dloss=grad_loss)
@@ -475,7 +483,8 @@ def linear_cross_entropy(
         logit_scale: a finite, nonzero float k: the logits are ``k * (input @ weight.T + bias)``, scaled before
             the soft cap and the loss (Granite's ``logits / logits_scaling`` is ``k = 1 / logits_scaling``;
             Cohere's ``logits * logit_scale``). The product is rounded as F.linear rounds it, then scaled in
-            float32 (float64 for float64), not rounded again; the gradients of input, weight and bias carry k. Default 1.0.
+            float32 (float64 for float64), not rounded again; the gradients of input, weight and bias carry k.
+            Default 1.0.
         out_dtype: the loss's dtype; None (F's semantics) is input's. ``torch.float32`` returns the float32
             accumulation unrounded, as Hugging Face's causal-LM loss (which upcasts the logits) does.
 

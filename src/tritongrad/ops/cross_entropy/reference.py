@@ -50,13 +50,13 @@ def _rows(input: torch.Tensor, target: torch.Tensor, weight, ignore_index: int, 
         z = z * logit_scale
     u = z if logit_softcap is None else logit_softcap * torch.tanh(z / logit_softcap)
     lse = torch.logsumexp(u, -1)
-    logp = u - lse[:, None]
+    logp = torch.log_softmax(u, -1)  # the row's max out first: u - lse would cancel at large common offsets
     valid = target != ignore_index
     safe = torch.where(valid, target, 0).long()
     w = weight.to(acc) if weight is not None else None
     w_t = w[safe] if w is not None else torch.ones_like(lse)
     w_t = torch.where(valid, w_t, 0.0)
-    nll = -logp.gather(1, safe[:, None])[:, 0] * w_t
+    nll = torch.where(valid, -logp.gather(1, safe[:, None])[:, 0] * w_t, 0.0)  # ignored rows: 0, and no gradient
     loss = (1.0 - label_smoothing) * nll if label_smoothing else nll
     if label_smoothing:
         smooth = -(logp * w).sum(-1) if w is not None else -logp.sum(-1)
@@ -69,7 +69,11 @@ def _rows(input: torch.Tensor, target: torch.Tensor, weight, ignore_index: int, 
 def _reduce(loss: torch.Tensor, denom: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss
-    return loss.sum() / denom if reduction == "mean" else loss.sum()
+    if reduction == "sum":
+        return loss.sum()
+    # a zero denominator (every row ignored, or every target's class weight 0) gives NaN, as in F, also where
+    # smoothing makes the sum nonzero; and NaN gradients for the rows not ignored, as F's
+    return loss.sum() / torch.where(denom == 0, float("nan"), denom)
 
 
 def cross_entropy_reference(
@@ -112,8 +116,8 @@ def linear_cross_entropy_reference(
 ) -> torch.Tensor:
     """``cross_entropy(logit_scale * F.linear(input, weight, bias), target, ...)`` for ``input [N, H]``,
     ``weight [V, H]``: the product rounded to input's dtype as F.linear returns it, then scaled, and the loss
-    accumulated in float32 (float64 for float64) and returned in ``out_dtype`` (None: input's dtype). ``grads`` is the registered op's hint
-    (kernels only)."""
+    accumulated in float32 (float64 for float64) and returned in ``out_dtype`` (None: input's dtype).
+    ``grads`` is the registered op's hint (kernels only)."""
     logits = torch.nn.functional.linear(input, weight, bias)
     loss, _, denom = _rows(logits, target, None, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                            logit_scale)
