@@ -1,8 +1,12 @@
-"""Train a Llama model from random init with Hugging Face eager, tritongrad-patched and Liger-patched kernels,
-eager and under torch.compile, optionally sharded with FSDP2, and compare throughput, peak memory and loss.
+"""Train a Llama model (or any Hugging Face causal-LM family) from random init with Hugging Face eager,
+tritongrad-patched and Liger-patched kernels, eager and under torch.compile, optionally sharded with FSDP2, and
+compare throughput, peak memory and loss.
 
     python benchmarks/train_llama.py                                  # ~1.2B Llama (3.2-1B shape), seq 4096
     python benchmarks/train_llama.py --size tiny --steps 20           # a few seconds (CPU: Triton's interpreter)
+    python benchmarks/train_llama.py --family qwen3 --size 300m --seq 2048     # another family, ~350M
+    python benchmarks/train_llama.py --family gemma3_text --vocab family       # the family's own vocabulary
+    python benchmarks/train_llama.py --family qwen3_moe --experts 8 --top-k 2  # MoE: experts of intermediate/4
     python benchmarks/train_llama.py --providers tritongrad --modes eager --time-limit 60
     python benchmarks/train_llama.py --world-sizes 1,2 --fsdp              # FSDP2 at world sizes 1 and 2
     torchrun --nproc-per-node 2 benchmarks/train_llama.py --fsdp      # the same, launched by hand
@@ -13,10 +17,24 @@ the run's own. All runs see the same initial weights (each parameter drawn from 
 and the same batches. Under torchrun the runs share the launched processes, one after another (Liger last:
 its patches stay).
 
+``--family MODEL_TYPE`` (default llama) builds ``AutoModelForCausalLM.from_config`` of
+``AutoConfig.for_model(MODEL_TYPE, ...)``: the size's fields under the names that family's config has
+(``head_dim`` = hidden / heads), MoE families with ``--experts`` experts of ``--moe-intermediate`` (default
+intermediate / 4), ``--top-k`` per token, every layer sparse and no router loss; everything else the family's
+defaults, but for ``FAMILY_CONFIG`` (Granite's multipliers), no padding token, and Gemma's
+``query_pre_attn_scalar`` = head_dim. Llama keeps Llama 3's rope theta (500000) and norm eps (1e-5). Vocabulary:
+the size's, ``--vocab N``, or ``--vocab family`` (the family's own). 2-D and larger parameters start at
+N(0, 0.02) from a generator seeded by the name; 1-D ones: biases 0, norm weights 1, or 0 where the family's
+RMSNorm applies ``1 + weight`` (Gemma's, read with ``tritongrad._hf.norm_kind`` from the family's own classes),
+so every family starts at unit norm scale. Liger patches through its ``MODEL_TYPE_TO_APPLY_LIGER_FN`` entry
+for the family, with the flags that function takes of rope, swiglu, geglu, rms_norm and fused linear cross
+entropy; a family Liger lacks is recorded as "skipped: Liger has no <family>". A family whose model refuses
+SDPA (Gemma2) runs eager attention for every provider, said in each run's ``attention``.
+
 "eager" and "compile" say whether the model runs under torch.compile; attention is PyTorch's SDPA for every
-provider, so the runs differ in norms, MLP, rotary embedding and loss, and, compiled, in the causal mask:
-tritongrad's patch lets SDPA use is_causal there as in eager mode (``--tg-ops`` without causal_mask: the
-explicit mask that transformers builds under torch.compile on torch < 2.14).
+provider (where the family takes it), so the runs differ in norms, MLP, rotary embedding and loss, and,
+compiled, in the causal mask: tritongrad's patch lets SDPA use is_causal there as in eager mode (``--tg-ops``
+without causal_mask: the explicit mask that transformers builds under torch.compile on torch < 2.14).
 
 The data are sequences from a fixed random Markov chain (``MarkovChain``) whose entropy rate, printed as the
 loss floor, is the lowest loss any model can reach. Written under --out (default $OUT, else train-out),
@@ -33,6 +51,7 @@ import csv
 import datetime as _dt
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -51,21 +70,43 @@ if not torch.cuda.is_available():  # tritongrad's kernels on CPU: Triton's inter
 SIZES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, tied embeddings)
     "tiny": (1024, 128, 384, 2, 4, 2, True),
     "small": (32000, 1024, 2816, 8, 16, 8, True),
+    "300m": (32000, 1536, 4096, 12, 12, 4, True),   # ~350M dense at vocab 32000 (head dim 128, 12 layers)
     "1b": (128256, 2048, 8192, 16, 32, 8, True),    # Llama 3.2 1B: 1.24B parameters
     "3b": (128256, 3072, 8192, 28, 24, 8, True),    # Llama 3.2 3B
 }
 PROVIDERS = ("hf", "tritongrad", "liger")
 MODES = ("eager", "compile")
-TG_OPS = ("rms_norm", "swiglu", "rope", "linear_cross_entropy", "cross_entropy", "causal_mask")
+TG_OPS = ("rms_norm", "swiglu", "geglu", "rope", "linear_cross_entropy", "cross_entropy", "causal_mask")
+# Beyond the size fields, per family: values its defaults leave at a no-op, so the family differs from Llama
+# (Granite 3.0 2B's muP multipliers: the loss's logit scale, scaled embeddings and residuals).
+FAMILY_CONFIG: dict[str, dict] = {
+    "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                    attention_multiplier=0.015625),
+}
+# Liger's flags for every family; each family's apply function gets those its signature has.
+LIGER_FLAGS = dict(rope=True, swiglu=True, geglu=True, rms_norm=True, cross_entropy=False,
+                   fused_linear_cross_entropy=True)
+# Liger 0.8.5 raises NotImplementedError for Granite's fused linear cross entropy: its loss on the logits.
+LIGER_FAMILY_FLAGS = {"granite": dict(cross_entropy=True, fused_linear_cross_entropy=False)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--providers", default=",".join(PROVIDERS), help="comma list of: " + ", ".join(PROVIDERS))
     p.add_argument("--modes", default=",".join(MODES), help="comma list of: eager, compile")
+    p.add_argument("--runs", default=None,
+                   help="comma list of provider:mode, run in that order, e.g. hf:eager,liger:eager,hf:compile\n"
+                        "(instead of every provider under every mode)")
+    p.add_argument("--family", default="llama",
+                   help="transformers model_type to train (default llama), e.g. qwen3, gemma3_text, qwen3_moe")
     p.add_argument("--size", default="1b", choices=SIZES, help="model shape (default 1b); overridden below")
-    for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv-heads"):
+    p.add_argument("--vocab", type=_vocab_arg, help="override the size's vocab; 'family': the family's own")
+    for name in ("hidden", "intermediate", "layers", "heads", "kv-heads"):
         p.add_argument(f"--{name}", type=int, help=f"override the size's {name}")
+    p.add_argument("--experts", type=int, default=8, help="MoE families: experts per layer (default 8)")
+    p.add_argument("--top-k", type=int, default=2, help="MoE families: experts per token (default 2)")
+    p.add_argument("--moe-intermediate", type=int, default=None,
+                   help="MoE families: each expert's intermediate size (default intermediate / 4)")
     p.add_argument("--tied", type=int, choices=(0, 1), help="override the size's tied embeddings (0 or 1)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--batch", type=int, default=4, help="global batch in sequences (default 4), split over ranks")
@@ -85,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds for all runs: runs not started by then are recorded as skipped")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (any world size, 1 too)")
     p.add_argument("--world-sizes", default="1", help="world sizes to run, e.g. 1,2 (more than 1: torchrun + FSDP2)")
-    p.add_argument("--tg-ops", default="rms_norm,swiglu,rope,linear_cross_entropy,causal_mask",
+    p.add_argument("--tg-ops", default="rms_norm,swiglu,geglu,rope,linear_cross_entropy,causal_mask",
                    help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
                         "supersedes); an op this install lacks is dropped, and said so")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -98,11 +139,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads"):
         if getattr(args, name) is None:
             setattr(args, name, sizes[name])
+    if args.vocab == "family":
+        from transformers import AutoConfig
+
+        args.vocab = AutoConfig.for_model(args.family).vocab_size
     args.tied = sizes["tied"] if args.tied is None else bool(args.tied)
+    if args.moe_intermediate is None:
+        args.moe_intermediate = max(1, args.intermediate // 4)
     args.provider_list = _list(args.providers, PROVIDERS, "provider")
     args.mode_list = _list(args.modes, MODES, "mode")
+    if args.runs is None:
+        args.run_list = [(p, m) for p in args.provider_list for m in args.mode_list]
+    else:
+        pairs = [tuple(r.strip().partition(":")[::2]) for r in args.runs.split(",") if r.strip()]
+        bad = [f"{p}:{m}" for p, m in pairs if p not in PROVIDERS or m not in MODES]
+        if bad:
+            raise SystemExit(f"unknown run(s) {bad}; each is provider:mode, a provider of {', '.join(PROVIDERS)} "
+                             f"and a mode of {', '.join(MODES)}")
+        args.run_list = pairs
     args.world_size_list = [int(n) for n in args.world_sizes.split(",")]
     return args
+
+
+def _vocab_arg(text: str):
+    return "family" if text == "family" else int(text)
 
 
 def _list(text: str, allowed, what: str) -> list[str]:
@@ -151,37 +211,114 @@ def _dist_info() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def build_model(args, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_config(args):
+    """The ``--family`` config at the run's size: the size fields under the names the family's config has,
+    MoE fields where it has them, :data:`FAMILY_CONFIG`'s values, the rest the family's defaults. No padding
+    token (the data use every id: a padding_idx would freeze one embedding row). Llama keeps Llama 3's rope
+    theta and norm eps."""
+    from transformers import AutoConfig
 
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq, 128), tie_word_embeddings=args.tied, use_cache=False,
-        rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa",
-    )
+    h, heads = args.hidden, args.heads
+    wanted = dict(vocab_size=args.vocab, hidden_size=h, intermediate_size=args.intermediate,
+                  num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=args.kv_heads,
+                  head_dim=h // heads, max_position_embeddings=max(args.seq, 128), tie_word_embeddings=args.tied,
+                  pad_token_id=None, use_cache=False)
+    if args.family == "llama":
+        wanted.update(rope_theta=500000.0, rms_norm_eps=1e-5)
+    default = AutoConfig.for_model(args.family)
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    known |= set(inspect.signature(type(default).__init__).parameters) - {"self", "kwargs"}
+    if known & {"num_experts", "num_local_experts", "n_routed_experts"}:
+        # MoE: every layer sparse; experts of moe_intermediate (the family's expert size, or intermediate)
+        wanted.update(num_experts=args.experts, num_local_experts=args.experts, n_routed_experts=args.experts,
+                      num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate,
+                      decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+        if "moe_intermediate_size" not in known:
+            wanted["intermediate_size"] = args.moe_intermediate
+    if "query_pre_attn_scalar" in known:  # Gemma: attention scaled by 1/sqrt(head_dim), as its checkpoints are
+        wanted["query_pre_attn_scalar"] = h // heads
+    for k in ("bos_token_id", "eos_token_id"):  # special tokens outside a smaller vocabulary: none
+        if isinstance(getattr(default, k, None), int) and getattr(default, k) >= args.vocab:
+            wanted[k] = None
+    wanted.update(FAMILY_CONFIG.get(args.family, {}))
+    kwargs = {k: v for k, v in wanted.items() if k in known or args.family == "llama"}
+    if "num_experts" in kwargs and getattr(default, "attribute_map", {}).get("num_experts") in kwargs:
+        del kwargs["num_experts"]  # an alias of num_local_experts there: one name only
+    return AutoConfig.for_model(args.family, attn_implementation=attention(args.family), **kwargs)
+
+
+def attention(family: str) -> str:
+    """SDPA, or eager attention for a family whose model refuses SDPA (Gemma2: attention logit soft-capping)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family, ""), None)
+    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
+
+
+def _causal_lm(config, device):
+    from transformers import AutoModelForCausalLM
+
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def init_values(args) -> dict[str, float]:
+    """The value each 1-D parameter starts at, by name: 0 for biases and for norm weights applied as
+    ``1 + weight`` (Gemma's), else 1 (norm weights). Read from the family's own classes on the meta device,
+    before any provider patches them (Liger's classes compute the same but are not Hugging Face's)."""
+    from tritongrad._hf import norm_kind
+
+    model = _causal_lm(model_config(args), "meta")
+    kinds: dict[type, str | None] = {}
+    out = {}
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            if p.dim() != 1:
+                continue
+            if pname == "bias":
+                out[f"{mname}.{pname}" if mname else pname] = 0.0
+                continue
+            cls = type(m)
+            if cls not in kinds:
+                kinds[cls] = norm_kind(cls)[0] if cls.__name__.endswith("RMSNorm") else None
+            out[f"{mname}.{pname}" if mname else pname] = 0.0 if kinds[cls] == "gemma" else 1.0
+    return out
+
+
+def build_model(args, device, ones: dict[str, float] | None = None):
+    """The ``--family`` causal LM in bf16, every parameter drawn by name (``ones``: :func:`init_values`)."""
+    model = _causal_lm(model_config(args), device)
     model.to(torch.bfloat16)
     # The same initial weights whatever the provider built: each parameter from a generator seeded by its name.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.fill_(1.0)  # norm weights
+                p.fill_(1.0 if ones is None else ones[name])  # norm weights (1, or 0 under 1 + w), biases 0
             else:
                 g = torch.Generator(device=p.device).manual_seed(args.seed * 1_000_003 + zlib.crc32(name.encode()))
                 p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * 0.02)
     return model.train()
 
 
+class Skipped(Exception):
+    """A run this install or family cannot make: recorded as "skipped: <why>", not an error."""
+
+
 def apply_provider(provider: str, args, stage: str, model=None) -> dict:
     """Patch for ``provider``; ``stage`` is "classes" (before the model is built) or "model"."""
     info: dict = {}
     if provider == "liger" and stage == "classes":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-        apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
+        fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(args.family)
+        if fn is None:
+            raise Skipped(f"Liger has no {args.family}")
+        accepted = inspect.signature(fn).parameters
+        flags = {k: v for k, v in {**LIGER_FLAGS, **LIGER_FAMILY_FLAGS.get(args.family, {})}.items()
+                 if k in accepted}
+        fn(**flags)
+        info.update(liger_fn=fn.__name__, liger_flags=flags)
         import liger_kernel
 
         info["liger_version"] = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
@@ -196,7 +333,11 @@ def apply_provider(provider: str, args, stage: str, model=None) -> dict:
                 getattr(tritongrad, fn)
             except (ImportError, AttributeError) as e:
                 missing.append(f"{op} ({type(e).__name__}: {e})")
-        ops = {op: op in wanted and not any(m.startswith(op + " ") for m in missing) for op in TG_OPS}
+        accepted = inspect.signature(tritongrad.patch).parameters
+        missing += [f"{op} (tritongrad.patch has no {op} flag)" for op in wanted
+                    if op in TG_OPS and op not in accepted]
+        ops = {op: op in wanted and not any(m.startswith(op + " ") for m in missing)
+               for op in TG_OPS if op in accepted}
         report = tritongrad.patch(model, layer_norm=False, strict=True, **ops)
         info.update(tritongrad_ops=[op for op, on in ops.items() if on], tritongrad_missing=missing,
                     patch_report=str(report).splitlines())
@@ -216,17 +357,19 @@ def _dist_version(name: str):
         return None
 
 
-def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.Tensor, started: float) -> dict:
+def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.Tensor, started: float,
+            ones: dict[str, float] | None = None) -> dict:
     rank, world, local_rank = _dist_info()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     fsdp = args.fsdp or world > 1
     result = dict(run=run_name(provider, mode, world, fsdp), provider=provider, mode=mode, world_size=world,
                   fsdp=fsdp, status="ok", losses=[], step_times=[], loss_floor=chain.entropy_rate)
     info = apply_provider(provider, args, "classes")
-    model = build_model(args, device)
+    model = build_model(args, device, ones)
     info.update(apply_provider(provider, args, "model", model))
     result.update(info)
     result["parameters"] = sum(p.numel() for p in model.parameters())
+    result["attention"] = model.config._attn_implementation
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -410,6 +553,7 @@ def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
     # a seed per step: a shorter run sees the first batches of a longer one (runs of any length compare)
     batches = torch.stack([chain.sample(args.batch, args.seq, args.seed + 1 + step) for step in range(args.steps)])
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    ones = init_values(args)  # before any run: Liger's class-level patches stay
     runs = sorted(runs, key=lambda r: r[0] == "liger")  # Liger's class-level patches stay: last
     for provider, mode in runs:
         started = time.time()
@@ -419,13 +563,16 @@ def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
         try:
             if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
                 raise ModuleNotFoundError("liger_kernel is not installed")
-            result = run_one(args, provider, mode, chain, batches, started)
+            result = run_one(args, provider, mode, chain, batches, started, ones)
         except Exception as e:  # noqa: BLE001 - a failed provider is a result, the next one still runs
+            skipped = isinstance(e, Skipped)
             result = dict(run=run_name(provider, mode, world, args.fsdp or world > 1), provider=provider,
                           mode=mode, world_size=world, fsdp=args.fsdp or world > 1,
-                          status=f"error: {type(e).__name__}: {e}"[:500], losses=[], step_times=[],
-                          traceback=traceback.format_exc()[-4000:])
-            print(result["traceback"], file=sys.stderr, flush=True)
+                          status=(f"skipped: {e}" if skipped else f"error: {type(e).__name__}: {e}")[:500],
+                          losses=[], step_times=[])
+            if not skipped:
+                result["traceback"] = traceback.format_exc()[-4000:]
+                print(result["traceback"], file=sys.stderr, flush=True)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -451,11 +598,13 @@ def _summary_line(r: dict) -> None:
 # ---------------------------------------------------------------- orchestration and reports
 def _meta(args) -> tuple[str, dict]:
     """The output stem and the settings every report carries; prints the model and the loss floor."""
-    stem = args.stem or f"train-{_device_tag()}-{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%SZ}"
+    family = "" if args.family == "llama" else args.family + "-"
+    stem = args.stem or f"train-{family}{_device_tag()}-{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%SZ}"
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     chain = MarkovChain(args.vocab, args.markov_states, args.markov_branch, args.seed)
     n_params = _count_params(args)
-    print(f"Llama {_params(n_params)} parameters (vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers), "
+    print(f"{_family_title(args.family)} {_params(n_params)} parameters (vocab {args.vocab}, hidden {args.hidden}, "
+          f"{args.layers} layers), "
           f"seq {args.seq}, global batch {args.batch}, {args.steps} steps; data: Markov chain of "
           f"{len(chain.tokens)} states, loss floor (entropy rate) {chain.entropy_rate:.4f} nats", flush=True)
     meta = dict(settings={k: v for k, v in vars(args).items() if not k.endswith("_list") and k != "worker"},
@@ -470,22 +619,21 @@ def orchestrate(args, argv: list[str]) -> int:
     t_start = time.time()
     for world in args.world_size_list:
         fsdp = args.fsdp or world > 1
-        for provider in args.provider_list:
-            for mode in args.mode_list:
-                name = run_name(provider, mode, world, fsdp)
-                left = None if args.total_time_limit is None else args.total_time_limit - (time.time() - t_start)
-                if left is not None and left < 10:
-                    results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
-                                        status="skipped: total time limit", losses=[], step_times=[]))
-                    continue
-                if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
-                    results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
-                                        status="skipped: liger_kernel is not installed", losses=[], step_times=[]))
-                    _summary_line(results[-1])
-                    continue
-                limit = args.time_limit if left is None else min(args.time_limit, left)
-                results.append(_spawn(args, argv, provider, mode, world, name, limit))
-                write_reports(args.out, stem, meta, results)
+        for provider, mode in args.run_list:
+            name = run_name(provider, mode, world, fsdp)
+            left = None if args.total_time_limit is None else args.total_time_limit - (time.time() - t_start)
+            if left is not None and left < 10:
+                results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
+                                    status="skipped: total time limit", losses=[], step_times=[]))
+                continue
+            if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
+                results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
+                                    status="skipped: liger_kernel is not installed", losses=[], step_times=[]))
+                _summary_line(results[-1])
+                continue
+            limit = args.time_limit if left is None else min(args.time_limit, left)
+            results.append(_spawn(args, argv, provider, mode, world, name, limit))
+            write_reports(args.out, stem, meta, results)
     print(f"\nloss floor {meta['loss_floor']:.4f}; {meta['device']}")
     for r in results:
         _summary_line(r)
@@ -583,7 +731,8 @@ def _plots(out: str, stem: str, meta: dict, results: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    title = (f"Llama {_params(meta['parameters'])}, seq {meta['settings']['seq']}, batch "
+    title = (f"{_family_title(meta['settings'].get('family', 'llama'))} {_params(meta['parameters'])}, "
+             f"seq {meta['settings']['seq']}, batch "
              f"{meta['settings']['batch']} on {meta['device']}")
     ref = next((r for r in results if r["provider"] == "hf" and r["mode"] == "eager" and r["losses"]), None)
     fig, (ax, dax) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, height_ratios=(2, 1))
@@ -618,11 +767,14 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _family_title(family: str) -> str:
+    return "Llama" if family == "llama" else family
+
+
 def _count_params(args) -> int:
-    h, i, v, L = args.hidden, args.intermediate, args.vocab, args.layers
-    head = args.hidden // args.heads
-    attn = h * head * (2 * args.heads + 2 * args.kv_heads)
-    return v * h * (1 if args.tied else 2) + L * (attn + 3 * h * i + 2 * h) + h
+    """The model's parameters, counted on the meta device (no memory)."""
+    return sum(p.numel() for p in _causal_lm(model_config(args), "meta").parameters())
+
 
 
 def _device_name() -> str:
@@ -669,7 +821,7 @@ def main(argv=None) -> int:
                 write_reports(args.out, stem, meta, results)
         else:
             on_result = None
-        worker(args, [(p, m) for p in args.provider_list for m in args.mode_list], on_result)
+        worker(args, args.run_list, on_result)
         return 0
     return orchestrate(args, argv)
 
