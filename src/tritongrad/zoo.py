@@ -267,8 +267,13 @@ def _report_ops(report) -> dict:
     return out
 
 
-def check(family: str, mode: str = "eager", device=None) -> Verdict:
-    """One family in one mode (``"eager"`` or ``"compiled"``): see the module docstring."""
+# The checks that exercise the kernels (the others differ only in what the model computes around them).
+TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward")
+
+
+def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
+    """One family in one mode (``"eager"`` or ``"compiled"``): see the module docstring. ``only``: the names
+    of the checks to run (e.g. :data:`TRAINING_CHECKS`), default all."""
     import tritongrad
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -280,6 +285,8 @@ def check(family: str, mode: str = "eager", device=None) -> Verdict:
     vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 256
     batch = _batch(min(vocab, 256), device)
     fns = _check_fns(batch, compiled)
+    if only is not None:
+        fns = {k: v for k, v in fns.items() if k in only}
     want, failed = _checks(model, fns)
     if "loss" in failed or "grads" in failed:
         e = failed.get("loss") or failed["grads"]
@@ -332,15 +339,16 @@ def _where(e: BaseException) -> str:
     return f"  at {f.filename.rsplit('/', 2)[-1]}:{f.lineno} ({f.name})"
 
 
-def run(names=None, modes=("eager", "compiled"), device=None, progress=None) -> list[dict]:
-    """``[{"family", "eager", "compiled", "ops"}]`` for ``names`` (default: every family)."""
+def run(names=None, modes=("eager", "compiled"), device=None, progress=None, only=None) -> list[dict]:
+    """``[{"family", "eager", "compiled", "ops"}]`` for ``names`` (default: every family); ``only``: as
+    :func:`check`'s."""
     rows = []
     for family in names or families():
         row = {"family": family}
         ops = {}
         for mode in modes:
             try:
-                v = check(family, mode, device)
+                v = check(family, mode, device, only)
             except Exception as e:  # noqa: BLE001 - one family's failure never stops the matrix
                 v = Verdict(family, mode, "error", f"{type(e).__name__}: {_short(e)}")
             row[mode] = v.line()
