@@ -8,6 +8,7 @@ compare throughput, peak memory and loss.
     python benchmarks/train_llama.py --family gemma3_text --vocab family       # the family's own vocabulary
     python benchmarks/train_llama.py --family qwen3_moe --experts 8 --top-k 2  # MoE: experts of intermediate/4
     python benchmarks/train_llama.py --providers tritongrad --modes eager --time-limit 60
+    python benchmarks/train_llama.py --runs hf:eager,tritongrad:eager,liger:eager,hf:compile  # these, in order
     python benchmarks/train_llama.py --world-sizes 1,2 --fsdp              # FSDP2 at world sizes 1 and 2
     torchrun --nproc-per-node 2 benchmarks/train_llama.py --fsdp      # the same, launched by hand
 
