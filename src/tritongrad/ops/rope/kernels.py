@@ -1,5 +1,5 @@
-r"""Rotary position embedding for q and k in one launch: Hugging Face's ``rotate_half`` convention (Llama,
-and GPT-NeoX / Phi-3 / StableLM / Persimmon / Helium with partial rotary) and the interleaved one (GPT-J, GLM).
+r"""Rotary position embedding for q and k in one launch: Hugging Face's ``rotate_half`` convention (Llama; with
+partial rotary GPT-NeoX, Phi-3, StableLM, Persimmon) and the interleaved one (GPT-J, GLM, Helium).
 
 Forward, per token (b, t) and head, over a head vector x of D elements. cos and sin give the token's rows
 c = cos[b, t] and s = sin[b, t] of R elements (R even, 2 <= R <= D): the first R features rotate, features
