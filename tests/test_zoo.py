@@ -78,6 +78,40 @@ def test_family_with_kernels(family, mode):
     assert v.status == "exact", f"{family} ({KERNEL_FAMILIES[family]}), {mode}: {v.line()}\n{v.ops}"
 
 
+def test_grouped_rms_norm_is_left_alone():
+    """An RMSNorm instance whose plain attributes change its math (a group_size that normalises groups of
+    features, not the row) is probed as that instance, not as its class's default: left alone, with the
+    reason, where patching by class would have been silently wrong."""
+    import torch
+
+    import tritongrad
+
+    class GroupedRMSNorm(torch.nn.Module):
+        def __init__(self, dim, group_size=None, eps=1e-6):
+            super().__init__()
+            self.eps, self.group_size = eps, group_size
+            self.weight = torch.nn.Parameter(torch.zeros(dim))
+
+        def forward(self, x):
+            xf = x.float()
+            if self.group_size is not None:
+                xf = xf.reshape(*xf.shape[:-1], -1, self.group_size)
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = y.flatten(-2) if self.group_size is not None else y
+            return (y * (1.0 + self.weight.float())).type_as(x)
+
+    GroupedRMSNorm.__module__ = "transformers.models.qwen4_exp.modeling_qwen4_exp"
+    model = torch.nn.Sequential(GroupedRMSNorm(64), GroupedRMSNorm(64, group_size=16))
+    report = tritongrad.patch(model)
+    assert report.targets("rms_norm") == ["0"]
+    assert [e.target for e in report.skipped if e.op == "rms_norm"] == ["1"]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        model[1].weight.normal_()
+        want = GroupedRMSNorm.forward(model[1], x)
+    torch.testing.assert_close(model[1](x), want, rtol=0, atol=0)
+
+
 def test_matrix_says_why_a_forward_it_cannot_establish_is_left_alone():
     """A causal LM whose forward scales the logits by a name the probe does not know: linear_cross_entropy is
     left alone with the reason, and the model stays exact."""

@@ -111,25 +111,25 @@ def looks_like_rms_norm(m: torch.nn.Module) -> bool:
             and eps_attr(m) is not None)
 
 
-@functools.cache
-def norm_kind(cls: type) -> tuple[str | None, str]:
-    """``(kind, eps attribute)`` of an RMSNorm class, or ``(None, why not)``."""
-    try:
-        probe = cls(16)
-    except Exception as e:  # noqa: BLE001 - any constructor failure means: not a class we can check
-        return None, f"cannot build {cls.__name__}(16) to check its math ({type(e).__name__}: {e})"
+def _simple_state(m: torch.nn.Module) -> tuple:
+    """The plain attributes of a module instance (``group_size``, flags, ...): they can change its math."""
+    return tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+                        and type(v) in (int, float, str, bool, type(None))))
+
+
+def _norm_probe(cls: type, probe, D: int) -> tuple[str | None, str]:
     eps_name = eps_attr(probe)
     if eps_name is None or not isinstance(getattr(probe, "weight", None), torch.nn.Parameter):
         return None, f"{cls.__name__} has no 1-D weight and float eps"
     g = _probe_rng()
-    x = torch.randn(3, 16, generator=g) * 3
-    w = torch.randn(16, generator=g) * 0.5 + 0.5
+    x = torch.randn(3, D, generator=g) * 3
+    w = torch.randn(D, generator=g) * 0.5 + 0.5
     kinds = set(_NORM_FORMULAS)
     for xdt, wdt in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
         with torch.no_grad():
             probe.weight.data = w.to(wdt)
             try:
-                got = cls.forward(probe, x.to(xdt))
+                got = original_forward_of(cls)(probe, x.to(xdt))
             except Exception as e:  # noqa: BLE001
                 return None, f"{cls.__name__}.forward failed on a probe ({type(e).__name__}: {e})"
             eps = getattr(probe, eps_name)
@@ -140,16 +140,57 @@ def norm_kind(cls: type) -> tuple[str | None, str]:
 
 
 @functools.cache
+def norm_kind(cls: type) -> tuple[str | None, str]:
+    """``(kind, eps attribute)`` of an RMSNorm class, built as ``cls(16)``, or ``(None, why not)``."""
+    try:
+        probe = cls(16)
+    except Exception as e:  # noqa: BLE001 - any constructor failure means: not a class we can check
+        return None, f"cannot build {cls.__name__}(16) to check its math ({type(e).__name__}: {e})"
+    return _norm_probe(cls, probe, 16)
+
+
+@functools.lru_cache(maxsize=1024)
+def _instance_norm_kind(cls: type, D: int, state: tuple) -> tuple[str | None, str]:
+    probe = cls.__new__(cls)
+    torch.nn.Module.__init__(probe)
+    probe.__dict__.update(dict(state))
+    probe.weight = torch.nn.Parameter(torch.zeros(D))
+    return _norm_probe(cls, probe, D)
+
+
+def instance_norm_kind(m: torch.nn.Module, cls: type | None = None) -> tuple[str | None, str]:
+    """:func:`norm_kind` for this instance: its width and plain attributes (a grouped RMSNorm's
+    ``group_size`` normalises groups, not the row), on a probe of its class."""
+    return _instance_norm_kind(cls or type(m), int(m.weight.shape[0]), _simple_state(m))
+
+
+NORM_ATTR = "_tritongrad_norm"
+
+
+@functools.cache
 def norm_forward(kind: str, eps_name: str):
+    def established(self) -> bool:
+        ok = getattr(self, NORM_ATTR, None)  # set by patch(); a class patched by patch_transformers: checked once
+        if ok is None and not torch.compiler.is_compiling():
+            ok = instance_norm_kind(self)[0] == kind
+            self.__dict__[NORM_ATTR] = ok
+        return bool(ok)
+
     if kind == "llama":
         def forward(self, hidden_states):
+            if not established(self):
+                return original_forward_of(type(self))(self, hidden_states)
             return tritongrad.llama_rms_norm(hidden_states, _plain(self.weight), getattr(self, eps_name))
     elif kind == "gemma":
         def forward(self, x):
+            if not established(self):
+                return original_forward_of(type(self))(self, x)
             w = _plain(self.weight)
             return tritongrad.rms_norm(x, w.shape, 1.0 + w.float(), getattr(self, eps_name))
     else:
         def forward(self, hidden_states):
+            if not established(self):
+                return original_forward_of(type(self))(self, hidden_states)
             w = _plain(self.weight)
             return tritongrad.rms_norm(hidden_states, w.shape, w, getattr(self, eps_name))
     forward.__qualname__ = forward.__name__ = f"{kind}_rms_norm_forward"

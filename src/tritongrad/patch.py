@@ -272,10 +272,11 @@ def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
             return {}, {}
         if _patched_before(hf, cls, "rms_norm"):
             return {}, {"rms_norm": ""}
-        kind, eps_name = hf.norm_kind(base)
+        kind, eps_name = hf.instance_norm_kind(m, base)
         if kind is None:
             report._add("skipped", "rms_norm", name, eps_name)
             return {}, {}
+        m.__dict__[hf.NORM_ATTR] = True
         return {"forward": hf.norm_forward(kind, eps_name)}, {"rms_norm": hf.NORM_DETAIL[kind]}
     if hf.looks_like_gated_mlp(m):
         kind, why = hf.gate_kind(m.act_fn)
@@ -394,6 +395,7 @@ def unpatch(model: torch.nn.Module) -> int:
         base = _BASE.get(cls) or back.get(cls)
         m.__dict__.pop(hf.SPEC_ATTR, None)
         m.__dict__.pop(hf.GATE_ATTR, None)
+        m.__dict__.pop(hf.NORM_ATTR, None)
         if base is not None:
             m.__class__ = base
             count += 1
