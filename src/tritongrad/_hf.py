@@ -301,7 +301,7 @@ def experts_why_not(m: torch.nn.Module, base: type) -> str | None:
         from transformers.integrations import moe
     except ImportError:
         return "this transformers has no integrations.moe"
-    if base.__dict__.get("_apply_gate", getattr(base, "_apply_gate", None)) is not moe._default_apply_gate:
+    if getattr(base, "_apply_gate", None) is not moe._default_apply_gate:
         return f"{base.__name__} gates its experts with its own _apply_gate"
     if not getattr(m, "is_concatenated", False) or not getattr(m, "has_gate", False):
         return f"{base.__name__}'s gate_up_proj is not the concatenated [gate; up] layout"
@@ -790,7 +790,7 @@ def causal_lm_forward(original):
             kwargs.update(zip(names, args))
         if not self.training or kwargs.get("labels") is None:
             return original(self, **kwargs)
-        spec = self.__dict__.get(SPEC_ATTR)
+        spec = getattr(self, SPEC_ATTR, None)  # a plain attribute read: no graph break
         if spec is None and not torch.compiler.is_compiling():
             spec = instance_spec(self)  # a class patched by patch_transformers: established on first use
         if (not isinstance(spec, HeadSpec) or type(getattr(self, spec.head).weight) not in PLAIN_TENSORS
