@@ -401,9 +401,16 @@ def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
     out, grads = _run(model, batch, num_items_in_batch=n)
     assert calls == {"linear_cross_entropy": 1}
     _assert_matches(out, grads, refs)
-    # Positional arguments, and return_dict=False (a tuple, loss first, no logits).
-    loss = model(batch["input_ids"], None, None, None, None, batch["labels"], return_dict=False)[0]
+    # Positional arguments, and return_dict=False: a tuple with the original's positions (loss, logits, ...),
+    # logits None.
+    got = model(batch["input_ids"], None, None, None, None, batch["labels"], return_dict=False, use_cache=True)
+    loss = got[0]
     torch.testing.assert_close(loss, refs[0][0].loss * 7 / (batch["labels"][:, 1:] != -100).sum(), rtol=1e-5, atol=1e-6)
+    model.train(False)
+    want = model(batch["input_ids"], None, None, None, None, batch["labels"], return_dict=False, use_cache=True)
+    model.train(True)
+    assert got[1] is None and len(got) == len(want) == 3  # (loss, logits, cache)
+    assert type(got[2]) is type(want[2])
 
 
 def test_patch_transformers_all_ops():
