@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p_models.add_argument("--json", action="store_true", help="print a list of {family, eager, compiled, ops}")
     p_models.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table")
     p_models.add_argument("--list", action="store_true", help="list the families and exit")
+    p_models.add_argument("--no-kernels", action="store_true",
+                          help="off the GPU, the ops on their PyTorch references instead of Triton's interpreter: "
+                               "checks what patch substitutes, in seconds a family")
     p_models.set_defaults(func=models)
     try:
         from .bench.cli import add_parser as add_bench_parser
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if add_bench_parser is not None:
         add_bench_parser(sub)
     args = parser.parse_args(argv)
-    _ensure_backend()
+    if not getattr(args, "no_kernels", False):
+        _ensure_backend()
     return args.func(args)
 
 
