@@ -232,28 +232,56 @@ def _checks(model, fns: dict, only=None) -> tuple[dict, dict]:
     return out, failed
 
 
-def _compare(got: dict, want: dict) -> list[str]:
+def _error(key: str, g, w) -> tuple[float, str]:
+    """How far ``g`` is from ``w`` for check ``key`` (relative; inf where they cannot be compared), and where."""
+    if key == "generate":
+        return (0.0 if g is not None and torch.equal(g, w) else math.inf), ""
+    if isinstance(w, dict):
+        if set(w) != set(g or {}):
+            return math.inf, f"gradients of {sorted(set(w) ^ set(g or {}))[:3]} present on one side only"
+        floor = 1e-2 * max((t.abs().max().item() for t in w.values() if t.numel()), default=0.0)
+        worst = max(((_rel(g[n], w[n], floor), n) for n in w), default=(0.0, ""))
+        return worst
+    return _rel(g, w), ""
+
+
+def _tol(key: str, w) -> float:
+    return GRAD_RTOL if isinstance(w, dict) else LOSS_RTOL if "loss" in key else LOGITS_RTOL
+
+
+def _compare(got: dict, want: dict) -> dict[str, str]:
     """The checks where ``got`` differs from ``want`` beyond the tolerances, with their figures."""
-    bad = []
+    bad = {}
     for key, w in want.items():
-        g = got.get(key)
-        tol = GRAD_RTOL if isinstance(w, dict) else LOSS_RTOL if "loss" in key else LOGITS_RTOL
-        if key == "generate":
-            if g is None or not torch.equal(g, w):
-                bad.append("generate: different tokens")
-            continue
-        if isinstance(w, dict):
-            missing = sorted(set(w) ^ set(g or {}))
-            if missing:
-                bad.append(f"{key}: gradients of {missing[:3]} present on one side only")
-                continue
-            floor = 1e-2 * max((t.abs().max().item() for t in w.values() if t.numel()), default=0.0)
-            worst = max(((_rel(g[n], w[n], floor), n) for n in w), default=(0.0, ""))
-            if worst[0] > tol:
-                bad.append(f"{key}: {worst[1]} off by {worst[0]:.2e} (relative)")
-        elif _rel(g, w) > tol:
-            bad.append(f"{key}: off by {_rel(g, w):.2e} (relative)")
+        err, where = _error(key, got.get(key), w)
+        if err > _tol(key, w):
+            what = "different tokens" if key == "generate" else f"{where + ' ' if where else ''}off by {err:.2e} (relative)"
+            bad[key] = f"{key}: {what}"
     return bad
+
+
+def _earned(model, fns: dict, got: dict, want: dict, keys) -> tuple[dict, str]:
+    """For checks the fixed tolerances fail: the unpatched model's own float32 error against the same model in
+    float64 decides. A tiny random model can be ill-conditioned enough that a rounding-level change (``x /
+    sqrt(v)`` for ``x * rsqrt(v)``) moves its logits by more than the fixed tolerance; the patched model passes
+    when its error is at most twice the unpatched model's, plus a tenth of the tolerance."""
+    keys = [k for k in keys if k != "generate"]
+    try:
+        model64 = copy.deepcopy(model).double()
+        if getattr(model64.config, "_experts_implementation", None) not in (None, "eager"):
+            model64.config._experts_implementation = "eager"  # grouped GEMMs take no float64
+        ref, failed = _checks(model64, fns, only=keys)
+    except Exception:  # noqa: BLE001 - no float64 model: the fixed tolerances stand
+        return {}, ""
+    held, notes = {}, []
+    for k in keys:
+        if k not in ref:
+            continue
+        e_p, e_u = _error(k, got[k], ref[k])[0], _error(k, want[k], ref[k])[0]
+        if e_p <= 2 * e_u + 0.1 * _tol(k, want[k]):
+            held[k] = True
+            notes.append(f"{k} {e_p:.1e} vs {e_u:.1e}")
+    return held, ", ".join(notes)
 
 
 def _report_ops(report) -> dict:
@@ -315,16 +343,23 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
         name, e = next(iter(errors.items()))
         return Verdict(family, mode, "error", f"{name}: {type(e).__name__}: {_short(e)}\n{_where(e)}", ops)
     bad = _compare(got, want)
+    earned = ""
+    if bad:
+        held, earned = _earned(model, fns, got, want, bad)
+        bad = {k: v for k, v in bad.items() if k not in held}
     if not compiled:
         if any(type(a) is not type(b) for a, b in zip(patched.modules(), model.modules())):
-            bad.append("unpatch: a module keeps a tritongrad class")
+            bad["unpatch"] = "unpatch: a module keeps a tritongrad class"
         elif "logits" in want and not torch.equal(_logits(patched, batch), want["logits"]):
-            bad.append("unpatch: eval logits differ from the unpatched model's")
+            bad["unpatch"] = "unpatch: eval logits differ from the unpatched model's"
     if bad:
-        return Verdict(family, mode, "wrong", "; ".join(bad), ops)
-    skipped = sorted(failed)
-    return Verdict(family, mode, "exact", f"not checked (the unpatched model fails them): {', '.join(skipped)}"
-                   if skipped else "", ops)
+        return Verdict(family, mode, "wrong", "; ".join(bad.values()), ops)
+    notes = []
+    if earned:
+        notes.append(f"within 2x the unpatched model's float32 error against float64 ({earned})")
+    if failed:
+        notes.append(f"not checked (the unpatched model fails them): {', '.join(sorted(failed))}")
+    return Verdict(family, mode, "exact", "; ".join(notes), ops)
 
 
 def _short(e: BaseException, n: int = 300) -> str:
