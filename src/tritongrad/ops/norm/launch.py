@@ -427,7 +427,8 @@ def layer_norm(
         y: input's shape and dtype, whatever the dtypes of weight and bias (as
         ``torch.nn.functional.layer_norm``); contiguous. Statistics and products in float32 (float64 when any
         input is float64), rounded once. Differentiable in input, weight and bias; each gradient comes back in
-        its input's dtype, and the weight and bias gradients are bitwise reproducible. Autocast leaves it
-        alone, as it leaves PyTorch's layer_norm: the output keeps the input's dtype.
+        its input's dtype, and the weight and bias gradients are bitwise reproducible. Under CUDA autocast
+        its floating inputs are cast to float32 first and it returns float32, as PyTorch's layer_norm does
+        there (autocast lists layer_norm among its float32 ops).
     """
     return layer_norm_op(input, shape_list(normalized_shape, "layer_norm"), weight, bias, eps)
