@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -94,33 +96,70 @@ def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
     return t.reshape(n, d)  # e.g. a permuted 3-D tensor: a copy
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceProps:
+    """What launch plans read of a device: plans are pure functions of the shape, the dtypes, these and a
+    family's tuning table."""
+
+    sm_count: int  # streaming multiprocessors
+    shared_mem_per_sm: int  # bytes of shared memory per SM (bounds pipelining depths)
+
+
+# Off the GPU (interpreter, offline compiles): a small SM count, so that tests reach every launch path at small
+# shapes, and an H100/H200's (sm_90) shared memory.
+OFF_GPU = DeviceProps(sm_count=4, shared_mem_per_sm=228 * 1024)
+
+
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_props(index: int) -> DeviceProps:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block
+    return DeviceProps(props.multi_processor_count, smem)
+
+
+class Scoped:
+    """A setting read by the launchers, changed only for the extent of a ``with`` block (``using``)."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value):
+        self.name, self.value = name, value
+
+    @contextlib.contextmanager
+    def using(self, value):
+        prev, self.value = self.value, value
+        try:
+            yield value
+        finally:
+            self.value = prev
+
+    def __repr__(self) -> str:
+        return f"Scoped({self.name!r}, {self.value!r})"
+
+
+# Device properties that every device is taken to have while set (None: each device's own), so that tests
+# and offline compiles make the plans of another GPU: ``with assume_device(DeviceProps(4, 228 * 1024)): ...``.
+_assumed = Scoped("assumed device properties", None)
+assume_device = _assumed.using
+
+
+def device_props(device: torch.device) -> DeviceProps:
+    """The properties of ``device`` that plans read (``OFF_GPU`` off the GPU; ``assume_device`` overrides)."""
+    if _assumed.value is not None:
+        return _assumed.value
+    if device.type != "cuda":
+        return OFF_GPU
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors on ``device``; a small fixed number off the GPU (interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# Shared memory per SM of an H100/H200 (sm_90), for plans made off the GPU (interpreter, offline compiles).
-_SM90_SHARED_MEM = 228 * 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_mem_per_sm(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block
+    return device_props(device).sm_count
 
 
 def shared_mem_per_sm(device: torch.device) -> int:
     """Bytes of shared memory per SM on ``device`` (sm_90's off the GPU): bounds pipelining depths."""
-    if device.type != "cuda":
-        return _SM90_SHARED_MEM
-    return _shared_mem_per_sm(device.index if device.index is not None else torch.cuda.current_device())
+    return device_props(device).shared_mem_per_sm
 
 
 _TL_DTYPE = {
