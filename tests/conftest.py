@@ -5,6 +5,7 @@ from tritongrad.testing import default_device, use_interpreter
 
 use_interpreter()
 
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -82,6 +83,8 @@ def launches(monkeypatch) -> list:
     launch = rt.Kernel._launch
 
     def spy(self, grid, *args, **kw):
+        kw = dict(kw)
+        args = self.positional(args, kw)  # arguments passed by name, in the kernel's order
         seen.append(Launch(self.fn.__name__, tuple(grid), args, kw))
         return launch(self, grid, *args, **kw)
 
@@ -94,10 +97,11 @@ def kernel_names(seen: list) -> list:
 
 
 @pytest.fixture
-def four_sms(monkeypatch):
+def four_sms():
     """Plans made for 4 SMs on any device (the interpreter's count), so that a test's shapes take the
     launch path it names on a GPU too."""
-    monkeypatch.setattr(rt, "sm_count", lambda device: 4)
+    with rt.assume_device(dataclasses.replace(rt.device_props(torch.device(DEVICE)), sm_count=4)):
+        yield
 
 
 def check_values(op, *args, baseline=None) -> None:

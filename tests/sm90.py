@@ -52,11 +52,13 @@ class Compiler:
         compiler = self
 
         def launch(kernel, grid, *args, num_warps=4, **constexprs):
+            args = kernel.positional(args, constexprs)  # arguments passed by name, in the kernel's order
             compiler.compile(kernel.fn, args, num_warps, constexprs)
 
         _runtime.Kernel._launch = launch
         _runtime.uses_triton = _pattern.rt.uses_triton = lambda device: True
-        _runtime.sm_count = lambda device: 132
+        # An H200's plans: 132 SMs, sm_90's shared memory (for the rest of this process).
+        _runtime.assume_device(_runtime.DeviceProps(132, 228 * 1024)).__enter__()
 
     def compile(self, fn, args, num_warps, constexprs) -> None:
         # The specialization Triton makes at run time: integers equal to 1 and None become constants, pointers

@@ -12,6 +12,7 @@ Rows whose length and strides are multiples of 8 elements but not of 16 are chec
 itself marks only integers divisible by 16, so without the kernels' ALIGN hint every load of such a row is
 scalar (2-byte loads for bfloat16), about half the bandwidth on an H200 (docs/norms.md)."""
 
+import dataclasses
 import re
 import sys
 
@@ -20,7 +21,7 @@ import torch
 
 import tritongrad
 from tritongrad.ops.norm import llama_rms_norm
-from tritongrad.ops.weighted_sum import launch as ws_launch
+from tritongrad.ops.weighted_sum import plans as ws_plans
 
 _want_vectors = [False]  # the current case's rows are 8-element aligned: every row kernel must vectorise
 # A vector load from global memory: ld.global.v2/v4/v8, or an asynchronous copy of 8 or 16 bytes.
@@ -54,10 +55,8 @@ def main(cases) -> int:
         ):
             y.backward(torch.randn(y.shape, dtype=y.dtype))
         # Large inputs take weighted_sum's backward in two launches (grad_x, then grad_w): compile those too.
-        split = ws_launch._SPLIT_BWD_BYTES, ws_launch._SPLIT_BWD_ROWS
-        ws_launch._SPLIT_BWD_BYTES = ws_launch._SPLIT_BWD_ROWS = 0
-        tritongrad.weighted_sum(x, w).backward(torch.randn(N, dtype=torch.promote_types(xdt, pdt)))
-        ws_launch._SPLIT_BWD_BYTES, ws_launch._SPLIT_BWD_ROWS = split
+        with ws_plans.using(dataclasses.replace(ws_plans.TABLE, SPLIT_BWD_BYTES=0, SPLIT_BWD_ROWS=0)):
+            tritongrad.weighted_sum(x, w).backward(torch.randn(N, dtype=torch.promote_types(xdt, pdt)))
     return compiler.report()
 
 

@@ -2,15 +2,19 @@
 bitwise reproducible grad_w; strided inputs read in place; upstream gradients of unusual strides; argument
 errors; the module."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, check_values, kernel_names
 
 import tritongrad
-from tritongrad.ops.weighted_sum import launch as ws_launch
+from tritongrad import _runtime as rt
+from tritongrad.ops.weighted_sum import plans as ws_plans
 from tritongrad.ops.weighted_sum import weighted_sum
 from tritongrad.testing import make_rows
 
+H200 = rt.DeviceProps(132, 228 * 1024)
 FWD, BWD, COLUMN_SUM = "_weighted_sum_fwd_kernel", "_weighted_sum_bwd_kernel", "_column_sum_kernel"
 
 
@@ -28,11 +32,11 @@ def of(seen, kernel):
 
 
 @pytest.fixture
-def two_pass(monkeypatch):
+def two_pass():
     """Large inputs of many rows take grad_x and grad_w in two launches (read-only, then write-only); the
     thresholds are lowered so that small inputs take that path."""
-    monkeypatch.setattr(ws_launch, "_SPLIT_BWD_BYTES", 0)
-    monkeypatch.setattr(ws_launch, "_SPLIT_BWD_ROWS", 0)
+    with ws_plans.using(dataclasses.replace(ws_plans.TABLE, SPLIT_BWD_BYTES=0, SPLIT_BWD_ROWS=0)):
+        yield
 
 
 # ---------------------------------------------------------------- which launches serve which shapes
@@ -130,10 +134,10 @@ def test_column_blocks_fit_the_grid(N, D):
     # 65537 blocks of the usual 128 columns. Too large for the interpreter: the plans are checked alone.
     for elem in (2, 4, 8):
         for fused in (True, False):
-            _, BLOCK_D, d_blocks, _, _ = ws_launch._bwd_config(N, D, elem, 132, fused)
-            assert d_blocks <= 65535 and d_blocks * BLOCK_D >= D
-        _, BLOCK_D, d_blocks = ws_launch._gx_config(N, D, elem)
-        assert d_blocks <= 65535 and d_blocks * BLOCK_D >= D
+            p = ws_plans.bwd_plan(N, D, elem, H200, fused)
+            assert p.d_blocks <= 65535 and p.d_blocks * p.BLOCK_D >= D
+        p = ws_plans.gx_plan(N, D, elem)
+        assert p.d_blocks <= 65535 and p.d_blocks * p.BLOCK_D >= D
 
 
 def test_grad_w_is_bitwise_deterministic(launches):

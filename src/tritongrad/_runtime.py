@@ -288,12 +288,27 @@ class Kernel:
         self.fn = fn
         self._cache: dict = {}
         self._constexpr_names = [p.name for p in fn.params if p.is_constexpr] if not INTERPRET else []
+        self._arg_names = _arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
+
+    def positional(self, args: tuple, kw: dict) -> tuple:
+        """``args`` completed by the kernel's non-constexpr arguments passed by keyword (taken out of ``kw``):
+        launchers pass long argument lists by name, a compiled launcher takes them by position."""
+        if len(args) >= len(self._arg_names):
+            return args
+        more = []
+        for n in self._arg_names[len(args):]:
+            if n not in kw:  # the rest take their defaults
+                break
+            more.append(kw.pop(n))
+        return (*args, *more)
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, num_warps: int = 4, **constexprs):
+        if len(args) < len(self._arg_names) and self._arg_names[len(args)] in constexprs:
+            args = self.positional(args, constexprs)  # arguments passed by name, in the kernel's order
         a0 = args[0]
         if type(a0) not in PLAIN_TENSORS or a0.is_meta:
             return self._traced(grid, args, num_warps, constexprs)
@@ -333,6 +348,15 @@ class Kernel:
         if INTERPRET or a0.is_meta or isinstance(a0, FakeTensor):
             return  # shapes only: the outputs were allocated, nothing to compute
         torch.library.wrap_triton(self.fn)[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+
+
+def _arg_names(fn) -> list:
+    """The names of a Triton kernel's non-constexpr parameters, in order."""
+    if hasattr(fn, "params"):
+        return [p.name for p in fn.params if not p.is_constexpr]
+    sig = inspect.signature(getattr(fn, "fn", fn))  # the interpreter's function
+    return [n for n, p in sig.parameters.items()
+            if not (p.annotation is tl.constexpr or str(p.annotation).endswith("constexpr"))]
 
 
 def note_kernels(qualname: str, fn) -> None:
