@@ -54,3 +54,8 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+# The post-training family: losses from hidden states and the LM head, no [N, V] logits (docs/post-training.md).
+_WHERE.update({name: ".ops.post_training" for name in (
+    "linear_token_logprobs", "linear_grpo_loss", "linear_dpo_loss", "linear_jsd", "linear_kl_div")})
+__all__ = sorted(_WHERE)

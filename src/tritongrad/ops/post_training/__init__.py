@@ -1,0 +1,25 @@
+"""The post-training family: per-token log-probabilities (and entropy) from hidden states and an LM head, and
+the losses built on them — TRL's GRPO and DPO, and distillation between two heads (generalized JSD, KL) —
+none of which holds the ``[N, V]`` logits at once (docs/post-training.md)."""
+
+from .launch import (
+    linear_distill_op,
+    linear_dpo_loss,
+    linear_grpo_loss,
+    linear_jsd,
+    linear_kl_div,
+    linear_token_logprobs,
+    linear_token_logprobs_op,
+)
+from .reference import (
+    dpo_from_logprobs,
+    grpo_from_logprobs,
+    linear_distill_reference,
+    linear_token_logprobs_reference,
+)
+
+__all__ = [
+    "dpo_from_logprobs", "grpo_from_logprobs", "linear_distill_op", "linear_distill_reference", "linear_dpo_loss",
+    "linear_grpo_loss", "linear_jsd", "linear_kl_div", "linear_token_logprobs", "linear_token_logprobs_op",
+    "linear_token_logprobs_reference",
+]

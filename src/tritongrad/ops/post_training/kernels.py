@@ -1,0 +1,282 @@
+r"""The post-training family's Triton kernels: per-token log-probabilities and entropy, and the divergence of a
+student's distribution from a teacher's, on chunks of logits rows made by the launchers (launch.py).
+
+Token log-probabilities. For one row n of stored logits x [V] (a chunk's row of ``input @ weight.T + bias``),
+its target t and logit scale k (``1 / temperature``):
+
+    z_j = k x_j,   lse = log \sum_j exp(z_j),   log p_j = z_j - lse,   logprob_n = z_t - lse
+    H_n = -\sum_j p_j log p_j = lse - \sum_j p_j z_j                      (the entropy)
+
+Gradients, for upstream gradients g_n of logprob_n and e_n of H_n (d lse / dz_j = p_j;
+d(\sum_k p_k z_k)/dz_j = p_j (1 + z_j - \sum_k p_k z_k), so dH/dz_j = -p_j (log p_j + H)):
+
+    dL/dx_j = k [ g_n ([j = t] - p_j) - e_n p_j (log p_j + H_n) ]
+
+A row whose target is ``ignore_index`` has logprob 0 and no logprob gradient; its entropy is computed as for
+any row. An out-of-range target (neither in [0, V) nor ignore_index) is never read: its logprob and its
+gradient are NaN.
+
+Shift invariance, one pass. ``_token_logprobs_fwd_kernel`` reads each row once, in BLOCK_V chunks, with a
+running maximum m (one block max per chunk) and per-lane sums s = \sum exp(z - m) and a = \sum exp(z - m)(z - m);
+when m grows to m', s' = s exp(m - m') and a' = exp(m - m') (a + s (m - m')). At the end, with mx = m,
+ls = log \sum s and A = \sum a:
+
+    logprob = (z_t - mx) - ls,    H = ls - A / \sum s
+
+so no large common offset of the logits is subtracted after rounding (the row's max is taken out first, as in
+the cross-entropy family). ``parts`` [2 or 3, N] keeps mx, ls (and H) for the backward, which needs no pass
+over the row to find them: ``_token_logprobs_bwd_kernel`` reads each chunk once and writes dL/dx over it (the
+launchers then multiply it into grad_input and grad_weight).
+
+Distillation. For a student row z^s = k x^s and a teacher row z^t = k x^t (the same k = 1 / temperature), with
+q = softmax(z^s) (the student), p = softmax(z^t) (the teacher) and beta in [0, 1], TRL's generalized JSD:
+
+    beta = 0:   D = KL(p || q) = \sum p (log p - log q)                      dD/dz^s_j = q_j - p_j
+    beta = 1:   D = KL(q || p) = \sum q (log q - log p)                      dD/dz^s_j = q_j (d_j - D),  d = log q - log p
+    otherwise:  log m = log((1 - beta) q + beta p)   (a log-add-exp of log q + log(1 - beta) and log p + log beta)
+                D = beta \sum p (log p - log m) + (1 - beta) \sum q (log q - log m)
+                dD/dz^s_j = (1 - beta) q_j (d_j - K),   d = log q - log m,  K = \sum q d
+
+(the JSD's gradient: with c_k = dD/dq_k = (1 - beta)(log q_k - log m_k) — the terms in 1/m_k cancel — and
+dq_k/dz_j = q_k([k = j] - q_j)). The teacher gets no gradient. Each row carries a weight w_n (the mask and the
+normaliser: launch.py); the kernel writes w_n D_n and, with STORE_GRAD, w_n k dD/dz^s over the student's
+logits. ``_distill_fwd_kernel``: pass 1 the two log-sum-exps (online, as above), pass 2 the divergence (and
+K), pass 3 the gradient.
+
+Precision: loads are cast to ACC (float32; float64 for float64 logits) before any arithmetic, sums are taken in
+ACC, results rounded once on store (gradients into the logits' dtype).
+"""
+
+import triton
+import triton.language as tl
+
+from .._tl import float_arg, round_to
+
+
+@triton.jit
+def _online_step(z, m, s_vec, a_vec, mask, WITH_A: tl.constexpr):
+    """One chunk ``z`` (masked lanes -inf) into the running max ``m`` and the per-lane sums
+    ``s = sum exp(z - m)`` and ``a = sum exp(z - m) (z - m)`` (module docstring)."""
+    m_new = tl.maximum(m, tl.max(z, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no inf - inf
+    alpha = tl.exp(m - m_safe)
+    e = tl.exp(z - m_safe)
+    if WITH_A:
+        shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # s is 0 there: no 0 * inf
+        a_vec = alpha * (a_vec + s_vec * shift) + e * tl.where(mask, z - m_safe, 0.0)  # masked: 0, not 0 * -inf
+    s_vec = s_vec * alpha + e
+    return m_new, s_vec, a_vec
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    x_ptr,  # [R, V] one chunk's logits, unit column stride
+    target_ptr,  # [N] targets of all rows (the chunk's start at row0)
+    logp_ptr,  # [N] ACC out
+    ent_ptr,  # [N] ACC out; None without HAS_ENTROPY
+    parts_ptr,  # [2 or 3, N] ACC out: mx, ls (and H with HAS_ENTROPY)
+    V,
+    N,
+    row0,
+    stride_x_row,
+    stride_t,
+    ignore_index,
+    scale_hi,  # the logit scale as float32 ...
+    scale_lo,  # ... plus the rest of a float64 value (rt.split_float)
+    BLOCK_V: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    n = row0 + pid
+    p_x = x_ptr + pid * stride_x_row
+    scale = float_arg(scale_hi, scale_lo, ACC)
+    o_v = tl.arange(0, BLOCK_V)
+    m = tl.full([], float("-inf"), dtype=ACC)
+    s_vec = tl.zeros([BLOCK_V], dtype=ACC)
+    a_vec = tl.zeros([BLOCK_V], dtype=ACC)
+    for k in range(0, V, BLOCK_V):
+        o = k + o_v
+        m_v = o < V
+        z = tl.load(p_x + o, mask=m_v, other=0.0).to(ACC) * scale
+        z = tl.where(m_v, z, float("-inf"))
+        m, s_vec, a_vec = _online_step(z, m, s_vec, a_vec, m_v, HAS_ENTROPY)
+    mx = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_vec, 0)
+    ls = tl.log(s)
+
+    t = tl.load(target_ptr + n * stride_t)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    tl.device_assert(in_range | (t == ignore_index), "linear_token_logprobs: target out of [0, V)")
+    z_t = tl.load(p_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0).to(ACC) * scale
+    lp = (z_t - mx) - ls
+    lp = tl.where(valid, tl.where(in_range, lp, float("nan")), 0.0)
+    tl.store(logp_ptr + n, lp)
+    tl.store(parts_ptr + n, mx)
+    tl.store(parts_ptr + N + n, ls)
+    if HAS_ENTROPY:
+        h = ls - tl.sum(a_vec, 0) / s
+        tl.store(ent_ptr + n, h)
+        tl.store(parts_ptr + 2 * N + n, h)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    x_ptr,  # [R, V] one chunk's logits; dL/dx is written over them (each chunk read, then written, by its program)
+    target_ptr,  # [N]
+    parts_ptr,  # [2 or 3, N] ACC: the forward's mx, ls (and H)
+    dlogp_ptr,  # [N] upstream gradient of the logprobs (any stride, 0 for an expanded one)
+    dent_ptr,  # [N] upstream gradient of the entropy; None without HAS_DENT
+    V,
+    N,
+    row0,
+    stride_x_row,
+    stride_t,
+    stride_dlogp,
+    stride_dent,
+    ignore_index,
+    scale_hi,
+    scale_lo,
+    BLOCK_V: tl.constexpr,
+    HAS_DENT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    n = row0 + pid
+    p_x = x_ptr + pid * stride_x_row
+    scale = float_arg(scale_hi, scale_lo, ACC)
+    mx = tl.load(parts_ptr + n).to(ACC)
+    ls = tl.load(parts_ptr + N + n).to(ACC)
+    t = tl.load(target_ptr + n * stride_t)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    g = tl.load(dlogp_ptr + n * stride_dlogp).to(ACC)
+    g = tl.where(valid, g, 0.0)  # an ignored row's logprob is the constant 0
+    g = tl.where(valid & ~in_range, float("nan"), g)  # poison the row of a bad index
+    e = tl.zeros([], dtype=ACC)
+    h = tl.zeros([], dtype=ACC)
+    if HAS_DENT:
+        e = tl.load(dent_ptr + n * stride_dent).to(ACC)
+        h = tl.load(parts_ptr + 2 * N + n).to(ACC)
+    o_v = tl.arange(0, BLOCK_V)
+    for k in range(0, V, BLOCK_V):
+        o = k + o_v
+        m_v = o < V
+        z = tl.load(p_x + o, mask=m_v, other=0.0).to(ACC) * scale
+        lp = (z - mx) - ls  # the max out before ls: nothing large cancels
+        p = tl.exp(lp)
+        d = tl.where(o == t, g, 0.0) - g * p
+        if HAS_DENT:
+            d -= e * p * (lp + h)
+        tl.store(p_x + o, round_to(d * scale, x_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _distill_logs(xs, xt, mask, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC: tl.constexpr):
+    """(log q, log p, log m) on one chunk (module docstring); ``log_a = log(1 - beta)``, ``log_b = log beta``.
+    The row's max out before ls: nothing large cancels."""
+    lq = (xs.to(ACC) * scale - mx_s) - ls_s
+    lp = (xt.to(ACC) * scale - mx_t) - ls_t
+    lq = tl.where(mask, lq, 0.0)
+    lp = tl.where(mask, lp, 0.0)
+    u = lq + log_a
+    v = lp + log_b
+    top = tl.maximum(u, v)
+    lm = top + tl.log(tl.exp(u - top) + tl.exp(v - top))
+    return lq, lp, lm
+
+
+@triton.jit
+def _distill_fwd_kernel(
+    s_ptr,  # [R, V] the student's logits for one chunk; with STORE_GRAD, w k dD/dz^s is written over them
+    t_ptr,  # [R, V] the teacher's logits for the same rows
+    w_ptr,  # [N] row weights (mask / normaliser)
+    loss_ptr,  # [N] ACC out: w_n D_n
+    V,
+    row0,
+    stride_s_row,
+    stride_t_row,
+    stride_w,
+    scale_hi,  # 1 / temperature, split (rt.split_float)
+    scale_lo,
+    beta_hi,
+    beta_lo,
+    MODE: tl.constexpr,  # 0: KL(p || q) (beta = 0); 1: KL(q || p) (beta = 1); 2: the generalized JSD
+    STORE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    n = row0 + pid
+    p_s = s_ptr + pid * stride_s_row
+    p_t = t_ptr + pid * stride_t_row
+    scale = float_arg(scale_hi, scale_lo, ACC)
+    beta = float_arg(beta_hi, beta_lo, ACC)
+    log_a = tl.zeros([], dtype=ACC)
+    log_b = tl.zeros([], dtype=ACC)
+    if MODE == 2:
+        log_a = tl.log(1.0 - beta)
+        log_b = tl.log(beta)
+    w = tl.load(w_ptr + n * stride_w).to(ACC)
+    o_v = tl.arange(0, BLOCK_V)
+
+    # ---- pass 1: both log-sum-exps
+    m_s = tl.full([], float("-inf"), dtype=ACC)
+    m_t = tl.full([], float("-inf"), dtype=ACC)
+    s_s = tl.zeros([BLOCK_V], dtype=ACC)
+    s_t = tl.zeros([BLOCK_V], dtype=ACC)
+    for k in range(0, V, BLOCK_V):
+        o = k + o_v
+        m_v = o < V
+        zs = tl.where(m_v, tl.load(p_s + o, mask=m_v, other=0.0).to(ACC) * scale, float("-inf"))
+        zt = tl.where(m_v, tl.load(p_t + o, mask=m_v, other=0.0).to(ACC) * scale, float("-inf"))
+        m_s, s_s, _ = _online_step(zs, m_s, s_s, s_s, m_v, False)
+        m_t, s_t, _ = _online_step(zt, m_t, s_t, s_t, m_v, False)
+    mx_s = tl.where(m_s == float("-inf"), 0.0, m_s)
+    mx_t = tl.where(m_t == float("-inf"), 0.0, m_t)
+    ls_s = tl.log(tl.sum(s_s, 0))
+    ls_t = tl.log(tl.sum(s_t, 0))
+
+    # ---- pass 2: the divergence, and K (the gradient's centring term)
+    d_vec = tl.zeros([BLOCK_V], dtype=ACC)
+    k_vec = tl.zeros([BLOCK_V], dtype=ACC)
+    for k in range(0, V, BLOCK_V):
+        o = k + o_v
+        m_v = o < V
+        xs = tl.load(p_s + o, mask=m_v, other=0.0)
+        xt = tl.load(p_t + o, mask=m_v, other=0.0)
+        lq, lp, lm = _distill_logs(xs, xt, m_v, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC)
+        q = tl.where(m_v, tl.exp(lq), 0.0)
+        p = tl.where(m_v, tl.exp(lp), 0.0)
+        if MODE == 0:
+            d_vec += p * (lp - lq)
+        elif MODE == 1:
+            d_vec += q * (lq - lp)
+        else:
+            kq = q * (lq - lm)
+            d_vec += beta * p * (lp - lm) + (1.0 - beta) * kq
+            k_vec += kq
+    div = tl.sum(d_vec, 0)
+    kk = div
+    if MODE == 2:
+        kk = tl.sum(k_vec, 0)
+    tl.store(loss_ptr + n, w * div)
+
+    # ---- pass 3: the student's gradient over its logits
+    if STORE_GRAD:
+        c = w * scale
+        for k in range(0, V, BLOCK_V):
+            o = k + o_v
+            m_v = o < V
+            xs = tl.load(p_s + o, mask=m_v, other=0.0)
+            xt = tl.load(p_t + o, mask=m_v, other=0.0)
+            lq, lp, lm = _distill_logs(xs, xt, m_v, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC)
+            q = tl.exp(lq)
+            if MODE == 0:
+                g = q - tl.exp(lp)
+            elif MODE == 1:
+                g = q * ((lq - lp) - kk)
+            else:
+                g = (1.0 - beta) * q * ((lq - lm) - kk)
+            tl.store(p_s + o, round_to(g * c, s_ptr.dtype.element_ty), mask=m_v)

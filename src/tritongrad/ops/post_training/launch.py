@@ -1,0 +1,533 @@
+"""The post-training family's launchers, op declarations and public functions: per-token log-probabilities
+(and entropy) from hidden states and an LM head, the GRPO and DPO losses on them, and distillation between two
+heads. No ``[N, V]`` logits tensor is ever made: rows are taken in chunks (plans.py), each chunk's logits made by
+one product into a reused buffer. Design and math: docs/post-training.md, kernels.py.
+
+Work each call does (N rows, H hidden, V vocabulary; a "product" is one N x H x V matrix product in chunks):
+  linear_token_logprobs: forward 1 product (the logits) + one read of each chunk's logits;
+                         backward 3 products (the logits again, grad_input, grad_weight) + one read and one write
+                         of each chunk's logits. Under torch.no_grad (a reference model), the forward alone.
+  linear_grpo_loss, linear_dpo_loss: linear_token_logprobs, then O(N) elementwise work.
+  linear_jsd, linear_kl_div: forward 4 products (student and teacher logits, grad_input, grad_weight: the
+                         gradients are made in the forward, for an upstream gradient of 1) + 3 reads of each
+                         student chunk, 2 of each teacher chunk; backward: a scale of the gradients (nothing when
+                         the upstream gradient is 1).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from ... import _runtime as rt
+from ..._pattern import kernel, op
+from ..cross_entropy.launch import _as_float, _host_checkable, _scale, _take_buffer
+from . import kernels
+from . import plans as P
+from .reference import (
+    acc_dtype,
+    check_targets,
+    dpo_from_logprobs,
+    grpo_from_logprobs,
+    linear_distill_reference,
+    linear_token_logprobs_reference,
+)
+
+_fwd_kernel = kernel(kernels._token_logprobs_fwd_kernel)
+_bwd_kernel = kernel(kernels._token_logprobs_bwd_kernel)
+_distill_kernel = kernel(kernels._distill_fwd_kernel)
+
+
+def _logits_into(buf: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h @ weight.T (+ bias)`` into ``buf`` (a chunk's rows): the product F.linear runs, rounded as it rounds."""
+    if bias is None:
+        return torch.mm(h, weight.t(), out=buf)
+    return torch.addmm(bias, h, weight.t(), out=buf)
+
+
+def _check_scale(name: str, logit_scale) -> None:
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float may be symbolic
+    if (isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real)
+            or not -math.inf < logit_scale < math.inf or logit_scale == 0):
+        raise ValueError(f"tritongrad.{name}: the logit scale (1 / temperature) must be finite and nonzero, got "
+                         f"{logit_scale!r}")
+
+
+def _check_head(name: str, input, weight, bias) -> None:
+    if input.dim() != 2 or weight.dim() != 2 or input.shape[1] != weight.shape[1]:
+        raise ValueError(f"tritongrad.{name}: input [N, H] and weight [V, H] must share H, got {tuple(input.shape)} "
+                         f"and {tuple(weight.shape)}")
+    V = weight.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != V):
+        raise ValueError(f"tritongrad.{name}: bias of shape {tuple(bias.shape)} must be [{V}] for weight "
+                         f"{tuple(weight.shape)}")
+    if V == 0 and input.shape[0] > 0:
+        raise ValueError(f"tritongrad.{name}: weight {tuple(weight.shape)} has no classes")
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != input.dtype:
+            raise TypeError(f"tritongrad.{name}: {what} is {t.dtype}, input is {input.dtype}; F.linear takes one "
+                            "dtype (cast them, or use torch.autocast)")
+
+
+# ---------------------------------------------------------------- linear_token_logprobs
+def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy) -> None:
+    _check_scale("linear_token_logprobs", logit_scale)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"tritongrad.linear_token_logprobs: ignore_index must be an int, got {ignore_index!r}")
+    _check_head("linear_token_logprobs", input, weight, bias)
+    if target.dim() != 1 or target.shape[0] != input.shape[0]:
+        raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} does not match "
+                         f"input {tuple(input.shape)}: expected [{input.shape[0]}]")
+    if _host_checkable(target):
+        check_targets(target, weight.shape[0], ignore_index)
+
+
+# Opaque under torch.compile: the chunk loop writes slices of buffers, which traced code would turn into copies
+# (docs/writing-an-op.md#opaque-ops).
+@op("tritongrad::linear_token_logprobs", reference=linear_token_logprobs_reference, validate=_tlp_validate,
+    index=("target",), outputs=("logprobs", "entropy"), residuals=("parts",),
+    save=("input", "weight", "target", "bias", "parts"), opaque=True)
+def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, logit_scale: float = 1.0,
+                             return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered op over ``input [N, H]``, ``weight [V, H]``, ``target [N]``: ``(logprobs [N], entropy [N]
+    (``[0]`` without ``return_entropy``), parts)`` in float32 (float64 for float64); parts [2 or 3, N]: each
+    row's max, the log of its shifted sum (and its entropy), for the backward. :func:`linear_token_logprobs`
+    is the public function."""
+    N, V = input.shape[0], weight.shape[0]
+    acc = acc_dtype(input)
+    lp = torch.empty(N, dtype=acc, device=input.device)
+    ent = torch.empty(N if return_entropy else 0, dtype=acc, device=input.device)
+    parts = torch.empty((3 if return_entropy else 2, N), dtype=acc, device=input.device)
+    if N == 0:
+        return lp, ent, parts
+    plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
+    buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
+    scale = rt.split_float(float(logit_scale))
+    for r0 in range(0, N, plan.rows):
+        r1 = min(N, r0 + plan.rows)
+        logits = _logits_into(buf[: r1 - r0], input[r0:r1], weight, bias)
+        _fwd_kernel[(r1 - r0,)](
+            logits, target, lp, ent if return_entropy else None, parts, V, N, r0, logits.stride(0), target.stride(0),
+            ignore_index, *scale, BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=return_entropy, ACC=rt.tl_acc_dtype(acc),
+            num_warps=plan.num_warps,
+        )
+    return lp, ent, parts
+
+
+@linear_token_logprobs_op.backward
+def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor):
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    input, weight, target, bias, parts = ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts
+    need_b = need_b and bias is not None
+    N, V = input.shape[0], weight.shape[0]
+    acc = parts.dtype
+    gi = torch.empty_like(input) if need_x else None
+    gw = (torch.empty_like(weight) if N else torch.zeros_like(weight)) if need_w else None
+    gb = torch.zeros(V, dtype=acc_dtype(bias), device=input.device) if need_b else None  # float sums, one rounding
+    if N:
+        plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
+        buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
+        scale = rt.split_float(float(ctx.logit_scale))
+        has_dent = bool(ctx.return_entropy) and grad_entropy.numel() == N
+        for r0 in range(0, N, plan.rows):
+            r1 = min(N, r0 + plan.rows)
+            h = input[r0:r1]
+            g = _logits_into(buf[: r1 - r0], h, weight, bias)
+            _bwd_kernel[(r1 - r0,)](
+                g, target, parts, grad_logprobs, grad_entropy if has_dent else None, V, N, r0, g.stride(0),
+                target.stride(0), grad_logprobs.stride(0), grad_entropy.stride(0) if has_dent else 0,
+                ctx.ignore_index, *scale, BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, ACC=rt.tl_acc_dtype(acc),
+                num_warps=plan.num_warps,
+            )
+            if need_x:
+                torch.mm(g, weight, out=gi[r0:r1])
+            if need_w:
+                # Chunks add into grad_weight in order (deterministic): each product accumulates in float32 and
+                # rounds once to weight's dtype (docs/post-training.md, as the linear cross-entropy does).
+                if r0 == 0:
+                    torch.mm(g.t(), h, out=gw)
+                else:
+                    gw.addmm_(g.t(), h)
+            if need_b:
+                gb += g.sum(0, dtype=gb.dtype)
+    return gi, gw, None, (gb.to(bias.dtype) if need_b else None)
+
+
+def _autocast_head(input, weight, bias):
+    """Under CUDA autocast, the product in the autocast dtype, as F.linear runs it there."""
+    if input.is_cuda and torch.is_autocast_enabled():
+        dtype = torch.get_autocast_dtype("cuda")
+        input, weight = input.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return input, weight, bias
+
+
+def _scale_of(temperature, name: str) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(f"tritongrad.{name}: temperature must be a float > 0, got {temperature!r}")
+    return 1.0 / float(temperature)
+
+
+def linear_token_logprobs(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+):
+    """Per-token log-probabilities ``log_softmax(F.linear(input, weight, bias) / temperature)[..., target]``
+    without the ``[..., V]`` logits in memory (and, with ``return_entropy``, each token's entropy).
+
+    Args:
+        input: hidden states ``[..., H]``, float16/bfloat16/float32/float64.
+        weight: the LM head ``[V, H]``, input's dtype.
+        target: token ids of input's leading shape, int64 or int32. Tokens equal to ``ignore_index`` get
+            logprob 0 (no gradient); an id outside [0, V) raises on CPU and gives NaN on a GPU.
+        bias: optional ``[V]``, input's dtype.
+        temperature: the logits are divided by it (TRL's GRPO ``temperature``), > 0.
+        return_entropy: also return the entropy of each token's distribution (every token, ignored ones too),
+            differentiable.
+
+    Returns:
+        ``logprobs`` of target's shape in float32 (float64 for float64 inputs); with ``return_entropy``,
+        ``(logprobs, entropy)``. The logits are made in chunks of rows by the product F.linear runs (rounded
+        as F.linear rounds them), then scaled and reduced in float32. The backward makes each chunk's logits
+        again and gives exact gradients of input, weight and bias (through the entropy too); grad_weight
+        adds one product per chunk in a fixed order (deterministic).
+    """
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"tritongrad.linear_token_logprobs: input and target must be Tensors, got "
+                        f"{type(input).__name__} and {type(target).__name__}")
+    if input.dim() == 0 or tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} must be input's "
+                         f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
+    scale = _scale_of(temperature, "linear_token_logprobs")
+    input, weight, bias = _autocast_head(input, weight, bias)
+    lp, ent = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
+                                       ignore_index, scale, bool(return_entropy))
+    lp = lp.reshape(target.shape)
+    return (lp, ent.reshape(target.shape)) if return_entropy else lp
+
+
+# ---------------------------------------------------------------- GRPO, DPO
+def _mask_of(target: torch.Tensor, mask: torch.Tensor | None, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
+    valid = (target != ignore_index).to(dtype)
+    return valid if mask is None else valid * mask.to(dtype)
+
+
+def linear_grpo_loss(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch=None,
+    num_sequences_in_batch=None,
+    ignore_index: int = -100,
+):
+    """TRL's GRPO loss (``GRPOTrainer._compute_loss``, TRL 1.16) from the policy's hidden states and LM head,
+    without the logits in memory.
+
+    Args:
+        input: the completion tokens' hidden states ``[B, T, H]`` (the positions that predict them).
+        weight, bias: the LM head ``[V, H]`` (and ``[V]``), input's dtype.
+        completion_ids: ``[B, T]`` the sampled tokens; ``ignore_index`` entries count as masked.
+        advantages: ``[B]`` (or ``[B, T]``).
+        completion_mask: ``[B, T]``, 1 for tokens in the loss (None: every token not ``ignore_index``).
+        old_logprobs: ``[B, T]`` the sampling policy's log-probabilities; None: the current ones, detached
+            (TRL's on-policy case: the ratio is 1 and its gradient the policy gradient).
+        ref_logprobs: ``[B, T]`` the reference model's, for the KL term (``beta != 0``).
+        temperature: the logits are divided by it, as TRL's fused head does.
+        beta, epsilon_low, epsilon_high, delta, loss_type (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``),
+        importance_sampling_level (``token``, ``sequence``), max_completion_length (``dr_grpo``'s constant;
+            None: T): as TRL's GRPOConfig (``epsilon_low`` is its ``epsilon``; ``epsilon_high`` None is
+            ``epsilon_low``).
+        num_items_in_batch: for ``bnpo`` and ``dapo``, the completion tokens of the whole optimizer step (every
+            micro-batch; under DDP, divided by the world size); None: this call's. Accumulating micro-batches
+            with it gives the gradient of one big step.
+        num_sequences_in_batch: for ``grpo`` and ``dr_grpo``, the sequences of the whole optimizer step; None: B.
+
+    Returns:
+        ``(loss, metrics)``: the 0-d loss (float32; float64 for float64 inputs) and a dict of 0-d detached
+        tensors: ``kl`` (with beta), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
+        ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``, as TRL logs them (one
+        process: TRL's means over processes are left to the caller).
+    """
+    if completion_ids.dim() != 2 or tuple(input.shape[:-1]) != tuple(completion_ids.shape):
+        raise ValueError(f"tritongrad.linear_grpo_loss: input [B, T, H] and completion_ids [B, T] must agree, got "
+                         f"{tuple(input.shape)} and {tuple(completion_ids.shape)}")
+    logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature, return_entropy=True,
+                                              ignore_index=ignore_index)
+    mask = _mask_of(completion_ids, completion_mask, ignore_index, logprobs.dtype)
+    return grpo_from_logprobs(
+        logprobs, advantages, mask, old_logprobs, ref_logprobs, beta=beta, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, delta=delta, loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+        num_sequences_in_batch=num_sequences_in_batch, entropy=entropy.detach(),
+    )
+
+
+def linear_dpo_loss(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ref_chosen_logps: torch.Tensor | None = None,
+    ref_rejected_logps: torch.Tensor | None = None,
+    ref_input: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    completion_mask: torch.Tensor | None = None,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    num_pairs_in_batch=None,
+    ignore_index: int = -100,
+):
+    """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
+    logits in memory.
+
+    Args:
+        input: ``[2B, T, H]``, the chosen completions' hidden states first, then the rejected ones' (TRL's
+            concatenated batch); each position predicts ``target`` at that position.
+        weight, bias: the policy's LM head.
+        target: ``[2B, T]`` token ids; ``ignore_index`` (prompt, padding) is out of the sums.
+        ref_chosen_logps, ref_rejected_logps: ``[B]`` the reference model's sequence log-probabilities
+            (TRL's precomputed ones); or, instead, ``ref_input`` ``[2B, T, H']`` with ``ref_weight`` (and
+            ``ref_bias``): the reference model's hidden states and head, scored here without gradient.
+        completion_mask: ``[2B, T]``, optional, multiplied into the target's mask.
+        beta, loss_type (``sigmoid``, ``hinge``, ``ipo``, ``robust``), label_smoothing: as TRL's DPOConfig.
+            ``robust`` is TRL's robust DPO (label smoothing the flip probability, in [0, 0.5)); ``sigmoid`` with
+            label smoothing is conservative DPO, as TRL before 1.0 defined it (TRL 1.16's sigmoid ignores
+            label smoothing: the two agree at 0).
+        num_pairs_in_batch: the pairs of the whole optimizer step (None: B); the loss is the sum over pairs
+            divided by it, so accumulated micro-batches give one big step's gradient.
+
+    Returns:
+        ``(loss, metrics)``: the 0-d loss and a dict with ``chosen_rewards`` and ``rejected_rewards`` (``[B]``,
+        ``beta * (logp - ref_logp)``, detached) and TRL's logged means ``rewards/chosen``,
+        ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+        ``logps/rejected``.
+    """
+    if target.dim() != 2 or target.shape[0] % 2 or tuple(input.shape[:-1]) != tuple(target.shape):
+        raise ValueError(f"tritongrad.linear_dpo_loss: input [2B, T, H] and target [2B, T] must agree (chosen rows "
+                         f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
+    mask = _mask_of(target, completion_mask, ignore_index, acc_dtype(input))
+    tgt = torch.where(mask > 0, target, ignore_index)
+    logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index) * mask).sum(-1)
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        if ref_input is None or ref_weight is None:
+            raise ValueError("tritongrad.linear_dpo_loss: give ref_chosen_logps and ref_rejected_logps, or ref_input "
+                             "and ref_weight")
+        with torch.no_grad():
+            ref = (linear_token_logprobs(ref_input, ref_weight, tgt, ref_bias, ignore_index=ignore_index) * mask).sum(-1)
+        ref_chosen_logps, ref_rejected_logps = ref.chunk(2)
+    chosen, rejected = logps.chunk(2)
+    tokens = mask.sum(-1)
+    return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
+                             label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
+                             rejected_tokens=tokens.chunk(2)[1], num_pairs_in_batch=num_pairs_in_batch)
+
+
+# ---------------------------------------------------------------- distillation
+def _distill_validate(student_input, student_weight, teacher_input, teacher_weight, row_weight, student_bias,
+                      teacher_bias, beta, logit_scale, grads) -> None:
+    _check_scale("linear_jsd", logit_scale)
+    if not isinstance(beta, numbers.Real) or isinstance(beta, bool) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"tritongrad.linear_jsd: beta must be a float in [0, 1], got {beta!r}")
+    _check_head("linear_jsd (student)", student_input, student_weight, student_bias)
+    _check_head("linear_jsd (teacher)", teacher_input, teacher_weight, teacher_bias)
+    N = student_input.shape[0]
+    if teacher_input.shape[0] != N or teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"tritongrad.linear_jsd: student {tuple(student_input.shape)} x {tuple(student_weight.shape)} "
+                         f"and teacher {tuple(teacher_input.shape)} x {tuple(teacher_weight.shape)} must share the rows "
+                         "and the vocabulary")
+    if row_weight.dim() != 1 or row_weight.shape[0] != N:
+        raise ValueError(f"tritongrad.linear_jsd: row_weight of shape {tuple(row_weight.shape)} must be [{N}]")
+    if grads is not None and len(grads) != 3:
+        raise ValueError(f"tritongrad.linear_jsd: grads must be 3 bools (input, weight, bias), got {grads}")
+
+
+def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale, need, rows_out):
+    """Chunks of rows: both heads' logits, the divergence kernel (the student's gradient over its logits where
+    any is asked for), then that chunk's share of the gradients asked for. Returns them (None where not)."""
+    N, V = s_in.shape[0], s_w.shape[0]
+    acc = acc_dtype(s_in)
+    want = any(need)
+    gi = torch.empty_like(s_in) if need[0] else None
+    gw = torch.empty_like(s_w) if need[1] else None
+    gb = torch.zeros(V, dtype=acc_dtype(s_b), device=s_in.device) if need[2] else None
+    plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), max(s_in.element_size(), t_in.element_size()), heads=2)
+    rows = min(plan.rows, N)
+    sbuf = torch.empty((rows, V), dtype=s_in.dtype, device=s_in.device)
+    tbuf = torch.empty((rows, V), dtype=t_in.dtype, device=s_in.device)
+    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    for r0 in range(0, N, plan.rows):
+        r1 = min(N, r0 + plan.rows)
+        h = s_in[r0:r1]
+        zs = _logits_into(sbuf[: r1 - r0], h, s_w, s_b)
+        zt = _logits_into(tbuf[: r1 - r0], t_in[r0:r1], t_w, t_b)
+        _distill_kernel[(r1 - r0,)](
+            zs, zt, row_weight, rows_out, V, r0, zs.stride(0), zt.stride(0), row_weight.stride(0),
+            *rt.split_float(float(logit_scale)), *rt.split_float(float(beta)), MODE=mode, STORE_GRAD=want,
+            BLOCK_V=plan.BLOCK_V, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+        )
+        if need[0]:
+            torch.mm(zs, s_w, out=gi[r0:r1])
+        if need[1]:
+            if r0 == 0:
+                torch.mm(zs.t(), h, out=gw)
+            else:
+                gw.addmm_(zs.t(), h)
+        if need[2]:
+            gb += zs.sum(0, dtype=gb.dtype)
+    return gi, gw, (gb.to(s_b.dtype) if need[2] else None)
+
+
+@op("tritongrad::linear_distill", reference=linear_distill_reference, validate=_distill_validate,
+    nondiff=("teacher_input", "teacher_weight", "row_weight", "teacher_bias"), outputs=("loss",),
+    residuals=("grad_input", "grad_weight", "grad_bias"),
+    save=("student_input", "student_weight", "teacher_input", "teacher_weight", "row_weight", "student_bias",
+          "teacher_bias", "grad_input", "grad_weight", "grad_bias"), opaque=True)
+def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+                      teacher_weight: torch.Tensor, row_weight: torch.Tensor,
+                      student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
+                      beta: float = 0.5, logit_scale: float = 1.0, grads: Optional[list[bool]] = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered distillation op: ``(loss, grad_input, grad_weight, grad_bias)``, the loss
+    ``sum_n row_weight[n] D_n`` (0-d, float32; float64 for float64) of the student's distribution against the
+    teacher's (kernels.py). ``grads`` (student input, weight, bias): the gradients the forward computes for an
+    upstream gradient of 1; the others are empty, and the backward computes what is asked for and missing.
+    :func:`linear_jsd` and :func:`linear_kl_div` are the public functions."""
+    N = student_input.shape[0]
+    acc = acc_dtype(student_input)
+
+    def empty():  # a fresh one per residual: a registered op's returns may not alias each other
+        return torch.empty(0, dtype=student_input.dtype, device=student_input.device)
+
+    need = tuple(bool(g) for g in grads) if grads is not None else (False,) * 3
+    need = (need[0], need[1], need[2] and student_bias is not None)
+    if N == 0:
+        zero = [torch.zeros_like(t) if n else empty()
+                for t, n in ((student_input, need[0]), (student_weight, need[1]), (student_bias, need[2]))]
+        return (torch.zeros((), dtype=acc, device=student_input.device), *zero)
+    rows = torch.empty(N, dtype=acc, device=student_input.device)
+    gi, gw, gb = _distill_pass(student_input, student_weight, teacher_input, teacher_weight, row_weight, student_bias,
+                               teacher_bias, beta, logit_scale, need, rows)
+    return rows.sum(), *(g if g is not None else empty() for g in (gi, gw, gb))
+
+
+@linear_distill_op.backward
+def _linear_distill_backward(ctx, grad_loss: torch.Tensor):
+    need_x, need_w = ctx.needs_input_grad[:2]
+    need_b = ctx.needs_input_grad[5] and ctx.student_bias is not None
+    need = (need_x, need_w, need_b)
+    have = (ctx.grad_input.numel() > 0 or ctx.student_input.numel() == 0,
+            ctx.grad_weight.numel() > 0 or ctx.student_weight.numel() == 0,
+            ctx.grad_bias.numel() > 0 or (ctx.student_bias is not None and ctx.student_bias.numel() == 0))
+    if all(h or not n for n, h in zip(need, have)):
+        # The forward computed them for an upstream gradient of 1: scale (on the device; nothing when it is 1).
+        take = _take_buffer(ctx)
+        out = [_scale(g, grad_loss, bool(take)) if n else None
+               for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias))]
+    else:  # a gradient the forward was not asked for (the registered op called directly): recompute
+        rows = torch.empty(ctx.student_input.shape[0], dtype=acc_dtype(ctx.student_input),
+                           device=ctx.student_input.device)
+        got = _distill_pass(ctx.student_input, ctx.student_weight, ctx.teacher_input, ctx.teacher_weight,
+                            ctx.row_weight, ctx.student_bias, ctx.teacher_bias, ctx.beta, ctx.logit_scale, need, rows)
+        out = [_scale(g, grad_loss, True) if g is not None else None for g in got]
+    return out[0], out[1], None, None, None, out[2], None
+
+
+def linear_jsd(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    *,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    num_items_in_batch=None,
+):
+    """TRL's generalized Jensen-Shannon divergence between a student's and a teacher's next-token
+    distributions, from both models' hidden states and LM heads; neither model's ``[N, V]`` logits exist at
+    once. ``beta`` = 0 is KL(teacher || student), 1 is KL(student || teacher), between them the JSD with the
+    mixture ``(1 - beta) student + beta teacher`` (TRL's distillation trainer, Liger's fused linear JSD).
+
+    Args:
+        student_input: ``[..., H_s]``; student_weight ``[V, H_s]`` (and ``student_bias`` ``[V]``).
+        teacher_input: ``[..., H_t]`` with the student's leading shape; teacher_weight ``[V, H_t]`` (and
+            ``teacher_bias``). The teacher takes no gradient (its tensors are detached here).
+        temperature: both models' logits are divided by it.
+        mask: input's leading shape, 1 for tokens in the loss (None: every token).
+        num_items_in_batch: the loss is the sum over tokens divided by it (the tokens of the whole optimizer
+            step, for gradient accumulation); None: this call's count of tokens in the mask (at least 1).
+
+    Returns:
+        The 0-d loss in float32 (float64 for float64 inputs). The forward computes the student's gradients
+        (chunk by chunk), so the backward only scales them.
+    """
+    lead = tuple(student_input.shape[:-1])
+    if tuple(teacher_input.shape[:-1]) != lead:
+        raise ValueError(f"tritongrad.linear_jsd: student_input {tuple(student_input.shape)} and teacher_input "
+                         f"{tuple(teacher_input.shape)} must share the leading shape")
+    scale = _scale_of(temperature, "linear_jsd")
+    student_input, student_weight, student_bias = _autocast_head(student_input, student_weight, student_bias)
+    teacher_input, teacher_weight, teacher_bias = _autocast_head(teacher_input, teacher_weight, teacher_bias)
+    acc = acc_dtype(student_input)
+    w = (torch.ones(lead, dtype=acc, device=student_input.device) if mask is None else mask.to(acc)).reshape(-1)
+    items = w.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
+    w = w / items
+    grads = None
+    if torch.is_grad_enabled():
+        grads = [student_input.requires_grad, student_weight.requires_grad,
+                 isinstance(student_bias, torch.Tensor) and student_bias.requires_grad]
+    return linear_distill_op(
+        student_input.reshape(-1, student_input.shape[-1]), student_weight,
+        teacher_input.detach().reshape(-1, teacher_input.shape[-1]), teacher_weight.detach(), w.detach(),
+        student_bias, teacher_bias.detach() if teacher_bias is not None else None, _as_float(beta), scale, grads,
+    )
+
+
+def linear_kl_div(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    reverse: bool = False,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    num_items_in_batch=None,
+):
+    """KL(teacher || student) (``reverse``: KL(student || teacher)) between two heads' next-token
+    distributions, per token, summed over the mask and divided by ``num_items_in_batch``: :func:`linear_jsd`
+    with beta 0 (1)."""
+    return linear_jsd(student_input, student_weight, teacher_input, teacher_weight, temperature,
+                      1.0 if reverse else 0.0, student_bias=student_bias, teacher_bias=teacher_bias, mask=mask,
+                      num_items_in_batch=num_items_in_batch)

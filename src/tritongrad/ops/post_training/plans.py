@@ -1,0 +1,51 @@
+"""Launch plans of the post-training family, as named data, with one line of why each (docs/post-training.md).
+
+One plan per call: how many rows of logits a chunk holds (the memory), and how each row's program walks its
+vocabulary (the kernels). Plans depend on N only for speed (callers pass ``rt.hint(N)``): grids and buffers
+take N itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ... import _runtime as rt
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds a chunk. ``LIMITS`` below is the one in force; tests replace it with a smaller one."""
+
+    # Logits buffers of one chunk, every head's together, at most this many bytes: 192 MiB is 4.6% of the
+    # 4.2 GB logits of 16384 tokens x 128256 classes in bfloat16 (the linear cross-entropy's budget) ...
+    chunk_bytes: int = 192 << 20
+    # ... in chunks of equal size (a ragged last chunk would be a small, inefficient product), a multiple of
+    # this many rows ...
+    row_multiple: int = 16
+    # ... and at least this many rows, whatever the vocabulary: smaller products run far from the GPU's peak.
+    min_rows: int = 128
+    # A row's program steps over its vocabulary this many bytes at a time (16 bytes a thread over 8 warps for
+    # 16-bit logits): one chunk in registers per step, the row itself never.
+    block_bytes: int = 8192
+
+
+LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    rows: int  # rows of logits made (and held) at once, per head
+    BLOCK_V: int  # vocabulary columns per step of a row's program
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, N: int, V: int, elem: int, heads: int = 1, limits: Limits | None = None) -> "ChunkPlan":
+        """The plan for N rows (a hint) of V logits of ``elem`` bytes, ``heads`` buffers of them at once (2 for
+        a student and its teacher): as many rows as the budget holds, evened out over the chunks that takes."""
+        lim = limits or LIMITS
+        most = max(lim.min_rows, lim.chunk_bytes // max(1, heads * V * elem))
+        chunks = rt.cdiv(max(N, 1), most)
+        rows = rt.cdiv(rt.cdiv(max(N, 1), chunks), lim.row_multiple) * lim.row_multiple
+        block = min(rt.next_pow2(max(V, 1)), max(16, lim.block_bytes // elem))
+        warps = max(1, min(8, block * elem // 512))  # 16 bytes a thread and step
+        return cls(max(1, min(N, rows)), block, warps)

@@ -1,0 +1,245 @@
+"""The post-training family in plain PyTorch: the float64 references of the tests, the CPU path without Triton,
+and the scalar formulas (GRPO, DPO) that the public losses apply to per-token log-probabilities. Imports torch
+only.
+
+The formulas follow TRL 1.16 (``GRPOTrainer._compute_loss``, ``DPOTrainer._compute_loss``, the distillation
+trainer's generalized JSD); kernels.py has the per-row math and its gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+
+
+def acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float32, or float64 when any present tensor is float64."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _readable(t: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not isinstance(t, torch._subclasses.fake_tensor.FakeTensor))
+
+
+def check_targets(target: torch.Tensor, V: int, ignore_index: int, op: str = "linear_token_logprobs") -> None:
+    """Raise IndexError naming the first target outside [0, V) that is not ``ignore_index`` (CPU tensors)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if bool(bad.any()):
+        i = int(bad.flatten().nonzero()[0, 0])
+        raise IndexError(f"tritongrad.{op}: target holds class index {int(target.flatten()[i])} at position {i}, "
+                         f"outside [0, {V}) and not ignore_index={ignore_index}")
+
+
+def linear_token_logprobs_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    return_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs [N], entropy [N] or [0])`` of ``logit_scale * F.linear(input, weight, bias)`` for ``input
+    [N, H]``, ``weight [V, H]``, targets ``[N]``: the product rounded to input's dtype as F.linear returns it,
+    then everything in float32 (float64 for float64). Rows whose target is ``ignore_index`` have logprob 0 (no
+    gradient); the entropy is every row's."""
+    if _readable(target):
+        check_targets(target, weight.shape[0], ignore_index)
+    acc = acc_dtype(input)
+    z = F.linear(input, weight, bias).to(acc)
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    logp = torch.log_softmax(z, -1)
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0).long()
+    lp = torch.where(valid, logp.gather(-1, safe[:, None])[:, 0], 0.0)
+    ent = -(logp.exp() * logp).sum(-1) if return_entropy else z.new_empty(0)
+    return lp, ent
+
+
+def _divergence_rows(zs: torch.Tensor, zt: torch.Tensor, beta: float) -> torch.Tensor:
+    """TRL's generalized JSD per row of student logits ``zs`` and teacher logits ``zt`` (already scaled)."""
+    lq, lp = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    if beta == 0.0:
+        return (lp.exp() * (lp - lq)).sum(-1)
+    if beta == 1.0:
+        return (lq.exp() * (lq - lp)).sum(-1)
+    lm = torch.logaddexp(lq + math.log1p(-beta), lp + math.log(beta))
+    return beta * (lp.exp() * (lp - lm)).sum(-1) + (1 - beta) * (lq.exp() * (lq - lm)).sum(-1)
+
+
+def linear_distill_reference(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    row_weight: torch.Tensor,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    beta: float = 0.5,
+    logit_scale: float = 1.0,
+    grads: list[bool] | None = None,
+) -> torch.Tensor:
+    """``sum_n row_weight[n] D_n`` (0-d, float32; float64 for float64) with D_n TRL's generalized JSD of the
+    student's distribution from the teacher's on row n (kernels.py), both models' logits
+    ``logit_scale * F.linear(...)``. The teacher takes no gradient. ``grads`` is the registered op's hint."""
+    acc = acc_dtype(student_input)
+    zs = F.linear(student_input, student_weight, student_bias).to(acc) * logit_scale
+    zt = F.linear(teacher_input, teacher_weight, teacher_bias).to(acc) * logit_scale
+    return (row_weight.to(acc) * _divergence_rows(zs, zt.detach(), beta)).sum()
+
+
+# ---------------------------------------------------------------- the scalar formulas on log-probabilities
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if x.shape[1] == 1:  # one value per sequence (sequence-level importance sampling)
+        return x.mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def grpo_from_logprobs(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    *,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch=None,
+    num_sequences_in_batch=None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """TRL's GRPO loss of per-token ``logprobs [B, T]`` (the policy's, differentiable), ``advantages [B]`` or
+    ``[B, T]`` and a float ``mask [B, T]``; ``(loss, metrics)``. The normalisers (``num_items_in_batch``: tokens,
+    ``num_sequences_in_batch``: sequences, each over the whole optimizer step) replace TRL's division by the
+    gradient-accumulation steps; None is this call's own count. docs/post-training.md has the formulas."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"tritongrad.linear_grpo_loss: loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError("tritongrad.linear_grpo_loss: importance_sampling_level must be 'token' or 'sequence', got "
+                         f"{importance_sampling_level!r}")
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    advantages = advantages.to(logprobs.dtype)
+    mask = mask.to(logprobs.dtype)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+    log_ratio = logprobs - old
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    metrics = {}
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
+        ref = ref_logprobs.to(logprobs.dtype)
+        per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
+        per_token_loss = per_token_loss + beta * per_token_kl
+        metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
+    B, T = mask.shape
+    total = per_token_loss * mask
+    if loss_type == "grpo":
+        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+        loss = (total.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / seqs
+    elif loss_type == "dr_grpo":
+        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+        loss = total.sum() / (seqs * (T if max_completion_length is None else max_completion_length))
+    else:  # bnpo, dapo: over tokens
+        items = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        items = items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0)
+        loss = total.sum() / items
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy.detach(), mask)
+    c1 = coef_1.detach()
+    low = ((c1 < 1 - epsilon_low) & (advantages < 0)).to(logprobs.dtype)
+    high = ((c1 > 1 + eps_high) & (advantages > 0)).to(logprobs.dtype)
+    metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
+    metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
+    metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
+    if low.shape[1] == 1:
+        low_seq, high_seq = low[:, 0], high[:, 0]
+    else:
+        low_seq, high_seq = (low * mask).sum(-1) / mask.sum(-1), (high * mask).sum(-1) / mask.sum(-1)
+    metrics["clip_ratio/low_min"] = _nan_reduce(low_seq, torch.amin)
+    metrics["clip_ratio/high_max"] = _nan_reduce(high_seq, torch.amax)
+    return loss, metrics
+
+
+def _nan_reduce(x: torch.Tensor, fn) -> torch.Tensor:
+    """TRL's nanmin / nanmax: NaN entries (sequences without tokens) left out; NaN when all are."""
+    fill = float("inf") if fn is torch.amin else float("-inf")
+    out = fn(torch.where(torch.isnan(x), fill, x))
+    return torch.where(torch.isnan(x).all(), float("nan"), out)
+
+
+def dpo_from_logprobs(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
+    num_pairs_in_batch=None,
+) -> tuple[torch.Tensor, dict]:
+    """TRL's DPO loss of sequence log-probabilities ``[B]`` (the policy's differentiable, the reference's not):
+    ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are IPO's
+    normalisation. ``num_pairs_in_batch``: the pairs of the whole optimizer step (None: B)."""
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    chosen_logratios = chosen_logps - ref_chosen_logps.to(chosen_logps.dtype)
+    rejected_logratios = rejected_logps - ref_rejected_logps.to(rejected_logps.dtype)
+    d = chosen_logratios - rejected_logratios
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        # TRL's sigmoid; with label smoothing, conservative DPO (TRL before 1.0: -(1-e) logsig(b d) - e logsig(-b d))
+        per_pair = -F.logsigmoid(beta * d)
+        if eps:
+            per_pair = (1 - eps) * per_pair - eps * F.logsigmoid(-beta * d)
+    elif loss_type == "hinge":
+        per_pair = torch.relu(1 - beta * d)
+    elif loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("tritongrad.linear_dpo_loss: loss_type='ipo' needs the completion lengths")
+        ipo_delta = (chosen_logratios / chosen_tokens.to(d.dtype).clamp(min=1.0)
+                     - rejected_logratios / rejected_tokens.to(d.dtype).clamp(min=1.0))
+        per_pair = (ipo_delta - 1 / (2 * beta)) ** 2
+    else:  # robust
+        if not 0.0 <= eps < 0.5:
+            raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got {eps}")
+        per_pair = (-(1 - eps) * F.logsigmoid(beta * d) + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
+    pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
+    loss = per_pair.sum() / pairs
+    chosen_rewards = beta * chosen_logratios.detach()
+    rejected_rewards = beta * rejected_logratios.detach()
+    metrics = {
+        "chosen_rewards": chosen_rewards,
+        "rejected_rewards": rejected_rewards,
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(d.dtype).mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": chosen_logps.detach().mean(),
+        "logps/rejected": rejected_logps.detach().mean(),
+    }
+    return loss, metrics
