@@ -7,6 +7,7 @@ Plans depend on the SM count: path tests plan for 4 SMs (the interpreter's count
 ``small_tiles`` and ``long_rows`` shrink the plans' tiles so that the chunked and long-row paths run at sizes
 the interpreter runs quickly."""
 
+import dataclasses
 import math
 
 import pytest
@@ -17,7 +18,6 @@ from conftest import DEVICE, check_forward, check_upstream_grad, check_values, k
 import tritongrad
 from tritongrad import _runtime as rt
 from tritongrad.ops.norm import layer_norm_op, llama_rms_norm, llama_rms_norm_reference, rms_norm_op
-from tritongrad.ops.norm import launch as norm_launch
 from tritongrad.ops.norm import plans as P
 from tritongrad.ops.norm.reference import default_eps
 from tritongrad.testing import OpSuite, make_rows
@@ -99,44 +99,34 @@ def bwd_kernels(seen):
     return [k for k in row_kernels(seen) if k not in (*FWD.values(), PARTS)]
 
 
-def _clear_plans():
-    # The launchers' per-signature recipes cache what the plans decided: cleared with them.
-    for plan in (P.fwd_plan, P.fwd_parts, P.bwd_plan, P.bwd_stages, P.column_split, P.long_bwd_plan,
-                 norm_launch._fwd_recipe, norm_launch._bwd_recipe):
-        plan.cache_clear()
+def tuned(**knobs):
+    """The launchers plan from the current table with ``knobs`` changed, inside the ``with`` block."""
+    return P.using(dataclasses.replace(P.table(), **knobs))
 
 
 @pytest.fixture
-def small_tiles(monkeypatch, four_sms):
+def small_tiles(four_sms):
     """Rows longer than 8 columns are read in chunks of 4: the two-read forward, Chan's merge over several
     chunks with a ragged last one, the row-sum pass and the column-split backward, at sizes the interpreter
     runs quickly."""
-    for name, value in (("FWD_MAX_BLOCK_D", 8), ("BWD_MAX_BLOCK_D", 8), ("CHUNK_D", 4)):
-        monkeypatch.setattr(P, name, value)
-    _clear_plans()
-    yield
-    _clear_plans()
+    with tuned(FWD_MAX_BLOCK_D=8, BWD_MAX_BLOCK_D=8, CHUNK_D=4):
+        yield
 
 
 @pytest.fixture
-def whole_rows(monkeypatch):
+def whole_rows():
     """Rows read in chunks are never split across columns, however few: one program per row tile."""
-    monkeypatch.setattr(P, "SPLIT_PROGS_PER_SM", 0)
-    _clear_plans()
-    yield
-    _clear_plans()
+    with tuned(SPLIT_PROGS_PER_SM=0):
+        yield
 
 
 @pytest.fixture
-def long_rows(monkeypatch, four_sms):
+def long_rows(four_sms):
     """Rows of 17 to 32 columns take the one-kernel long-row backward, in 3 or 4 chunks of 8 columns (the
     last one ragged unless D is a multiple of 8), at sizes the interpreter runs quickly; 4 rows fill the 4
     SMs (the path needs a row per SM)."""
-    monkeypatch.setattr(P, "BWD_MAX_BLOCK_D", 16)
-    monkeypatch.setattr(P, "LONG_BWD_CHUNK", 8)
-    _clear_plans()
-    yield
-    _clear_plans()
+    with tuned(BWD_MAX_BLOCK_D=16, LONG_BWD_CHUNK=8):
+        yield
 
 
 # The backward kernels each path launches (plus column_sum where partial rows or row sums are split).
@@ -268,21 +258,19 @@ def test_long_rows_read_dy_through_its_strides(norm, long_rows, launches):
     ],
     ids=str,
 )
-def test_long_rows_split(norm, N, D, want, dtype, long_rows, launches, monkeypatch):
+def test_long_rows_split(norm, N, D, want, dtype, long_rows, launches):
     # Rows whose dw/db accumulators would spill split their columns across SPLIT programs of each row group
     # (LONG_BWD_SPLIT; here for every row of 4 to 8 chunks).
     split = {4: P.SplitPlan(2, 4, 1), 5: P.SplitPlan(2, 4, 1), 6: P.SplitPlan(2, 4, 1), 8: P.SplitPlan(3, 4, 1)}
-    monkeypatch.setattr(P, "LONG_BWD_SPLIT", {P.SplitKey(c, n, n, k): v for c in (False, True) for n in (2, 4)
-                                              for k, v in split.items()})
-    monkeypatch.setattr(P, "LONG_BWD_WARPS", {})
-    _clear_plans()
-    check(norm, rows(norm, N, D, dtype=dtype), *params(norm, (D,), dtype))
-    (long,) = of(launches, LONG)
-    assert (long.kw["SPLIT"], long.kw["NCH"], long.grid[0]) == want
-    # Rows of 29 elements are not 16-byte aligned: no vector loads, so not split; the row-sum pass serves.
-    launches.clear()
-    check(norm, rows(norm, N, 29, dtype=dtype), *params(norm, (29,), dtype))
-    assert row_kernels(launches) == [FWD[norm], ROWSUM, BWD]
+    with tuned(LONG_BWD_SPLIT={P.SplitKey(c, n, n, k): v for c in (False, True) for n in (2, 4)
+                               for k, v in split.items()}, LONG_BWD_WARPS={}):
+        check(norm, rows(norm, N, D, dtype=dtype), *params(norm, (D,), dtype))
+        (long,) = of(launches, LONG)
+        assert (long.kw["SPLIT"], long.kw["NCH"], long.grid[0]) == want
+        # Rows of 29 elements are not 16-byte aligned: no vector loads, so not split; the row-sum pass serves.
+        launches.clear()
+        check(norm, rows(norm, N, 29, dtype=dtype), *params(norm, (29,), dtype))
+        assert row_kernels(launches) == [FWD[norm], ROWSUM, BWD]
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16], ids=str)
@@ -435,7 +423,7 @@ def test_layer_norm_16bit_forward_tiles(D, dtype, launches):
         launches.clear()
         check_fwd(norm, *args)
         tiles[name] = fwd_tile(launches)
-    own = P.LN_FWD_16BIT[dtype].get(rt.next_pow2(D)) is not None
+    own = P.TABLE.LN_FWD_16BIT[dtype].get(rt.next_pow2(D)) is not None
     assert (tiles["layer_norm"] != tiles["rms_norm"]) == own
     assert tiles["float64 statistics"] == tiles["rms_norm"]
 
@@ -468,17 +456,18 @@ def test_forward_warps(norm, D, dtype, other, fewer, launches):
 @pytest.mark.parametrize(
     "D,stages",
     [
-        (2560, P.BWD_MASKED_16BIT.stages),  # whole 16-bit rows masking a quarter or more of their tile of 4096:
-        (1536, P.BWD_MASKED_16BIT.stages),  # a stage more (the pipeline copies whole tiles)
-        (2048, P.BWD_STAGES),               # a full tile
-        (3584, P.BWD_STAGES),               # an eighth masked
+        (2560, P.TABLE.BWD_MASKED_16BIT.stages),  # whole 16-bit rows masking a quarter or more of their tile of 4096:
+        (1536, P.TABLE.BWD_MASKED_16BIT.stages),  # a stage more (the pipeline copies whole tiles)
+        (2048, P.TABLE.BWD_STAGES),               # a full tile
+        (3584, P.TABLE.BWD_STAGES),               # an eighth masked
     ],
 )
-def test_backward_pipelines_masked_16bit_rows_deeper(D, stages, launches, monkeypatch):
-    monkeypatch.setattr(rt, "shared_mem_per_sm", lambda device: 228 * 1024)  # an H200's, on any device
-    check("rms_norm", rows("rms_norm", 3, D, dtype=bf16))
+def test_backward_pipelines_masked_16bit_rows_deeper(D, stages, launches):
+    h200_smem = dataclasses.replace(rt.device_props(torch.device(DEVICE)), shared_mem_per_sm=228 * 1024)
+    with rt.assume_device(h200_smem):  # an H200's shared memory, on any device
+        check("rms_norm", rows("rms_norm", 3, D, dtype=bf16))
     (bwd,) = of(launches, BWD)
-    assert bwd.kw["STAGES"] == stages and bwd.kw["num_warps"] <= P.BWD_MASKED_16BIT.max_warps
+    assert bwd.kw["STAGES"] == stages and bwd.kw["num_warps"] <= P.TABLE.BWD_MASKED_16BIT.max_warps
 
 
 def test_backward_pipelining_depth_fits_shared_memory():
@@ -486,7 +475,7 @@ def test_backward_pipelining_depth_fits_shared_memory():
     h200, small = 228 * 1024, 100 * 1024
     t = P.bwd_plan(32768, 4096, 132)[0]
     assert (t.BLOCK_N * t.BLOCK_D, P.bwd_per_sm(t)) == (4096, 2)
-    assert P.bwd_stages(t, 2 + 2, h200) == P.BWD_STAGES == 3   # bf16: 2 x 16 KiB per program
+    assert P.bwd_stages(t, 2 + 2, h200) == P.TABLE.BWD_STAGES == 3   # bf16: 2 x 16 KiB per program
     assert P.bwd_stages(t, 4 + 4, h200) == 3                   # float32: 2 x 32 KiB
     assert P.bwd_stages(t, 8 + 8, h200) == 2                   # float64: 64 KiB tiles, only one ahead fits
     assert P.bwd_stages(t, 4 + 4, small) == 2

@@ -13,9 +13,8 @@ Rows longer than one register tile read x (and dy) twice: plans.py. Design and m
 from __future__ import annotations
 
 import collections.abc
-import functools
 import numbers
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -99,38 +98,6 @@ def _stride(t) -> int:
 
 
 # ---------------------------------------------------------------- launchers
-# Each launcher's decisions (dtypes, plan, grid shape, constexprs) depend on the input's signature alone, so
-# they are made once per signature (a recipe, cached) and replayed: the eager path's host time per call goes
-# to allocations and launches (docs/host-path.md). N enters a recipe as a plan hint; grids take N itself.
-class _FwdRecipe(NamedTuple):
-    out_dtype: torch.dtype
-    acc: torch.dtype
-    parts: bool  # the parted forward (one row per program)
-    BLOCK_N: int
-    splits: int
-    d_split: int
-    consts: dict  # constexprs and num_warps of the launch
-
-
-@functools.lru_cache(maxsize=4096)
-def _fwd_recipe(N: int, D: int, stride_row: int, x_dtype, w_dtype, b_dtype, layer_norm: bool, llama: bool,
-                sms: int) -> _FwdRecipe:
-    out_dtype = torch.promote_types(x_dtype, w_dtype) if llama else x_dtype
-    acc = rt.acc_dtype(functools.reduce(torch.promote_types, [d for d in (x_dtype, w_dtype, b_dtype) if d]))
-    flags = dict(HAS_W=w_dtype is not None, ACC=rt.tl_acc_dtype(acc))
-    parts = P.fwd_parts(D, x_dtype.itemsize)
-    if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
-        consts = dict(flags, CHUNK=parts.CHUNK, NCH=parts.NCH, HAS_B=b_dtype is not None, CENTERED=layer_norm,
-                      ROUND_XHAT=llama, ALIGN=rt.align(D, stride_row), num_warps=parts.num_warps)
-        return _FwdRecipe(out_dtype, acc, True, 1, 1, D, consts)
-    t = P.fwd_plan(N, D, x_dtype, layer_norm, acc)
-    splits, d_split = P.column_split(N, D, t, sms)
-    consts = dict(flags, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, HAS_B=b_dtype is not None,
-                  CENTERED=layer_norm, ROUND_XHAT=llama, ALIGN=rt.align(D, stride_row, d_split),  # y's row stride: D
-                  num_warps=t.num_warps)
-    return _FwdRecipe(out_dtype, acc, False, t.BLOCK_N, splits, d_split, consts)
-
-
 def _dtype(t: torch.Tensor | None):
     return None if t is None else t.dtype
 
@@ -140,8 +107,9 @@ def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool)
     x2 = rt.as_rows(x, k)
     N, D = x2.shape
     D = int(D)
-    r = _fwd_recipe(rt.hint(N), D, int(x2.stride(0)), x.dtype, _dtype(weight), _dtype(bias), layer_norm, llama,
-                    rt.sm_count(x.device))
+    r = P.forward(N=rt.hint(N), D=D, stride_row=int(x2.stride(0)), x_dtype=x.dtype, w_dtype=_dtype(weight),
+                  b_dtype=_dtype(bias), layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device),
+                  t=P.table())
     y = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
     rstd = torch.empty(x.shape[: x.dim() - k], dtype=r.acc, device=x.device)
     mean = torch.empty_like(rstd) if layer_norm else None
@@ -150,61 +118,19 @@ def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool)
         return (y, *[s.fill_(0.0) for s in stats])
     w, b = _flat(weight), _flat(bias)
     eps_hi, eps_lo = rt.split_float(eps)
+    rows = dict(x_ptr=x2, w_ptr=w, b_ptr=b, y_ptr=y, mean_ptr=mean, rstd_ptr=rstd)
+    strides = dict(stride_x_row=x2.stride(0), stride_x_col=x2.stride(1), stride_w=_stride(w), stride_b=_stride(b),
+                   stride_y_row=D, eps=eps_hi, eps_lo=eps_lo)
     if r.parts:
-        _parts_kernel[(N,)](x2, w, b, y, mean, rstd, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps_hi,
-                            eps_lo, **r.consts)
+        _parts_kernel[(N,)](**rows, **strides, **r.consts)
         return (y, *stats)
     # Column-split rows: each split's statistics first (PHASE 1), then the merge and normalisation (PHASE 2).
     part = rstd if r.splits == 1 else torch.empty((len(stats), r.splits, N), dtype=r.acc, device=x.device)
     grid = (rt.cdiv(N, r.BLOCK_N), r.splits)
     for phase in (0,) if r.splits == 1 else (1, 2):
-        _fwd_kernel[grid](
-            x2, w, b, y, mean, rstd, part, N, D, x2.stride(0), x2.stride(1), _stride(w), _stride(b), D, eps_hi, eps_lo,
-            r.d_split, r.splits, PHASE=phase, **r.consts,
-        )
+        _fwd_kernel[grid](**rows, part_ptr=part, N=N, D=D, **strides, D_SPLIT=r.d_split, NUM_SPLITS=r.splits,
+                          PHASE=phase, **r.consts)
     return (y, *stats)
-
-
-class _BwdRecipe(NamedTuple):
-    long: P.LongBwdPlan | None  # the one-kernel long-row backward
-    rowsum: bool  # long rows: the row-sum pass first
-    BLOCK_N: int
-    d_blocks: int
-    rows_per_prog: int
-    splits: int  # the row-sum pass's column splits
-    d_split: int
-    consts: dict  # the main kernel's constexprs and num_warps
-    rowsum_consts: dict
-
-
-@functools.lru_cache(maxsize=4096)
-def _bwd_recipe(N: int, D: int, sx: int, sdy: int, x_dtype, dy_dtype, w_dtype, acc, needs: tuple, layer_norm: bool,
-                llama: bool, sms: int, shared_mem: int) -> _BwdRecipe:
-    need_x, need_w, need_b = needs
-    x_size = x_dtype.itemsize
-    # layer_norm's backward with 32- and 64-bit x steps over fewer elements.
-    tile = P.LN_BWD_TILE_32BIT if layer_norm and x_size >= 4 else P.BWD_TILE
-    t, d_blocks, rows_per_prog = P.bwd_plan(N, D, sms, tile, x_size)
-    align = rt.align(D, sx, sdy)  # dx is contiguous (row stride D)
-    lp = None if t.ONE_TILE else P.long_bwd_plan(N, D, sms, layer_norm, x_size, w_dtype.itemsize if w_dtype else 0,
-                                                 acc.itemsize, align)
-    if lp is not None:
-        rows_per_prog = lp.rows_per_prog
-    # The dw/db partial rows are D or 2D apart (one buffer for both).
-    align = rt.align(align, D * (need_w + need_b))
-    flags = dict(HAS_W=w_dtype is not None, CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc), ALIGN=align,
-                 HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ROUND_XHAT=llama)
-    if lp is not None:
-        consts = dict(flags, CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, num_warps=lp.num_warps)
-        return _BwdRecipe(lp, False, 1, 1, rows_per_prog, 1, D, consts, {})
-    depth = P.BWD_MASKED_16BIT.stages if P.masked_16bit(t, D, x_size) else P.BWD_STAGES
-    consts = dict(flags, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ONE_TILE=t.ONE_TILE, num_warps=t.num_warps,
-                  STAGES=P.bwd_stages(t, x_size + dy_dtype.itemsize, shared_mem, depth))
-    rowsum = need_x and not t.ONE_TILE
-    splits, d_split = P.column_split(N, D, t, sms) if rowsum else (1, D)
-    rowsum_consts = dict(BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, num_warps=t.num_warps, HAS_W=w_dtype is not None,
-                         CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(align, d_split))
-    return _BwdRecipe(None, rowsum, t.BLOCK_N, d_blocks, rows_per_prog, splits, d_split, consts, rowsum_consts)
 
 
 def _empty_like(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
@@ -231,8 +157,9 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     dy2 = rt.as_rows(dy, k)  # a view for contiguous or expanded (stride 0) dy
     w = _flat(weight)
     acc = rstd.dtype
-    r = _bwd_recipe(rt.hint(N), D, int(x2.stride(0)), int(dy2.stride(0)), x.dtype, dy.dtype, _dtype(w), acc,
-                    (need_x, need_w, need_b), layer_norm, llama, rt.sm_count(x.device), rt.shared_mem_per_sm(x.device))
+    r = P.backward(N=rt.hint(N), D=D, stride_x=int(x2.stride(0)), stride_dy=int(dy2.stride(0)), x_dtype=x.dtype,
+                   dy_dtype=dy.dtype, w_dtype=_dtype(w), acc=acc, needs=(need_x, need_w, need_b),
+                   layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device), t=P.table())
     chunks = rt.cdiv(N, r.rows_per_prog)
     part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
     part = None
@@ -245,13 +172,13 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
         part_w, part_b = (part, None) if need_w else (None, part)
         db_off = D if need_w and need_b else 0
     stride_pw, stride_pb = (stride_part if need_w else 0), (stride_part if need_b else 0)
-    db_in_dw = db_off != 0
+    rows = dict(x_ptr=x2, w_ptr=w, dy_ptr=dy2, mean_ptr=mean, rstd_ptr=rstd)
+    strides = dict(N=N, D=D, stride_x_row=x2.stride(0), stride_x_col=x2.stride(1), stride_w=_stride(w),
+                   stride_dy_row=dy2.stride(0), stride_dy_col=dy2.stride(1))
+    grads = dict(dx_ptr=dx, dw_ptr=part_w, db_ptr=part_b, stride_dx_row=D, stride_dw_part=stride_pw,
+                 stride_db_part=stride_pb, db_off=db_off, ROWS_PER_PROG=r.rows_per_prog, DB_IN_DW=db_off != 0)
     if r.long is not None:
-        _long_kernel[(chunks * r.long.SPLIT,)](
-            x2, w, dy2, mean, rstd, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), D, stride_pw, stride_pb, db_off, r.rows_per_prog, r.long.COLS,
-            DB_IN_DW=db_in_dw, **r.consts,
-        )
+        _long_kernel[(chunks * r.long.SPLIT,)](**rows, **strides, **grads, COLS=r.long.COLS, **r.consts)
     else:
         c = None
         if r.rowsum:
@@ -260,16 +187,12 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
             c = torch.empty((1 + layer_norm) * N, dtype=acc, device=x.device)
             c_part = c if r.splits == 1 else torch.empty((r.splits, (1 + layer_norm) * N), dtype=acc, device=x.device)
             _rowsum_kernel[(rt.cdiv(N, r.BLOCK_N), r.splits)](
-                x2, w, dy2, mean, rstd, c_part, N, D, x2.stride(0), x2.stride(1), _stride(w), dy2.stride(0),
-                dy2.stride(1), N, r.d_split, c_part.stride(0) if r.splits > 1 else 0, **r.rowsum_consts,
+                **rows, c_ptr=c_part, **strides, stride_c=N, D_SPLIT=r.d_split,
+                stride_c_split=c_part.stride(0) if r.splits > 1 else 0, **r.rowsum_consts,
             )
             if r.splits > 1:
                 column_sum(c_part, c)
-        _bwd_kernel[(chunks, r.d_blocks)](
-            x2, w, dy2, mean, rstd, c, dx, part_w, part_b, N, D, x2.stride(0), x2.stride(1), _stride(w),
-            dy2.stride(0), dy2.stride(1), N, D, stride_pw, stride_pb, db_off, r.rows_per_prog, DB_IN_DW=db_in_dw,
-            **r.consts,
-        )
+        _bwd_kernel[(chunks, r.d_blocks)](**rows, c_ptr=c, **strides, stride_c=N, **grads, **r.consts)
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
     return dx, dw, db
