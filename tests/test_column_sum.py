@@ -64,3 +64,46 @@ def test_outputs_must_cover_the_columns():
     part = torch.zeros(4, 10, device=DEVICE)
     with pytest.raises(ValueError, match="4 \\+ 5 elements for a partial buffer of 10 columns"):
         cs.column_sum(part, torch.empty(4, device=DEVICE), torch.empty(5, device=DEVICE))
+
+
+# ---------------------------------------------------------------- the public reduction: tritongrad.reduce_partials
+@pytest.mark.parametrize("P,D", [(1, 5), (300, 40)], ids=str)  # one row; several 64-row steps, ragged
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_reduce_partials(P, D, dtype):
+    """``scale * partials.sum(0)`` in the requested dtype, accumulated in float32 (float64 for float64),
+    scaled once before the one rounding; bitwise equal on a second run."""
+    import tritongrad
+
+    part = torch.randn(P, D, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=DEVICE)
+    got = tritongrad.reduce_partials(part, dtype, scale=1 / 3)
+    assert got.dtype == dtype and got.shape == (D,)
+    want = part.double().sum(0) / 3
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5 * P**0.5, torch.bfloat16: 2 ** -7}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol * max(1.0, P**0.5), rtol=tol)
+    assert torch.equal(got, tritongrad.reduce_partials(part, dtype, scale=1 / 3))
+
+
+def test_reduce_partials_out_strides_and_refusals():
+    import tritongrad
+
+    part = torch.randn(70, 30, device=DEVICE)
+    wide = torch.zeros(30, 2, device=DEVICE)
+    assert tritongrad.reduce_partials(part.t().contiguous().t(), out=wide[:, 0]) is not None  # column stride 70
+    torch.testing.assert_close(wide[:, 0], part.sum(0), atol=1e-5, rtol=1e-5)
+    assert torch.equal(wide[:, 1], torch.zeros(30, device=DEVICE))
+    assert torch.equal(tritongrad.reduce_partials(part[:0]), torch.zeros(30, device=DEVICE))  # no rows: zeros
+    with pytest.raises(ValueError, match="2-D float tensor"):
+        tritongrad.reduce_partials(torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out must be \[30\]"):
+        tritongrad.reduce_partials(part, out=torch.empty(29, device=DEVICE))
+
+
+@pytest.mark.parametrize("N,block_n", [(1, 16), (1000, 16), (37, 1)], ids=str)
+def test_partial_rows_cover_every_row_once(N, block_n):
+    import tritongrad
+
+    part, rows = tritongrad.partial_rows(N, 8, DEVICE, block_n=block_n, programs=5)
+    P = part.shape[0]
+    assert part.dtype == torch.float32 and part.shape == (P, 8) and P <= 5
+    assert rows % block_n == 0 and (P - 1) * rows < N <= P * rows  # no empty program, every row covered
+    assert tritongrad.partial_rows(N, 8, DEVICE, dtype=torch.float64)[0].dtype == torch.float64

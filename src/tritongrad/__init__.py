@@ -4,7 +4,9 @@
   :mod:`tritongrad.nn` and :func:`patch` for existing models;
 - the pattern they are built on, public: :func:`op` declares a differentiable operator from a forward
   launcher, a backward launcher and a PyTorch reference; :func:`kernel` launches a ``@triton.jit`` function
-  from a launcher; :mod:`tritongrad.testing` is the test kit for such ops.
+  from a launcher; :func:`reduce_partials` and :func:`partial_rows` are the deterministic reduction over rows
+  (a weight's gradient), with its Triton side in :mod:`tritongrad.language`; :func:`size_hint` plans with a
+  size that may be symbolic; :mod:`tritongrad.testing` is the test kit for such ops.
 
 Names are imported on first use, so that ``tritongrad.testing.use_interpreter()`` can still switch Triton to
 its interpreter (a choice Triton reads once, when it is imported).
@@ -20,6 +22,10 @@ _WHERE = {
     "BackwardContext": "._pattern",
     "kernel": "._pattern",
     "set_small_input_threshold": "._pattern",
+    "size_hint": "._pattern",
+    "reduce_partials": ".ops.column_sum",
+    "partial_rows": ".ops.column_sum",
+    "language": ".language",
     "weighted_sum": ".ops.weighted_sum",
     "rms_norm": ".ops.norm",
     "llama_rms_norm": ".ops.norm",
@@ -45,7 +51,7 @@ def __getattr__(name: str):
     if where is None:
         raise AttributeError(f"module 'tritongrad' has no attribute {name!r}")
     module = importlib.import_module(where, __name__)
-    value = module if name in ("nn", "testing") else getattr(module, name)
+    value = module if name in ("nn", "testing", "language") else getattr(module, name)
     globals()[name] = value  # later lookups are plain attribute reads
     if where == ".patch":  # importing the submodule set tritongrad.patch to it; the name is its function
         globals()["patch"] = module.patch
