@@ -892,3 +892,41 @@ def test_transform_refused_where_the_reference_cannot_run():
     with pytest.raises(RuntimeError, match=r"mylib.reads_values does not support torch.func.vmap: under it the op "
                                            r"runs its PyTorch reference"):
         torch.func.vmap(op)(torch.rand(2, 3, device=DEVICE))
+
+
+# ---------------------------------------------------------------- float arguments: float32 in every mode
+FLOAT32_ENTRY = """
+import os, sys
+sys.path.insert(0, os.path.join({root!r}, "examples"))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tritongrad import _runtime as rt
+import softcap
+
+kernel = softcap._softcap_fwd_kernel
+entry = rt.float32_entry(kernel, ("cap",))
+assert entry is not kernel and rt.float32_entry(kernel, ("cap",)).src == entry.src
+assert [(p.name, p.is_constexpr) for p in entry.params] == [(p.name, p.is_constexpr) for p in kernel.params]
+print(entry.src)
+for cap in ("fp64", "fp32"):  # Inductor's signature of a Python float; Triton's own
+    sig = {{"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "cap": cap, "BLOCK": "constexpr"}}
+    ttir = triton.compile(ASTSource(entry, signature=sig, constexprs={{"BLOCK": 1024}}),
+                          target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}}).asm["ttir"]
+    body = [line for line in ttir.splitlines() if "f64" in line and "tt.func" not in line]
+    print(cap, "f64 lines:", body)
+"""
+
+
+@pytest.mark.slow
+def test_float_arguments_reach_compiled_kernels_as_float32():
+    """A traced launch (what Inductor compiles) runs a copy of the kernel that converts its float parameters to
+    float32 on entry: compiled for sm_90 with the float64 signature Inductor gives a Python float, the only
+    float64 in the kernel is that one conversion, so the math is the float32 math of an eager launch."""
+    out = run_without_interpreter(["-c", FLOAT32_ENTRY.format(root=str(ROOT))])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cap = cap.to(tl.float32)" in out.stdout
+    fp64 = next(line for line in out.stdout.splitlines() if line.startswith("fp64 f64 lines:"))
+    assert fp64.count("arith.truncf") == 1 and fp64.count("f64") == 2, fp64  # the argument, truncated once
+    assert "fp32 f64 lines: []" in out.stdout
+

@@ -280,6 +280,11 @@ class Kernel:
     - traced tensors (torch.compile's functionalization, AOTInductor): ``torch.library.wrap_triton``, so the
       graph holds the kernel and Inductor launches it;
     - fake or meta tensors (shape propagation): nothing runs.
+
+    Float arguments: a Python float reaches the kernel as a float32 scalar in every mode. Triton's own launch
+    passes it as float32; Inductor's generated code passes float64, so traced launches run
+    :func:`float32_entry`'s copy of the kernel, which converts those parameters to float32 on entry. (Under
+    the interpreter the value is rounded to float32 and stays a Python float.)
     """
 
     def __init__(self, fn):
@@ -287,6 +292,7 @@ class Kernel:
             fn = fn.fn
         self.fn = fn
         self._cache: dict = {}
+        self._float32_entry: dict = {}  # float parameters' names -> float32_entry(fn, names), for traced launches
         self._constexpr_names = [p.name for p in fn.params if p.is_constexpr] if not INTERPRET else []
         self._arg_names = _arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
@@ -347,7 +353,48 @@ class Kernel:
         a0 = args[0]
         if INTERPRET or a0.is_meta or isinstance(a0, FakeTensor):
             return  # shapes only: the outputs were allocated, nothing to compute
-        torch.library.wrap_triton(self.fn)[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+        floats = tuple(p.name for p, a in zip(self.fn.params, args) if type(a) in (float, torch.SymFloat))
+        fn = self.fn
+        if floats:
+            fn = self._float32_entry.get(floats)
+            if fn is None:
+                fn = self._float32_entry[floats] = float32_entry(self.fn, floats)
+        torch.library.wrap_triton(fn)[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+
+
+def float32_entry(jit_fn, names: tuple[str, ...]):
+    """A copy of the ``@triton.jit`` function ``jit_fn`` whose body first converts the parameters ``names`` to
+    float32 (``cap = cap.to(tl.float32)``), so that a float argument is a float32 scalar in the kernel whatever
+    the launcher passes: Inductor's generated code passes a Python float as float64, Triton's launch as
+    float32 (where the conversion is a no-op). ``jit_fn`` itself where it is not a plain JITFunction (an
+    autotuner) or where its module binds ``tl`` to something other than ``triton.language``."""
+    import ast
+    import linecache
+
+    from triton.runtime.jit import JITFunction
+
+    if type(jit_fn) is not JITFunction:
+        return jit_fn
+    scope = dict(jit_fn.fn.__globals__)
+    if scope.setdefault("tl", tl) is not tl:
+        return jit_fn
+    tree = ast.parse(jit_fn.src)
+    fdef = tree.body[0]
+    fdef.decorator_list = []
+    body = fdef.body
+    first = 1 if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+        and isinstance(body[0].value.value, str) else 0  # after the docstring
+    casts = [ast.parse(f"{n} = {n}.to(tl.float32)").body[0] for n in names]
+    fdef.body = body[:first] + casts + body[first:]
+    src = ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+    filename = f"<tritongrad float32 entry of {jit_fn.fn.__module__}.{jit_fn.fn.__qualname__}{names}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # inspect.getsource reads it
+    exec(compile(src, filename, "exec"), scope)
+    fn = scope[fdef.name]
+    fn.__module__ = jit_fn.fn.__module__
+    options = {k: getattr(jit_fn, k) for k in ("do_not_specialize", "do_not_specialize_on_alignment", "debug",
+                                                "noinline") if getattr(jit_fn, k, None) is not None}
+    return triton.jit(fn, **options)
 
 
 def _arg_names(fn) -> list:
