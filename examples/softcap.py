@@ -2,7 +2,8 @@
 
     y = cap * tanh(x / cap),        dL/dx = dL/dy * (1 - (y / cap)^2)
 
-The backward needs only the output, so the op saves y (not x). Run: ``python examples/softcap.py``.
+The backward needs only the output, so the op saves y (not x). Run: ``python examples/softcap.py``; benchmark:
+``tritongrad bench --op examples.softcap:softcap``.
 """
 
 import torch
@@ -10,14 +11,13 @@ import triton
 import triton.language as tl
 
 import tritongrad
+from tritongrad.language import upcast
 
 
 @triton.jit
 def _softcap_fwd_kernel(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + o, mask=o < n)
-    x = x.to(tl.float64 if x.dtype == tl.float64 else tl.float32)  # float32 math, float64 for float64
-    cap = tl.cast(cap, x.dtype)  # a float argument is float32 from eager launches, float64 from torch.compile's
+    x = upcast(tl.load(x_ptr + o, mask=o < n))  # float32 math, float64 for float64; cap is float32
     t = tl.exp(-2.0 * tl.abs(x / cap))  # tanh(|u|) = (1 - e^-2|u|) / (1 + e^-2|u|): no overflow
     y = cap * tl.where(x < 0, -1.0, 1.0) * (1.0 - t) / (1.0 + t)
     tl.store(y_ptr + o, y.to(y_ptr.dtype.element_ty), mask=o < n)
@@ -26,9 +26,7 @@ def _softcap_fwd_kernel(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
 @triton.jit
 def _softcap_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n, cap, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    y = tl.load(y_ptr + o, mask=o < n)
-    y = y.to(tl.float64 if y.dtype == tl.float64 else tl.float32)
-    y = y / tl.cast(cap, y.dtype)
+    y = upcast(tl.load(y_ptr + o, mask=o < n)) / cap
     dy = tl.load(dy_ptr + o, mask=o < n).to(y.dtype)
     tl.store(dx_ptr + o, (dy * (1.0 - y * y)).to(dx_ptr.dtype.element_ty), mask=o < n)
 
@@ -57,6 +55,13 @@ def _(ctx, dy):
     dx = torch.empty_like(ctx.y)
     bwd[(triton.cdiv(dx.numel(), BLOCK),)](ctx.y, dy.contiguous(), dx, dx.numel(), ctx.cap, BLOCK=BLOCK)
     return dx
+
+
+# Its inputs for a size N x D (the test kit's samples and `tritongrad bench --op` both make them here)
+@softcap.inputs(fwd_bytes=lambda N, D, s: 2 * N * D * s,  # read x + write y
+                bwd_bytes=lambda N, D, s: 3 * N * D * s)  # read y + read dy + write dx
+def _(N, D, dtype, device):
+    return {"x": 8 * torch.randn(N, D, device=device).to(dtype), "cap": 5.0}
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.slow
 
 # Explicit shapes and dtype, so the same few seconds of work on a GPU machine as on CPU.
 ARGS = ["--shapes", "4x64,16x256", "--dtype", "fp32", "--rep", "5", "--warmup", "0"]
+# The full sweep (every provider, shape and mode) on the row ops; the others, slower through the interpreter,
+# at one shape and mode in test_every_built_in_op_runs.
+ROW_OPS = ["weighted_sum", "rms_norm", "layer_norm"]
 
 # Bytes at x: [4, 64] float32 (s = 4), worked by hand from each op's formula in bench/ops.py:
 # N*D*s = 1024, D*s = 256, N*s = 16.
@@ -33,6 +37,14 @@ BYTES_4x64_FP32 = {
     "rms_norm": {"fwd": 1024 + 256 + 1024, "bwd": 1024 + 256 + 1024 + 1024 + 256},
     # fwd: x + w + b + y; bwd: x + w + g + gx + gw + gb
     "layer_norm": {"fwd": 1024 + 512 + 1024, "bwd": 1024 + 256 + 1024 + 1024 + 512},
+    # fwd: logits + int64 targets (8 N = 32); bwd: logits + targets + their gradient
+    "cross_entropy": {"fwd": 1024 + 32, "bwd": 2 * 1024 + 32},
+    # V = 8 D = 512, W: V*D*s = 131072; fwd: h + W + targets; bwd: h + W + targets + gh + gW
+    "linear_cross_entropy": {"fwd": 1024 + 131072 + 32, "bwd": 2 * (1024 + 131072) + 32},
+    # fwd: gate + up + y; bwd: gate + up + g + d_gate + d_up
+    "swiglu": {"fwd": 3 * 1024, "bwd": 5 * 1024},
+    # 32 + 8 heads of 64 over 4 positions (40 * 1024 = 40960 bytes each way), cos + sin (2 * 1024)
+    "rotary": {"fwd": 2 * 40960 + 2048, "bwd": 2 * 40960 + 2048},
 }
 
 
@@ -47,7 +59,7 @@ def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["bench", "--out", str(out), *ARGS]) == 0
+        assert main(["bench", *ROW_OPS, "--out", str(out), *ARGS]) == 0
     doc = json.loads(_one(out.glob("*.json")).read_text())
     with _one(out.glob("*.csv")).open(newline="") as f:
         csv_rows = list(csv.DictReader(f))
@@ -58,7 +70,7 @@ def test_every_provider_is_measured_or_says_why(bench):
     _, doc, _, printed = bench
     rows = doc["results"]
     assert list(doc["providers"]) == list(PROVIDERS)
-    for op in OPS:
+    for op in ROW_OPS:
         for provider in PROVIDERS:
             mine = [r for r in rows if (r["op"], r["provider"]) == (op, provider)]
             assert len(mine) == 2 * 3, (op, provider)  # 2 shapes x 3 modes
@@ -134,6 +146,36 @@ def test_one_plot_per_op(bench):
     for op in {r["op"] for r in doc["results"] if r["status"] == "ok"}:
         png = _one(out.glob(f"*-{op}.png"))
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_built_in_op_runs(tmp_path):
+    """The ops past the row ops (cross_entropy, linear_cross_entropy, swiglu, rotary), by name or alias, each
+    timed on its inputs by tritongrad and eager PyTorch, with its bytes formula."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "cross_entropy", "linear_cross_entropy", "swiglu", "apply_rotary_pos_emb", "--shapes",
+                     "4x64", "--dtype", "fp32", "--mode", "fwdbwd", "--rep", "1", "--warmup", "0", "--provider",
+                     "tritongrad", "eager", "--out", str(tmp_path)])
+    assert code == 0
+    rows = json.loads(_one(tmp_path.glob("*.json")).read_text())["results"]
+    assert {(r["op"], r["provider"]) for r in rows} == {
+        (op, p) for op in ("cross_entropy", "linear_cross_entropy", "swiglu", "rotary") for p in ("tritongrad", "eager")}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["bytes"] == sum(BYTES_4x64_FP32[r["op"]].values()), r
+
+
+def test_readme_speed_table_ops_are_bench_ops():
+    """Every op in the README's speed table is `tritongrad bench OP`."""
+    from tritongrad.bench.ops import ALIASES
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Speed"):readme.index("A 1.24B Llama")]
+    names = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line}
+    names.discard("op")
+    assert names and all(ALIASES.get(n.replace(" ", "_"), n.replace(" ", "_")) in OPS for n in names), names
+    assert set(OPS) >= {"weighted_sum", "rms_norm", "layer_norm", "cross_entropy", "linear_cross_entropy", "swiglu",
+                        "rotary"}
 
 
 def test_list_and_bad_arguments(capsys):

@@ -100,6 +100,13 @@ def set_small_input_threshold(numel: int) -> int:
 kernel = rt.Kernel
 
 
+def size_hint(n) -> int:
+    """An int to choose a launch plan by (block sizes, warps): ``n`` itself, or a symbolic size's hint while
+    torch.compile traces with dynamic shapes, without adding a guard. Plans may depend on it only for speed:
+    grids and buffer sizes take the size itself, so that the traced launch is right for every value."""
+    return rt.hint(n)
+
+
 def op(
     name: str,
     *,
@@ -297,6 +304,7 @@ class Op:
         self.forward, self.reference, self._validate, self.native = (
             _positional(f, params) for f in (forward, reference, validate, native))
         self._backward_fn = None
+        self.declared_inputs: DeclaredInputs | None = None
         self._fwd_def = None
         # A Function subclass per op, so that y.grad_fn reads e.g. <SoftcapBackward>.
         self._function = type("".join(p.title() for p in self.name.split("_")), (_Function,), {})
@@ -325,6 +333,64 @@ class Op:
         self._backward_fn = fn
         self._register()
         return fn
+
+    def inputs(self, *, fwd_bytes: Callable[[int, int, int], int], bwd_bytes: Callable[[int, int, int], int],
+               shapes: Sequence[tuple[int, int]] | None = None) -> Callable[[Callable], Callable]:
+        """Decorator: declare how to make the op's arguments for a size ``N x D``, and the bytes each pass must
+        move there; the test kit (:meth:`sample`) and ``tritongrad bench --op`` both use it::
+
+            @weighted_sum.inputs(fwd_bytes=lambda N, D, s: N * D * s + D * s + N * s,      # x, w, y
+                                 bwd_bytes=lambda N, D, s: 2 * N * D * s + 2 * D * s + N * s)  # x, w, g, gx, gw
+            def _(N, D, dtype, device):
+                return torch.randn(N, D, dtype=dtype, device=device), torch.randn(D, dtype=dtype, device=device)
+
+        The function returns the op's arguments (a tuple, or a dict by name) with fresh random values, tensors
+        not requiring grad (the bench and the kit set that on the arguments the op differentiates).
+        ``fwd_bytes(N, D, s)`` / ``bwd_bytes(N, D, s)``: the fewest bytes the forward / backward must read and
+        write, every tensor at ``s`` bytes an element (the floor GB/s is measured against). ``shapes``: the
+        ``(N, D)`` the bench sweeps on a GPU by default."""
+        if not (callable(fwd_bytes) and callable(bwd_bytes)):
+            raise TypeError(f"{self.label}.inputs: fwd_bytes and bwd_bytes are functions (N, D, itemsize) -> bytes")
+
+        def declare(make: Callable) -> Callable:
+            self.declared_inputs = DeclaredInputs(make, fwd_bytes, bwd_bytes,
+                                                  tuple(tuple(s) for s in shapes) if shapes else None)
+            return make
+
+        return declare
+
+    def make_inputs(self, N: int, D: int, dtype: torch.dtype, device) -> tuple:
+        """The declared inputs (:meth:`inputs`) for ``N x D``: every argument, defaults filled in, the floating
+        tensors the op differentiates requiring grad. Raises ValueError, saying what to declare, where the op
+        declares none, and where the declared function fails or returns what the op does not take."""
+        if self.declared_inputs is None:
+            raise ValueError(
+                f"{self.label} declares no inputs: add, after the op's declaration, "
+                f"@{self.name}.inputs(fwd_bytes=lambda N, D, s: ..., bwd_bytes=lambda N, D, s: ...) on a function "
+                f"(N, D, dtype, device) returning its arguments for a size N x D (docs/writing-an-op.md)")
+        try:
+            made = self.declared_inputs.make(N, D, dtype, device)
+            args = self.bind((), made) if isinstance(made, dict) else self.bind(tuple(made), {})
+            self.check(args)
+        except Exception as e:
+            raise ValueError(f"{self.label}: its declared inputs for {N}x{D} {dtype} cannot be built: "
+                             f"{type(e).__name__}: {e}") from e
+        return tuple(
+            a.detach().requires_grad_() if i in self._diff_positions and isinstance(a, torch.Tensor)
+            and a.is_floating_point() else a for i, a in enumerate(args))
+
+    def sample(self, N: int, D: int) -> Callable:
+        """A sample for the test kit (``OpSuite(op, [op.sample(5, 37), ...])``) made by the declared inputs at
+        ``N x D``: ``make(dtype, device)`` returning the arguments, named ``"<N>x<D>"``."""
+        if self.declared_inputs is None:
+            self.make_inputs(N, D, torch.float32, "meta")  # raises: says what to declare
+        make = self.declared_inputs.make
+
+        def sample(dtype, device):
+            return make(N, D, dtype, device)
+
+        sample.__name__ = f"{N}x{D}"
+        return sample
 
     # ---------------------------------------------------------------- checks
     def check(self, args: tuple) -> None:
@@ -556,6 +622,16 @@ class Op:
 
     def __repr__(self) -> str:
         return f"<tritongrad op {self.qualname}{self.signature}>"
+
+
+class DeclaredInputs(typing.NamedTuple):
+    """What :meth:`Op.inputs` declared: ``make(N, D, dtype, device)`` -> the op's arguments; the bytes each
+    pass must move, ``fwd_bytes(N, D, itemsize)`` and ``bwd_bytes(N, D, itemsize)``; the default sweep."""
+
+    make: Callable
+    fwd_bytes: Callable[[int, int, int], int]
+    bwd_bytes: Callable[[int, int, int], int]
+    shapes: tuple[tuple[int, int], ...] | None
 
 
 class BackwardContext:

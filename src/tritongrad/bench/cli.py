@@ -35,15 +35,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "sweep through Triton's interpreter."
         ),
     )
-    p.add_argument("ops", nargs="*", metavar="OP", help="ops to run (default: all; see --list)")
+    p.add_argument("ops", nargs="*", metavar="OP", help="ops to run (default: all built-in ones; see --list)")
     p.add_argument("--dtype", nargs="+", choices=_DTYPES, help="default: bf16 fp16 fp32 (bf16 with --quick, fp32 on CPU)")
     p.add_argument("--shapes", type=_shapes, help="NxD[,NxD...] rows x features, e.g. 32768x4096,16x1048576")
     p.add_argument("--mode", nargs="+", choices=_MODES, default=list(_MODES), help="default: all three")
     p.add_argument("--provider", nargs="+", metavar="NAME", help="providers to run (default: all; see --list)")
     p.add_argument(
         "--op", nargs="+", default=[], metavar="MODULE:NAME", dest="user_ops",
-        help="also run a user's op: an op declared with tritongrad.op, or a tritongrad.bench OpSpec, e.g. "
-             "examples.softcap:softcap (its reference is the eager and torch.compile baseline)",
+        help="also run a user's op: an op declared with tritongrad.op that declares its inputs (@op.inputs), "
+             "or a tritongrad.bench OpSpec, e.g. examples.softcap:softcap (its reference is the eager and "
+             "torch.compile baseline); an op without declared inputs is refused",
     )
     p.add_argument("--out", default="bench-out", help="folder for the JSON, CSV and PNGs (default: bench-out)")
     p.add_argument("--quick", action="store_true", help="a small sweep: three shapes, bf16")
@@ -70,7 +71,7 @@ def _list(ops, probes) -> int:
                     has.append(name)
                 except Unavailable as e:
                     lacks.append(str(e))
-        print(f"  {op.name:<13} {', '.join(f'{n}x{d}' for n, d in op.shapes)}")
+        print(f"  {op.name:<13} {op.size}; {', '.join(f'{n}x{d}' for n, d in op.shapes)}")
         print(f"  {'':<13} run by: {', '.join(has)}" + "".join(f"; {why}" for why in lacks))
     print("providers:")
     for name, (version, why) in probes.items():
@@ -88,16 +89,25 @@ def run(args) -> int:
     from .ops import OPS
     from .providers import PROVIDERS, probe_all
 
-    from .ops import load
+    from .ops import ALIASES, load, verify
 
-    user = [load(path) for path in args.user_ops]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    user = []
+    for path in args.user_ops:
+        try:
+            spec = load(path)
+            verify(spec, device)
+        except ValueError as e:
+            print(f"tritongrad bench --op {path}: {e}", file=sys.stderr)
+            return 2
+        user.append(spec)
     OPS.update((spec.name, spec) for spec in user)
+    args.ops = [ALIASES.get(o, o) for o in args.ops]
     unknown = [o for o in args.ops if o not in OPS] + [p for p in args.provider or () if p not in PROVIDERS]
     if unknown:
         print(f"tritongrad bench: unknown {', '.join(unknown)}; ops: {', '.join(OPS)}; "
               f"providers: {', '.join(PROVIDERS)}", file=sys.stderr)
         return 2
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     wanted = set(args.provider or PROVIDERS)
     probes = probe_all([p for p in PROVIDERS if p in wanted])
     if args.list:
@@ -157,4 +167,8 @@ def run(args) -> int:
         written += pictures
     print("\n".join(report.summary(doc["results"], list(probes))))
     print(f"wrote {', '.join(str(p) for p in written)} in {doc['meta']['elapsed_s']:.0f} s")
+    failed = sorted({r["op"] for r in doc["results"] if r["provider"] == "tritongrad" and r["status"] == "error"})
+    if failed:
+        print(f"tritongrad bench: tritongrad's measurements failed for {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0

@@ -1,6 +1,6 @@
 """The measurements and the sweep.
 
-Modes, for an op ``y = f(*inputs)`` and a fixed random upstream gradient ``g``:
+Modes, for an op ``y = f(*inputs)`` and a fixed random upstream gradient ``g`` (one per floating output):
 
 - ``fwd``   : ``f(*inputs)`` under ``torch.no_grad()`` (nothing saved for backward);
 - ``bwd``   : ``y.backward(g, retain_graph=True)`` on one retained graph: the backward alone;
@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from . import roofline
-from .ops import OPS, QUICK_SHAPES, SMOKE_SHAPES, OpSpec
+from .ops import OPS, QUICK_SHAPES, ROW_SWEEP, SMOKE_SHAPES, OpSpec, outputs
 from .providers import PROVIDERS, Unavailable
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -68,18 +68,25 @@ def _fwd(fn, inputs, g):
     return run
 
 
+def _grads(g) -> tuple:
+    return tuple(g) if isinstance(g, (tuple, list)) else (g,)
+
+
 def _bwd(fn, inputs, g):
-    y = fn(*inputs)  # kept alive by the closure, with its graph: each run is the backward alone
+    y = outputs(fn(*inputs))  # kept alive by the closure, with its graph: each run is the backward alone
+    g = _grads(g)
 
     def run():
-        y.backward(g, retain_graph=True)
+        torch.autograd.backward(y, g, retain_graph=True)
 
     return run
 
 
 def _fwdbwd(fn, inputs, g):
+    g = _grads(g)
+
     def run():
-        fn(*inputs).backward(g)
+        torch.autograd.backward(outputs(fn(*inputs)), g)
 
     return run
 
@@ -205,7 +212,9 @@ def shapes_for(op: OpSpec, cfg: Config, device: str) -> Sequence[tuple[int, int]
         return cfg.shapes
     if device != "cuda":
         return SMOKE_SHAPES
-    return QUICK_SHAPES if cfg.quick else op.shapes
+    if cfg.quick:  # the row sweep's three, or the smallest row shape and the op's first two
+        return QUICK_SHAPES if op.shapes == ROW_SWEEP else (QUICK_SHAPES[0], *op.shapes[:2])
+    return op.shapes
 
 
 def _no_room(N: int, D: int, itemsize: int, device: str) -> str | None:
@@ -302,9 +311,12 @@ def sweep(cfg: Config, device: str, timer: Timer, copy_gbps: float, probes: dict
                 why_not = why_not or _no_room(N, D, dtype.itemsize, device)
                 inputs = g = None
                 if why_not is None:
-                    inputs = op.inputs(N, D, dtype, device)
-                    with torch.no_grad():
-                        g = torch.randn_like(op.bind(op.torch_fn)(*inputs))
+                    try:
+                        inputs = op.inputs(N, D, dtype, device)
+                        with torch.no_grad():
+                            g = tuple(torch.randn_like(o) for o in outputs(op.bind(op.torch_fn)(*inputs)))
+                    except Exception as e:  # the op's inputs cannot be made at this size: every row says so
+                        why_not = "error: inputs: " + _error(e)
                 reference: dict = {}
                 for name in cfg.providers:
                     yield from _provider_rows(

@@ -1,7 +1,12 @@
 """The ops ``tritongrad bench`` knows: how to make their inputs, what they compute in plain PyTorch, and the
 fewest bytes each pass must move through device memory (the bandwidth floor GB/s is computed from).
 
-Bytes are counted for ``x: [N, D]`` and every other tensor in the same dtype of ``s`` bytes per element:
+Every built-in op has an entry in :data:`OPS`; a user's op declares its inputs and bytes with
+``@op.inputs(...)`` (:meth:`tritongrad.Op.inputs`), which :func:`from_op` turns into an entry for
+``tritongrad bench --op MODULE:NAME``. An op that declares none is refused, never timed on guessed inputs.
+
+Each op reads a size ``N x D`` its own way (the entry's docstring line says how). Bytes are counted with every
+floating tensor in one dtype of ``s`` bytes per element (targets: int64):
 
 - forward : read the inputs + write the output;
 - backward: read the saved inputs + read the output's gradient ``g`` + write every input's gradient;
@@ -14,7 +19,8 @@ choice of the implementation, not something the op must move.
 from __future__ import annotations
 
 import importlib
-import inspect
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,28 +62,92 @@ def _x_and_vectors(count: int):
     return make
 
 
+def _rows(count: int):
+    """``count`` tensors ``[N, D]`` requiring grad."""
+
+    def make(N: int, D: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+        return tuple(make_rows((N, D), dtype, device).requires_grad_() for _ in range(count))
+
+    return make
+
+
+def _logits_and_targets(N: int, D: int, dtype: torch.dtype, device):
+    return make_rows((N, D), dtype, device).requires_grad_(), torch.randint(0, D, (N,), device=device)
+
+
+def lce_vocab(D: int) -> int:
+    """linear_cross_entropy's vocabulary at hidden size D: Llama 3's 128256 from D = 1024 up, else 8 D (the
+    interpreter's smoke sweep)."""
+    return 128256 if D >= 1024 else 8 * D
+
+
+def _hidden_weight_targets(N: int, D: int, dtype: torch.dtype, device):
+    V = lce_vocab(D)
+    h = (torch.randn(N, D, device=device) / 4).to(dtype).requires_grad_()
+    W = (torch.randn(V, D, device=device) / D**0.5).to(dtype).requires_grad_()
+    return h, W, torch.randint(0, V, (N,), device=device)
+
+
+ROPE_HEADS = (32, 8)  # query and key/value heads (Llama 3 8B's)
+
+
+def _rope_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """q [1, 32, N, D], k [1, 8, N, D] (N positions of heads of D), cos and sin [1, N, D] (no gradient)."""
+    hq, hk = ROPE_HEADS
+    q = torch.randn(1, hq, N, D, dtype=dtype, device=device).requires_grad_()
+    k = torch.randn(1, hk, N, D, dtype=dtype, device=device).requires_grad_()
+    inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
+    emb = torch.arange(N, device=device, dtype=torch.float32)[:, None] * inv
+    emb = torch.cat([emb, emb], dim=-1)[None]
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def _weighted_sum_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w).sum(-1)
+
+
+def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotary_torch(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """Hugging Face's ``apply_rotary_pos_emb`` (Llama's)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _linear_cross_entropy_torch(input, weight, target):
+    return F.cross_entropy(F.linear(input, weight), target)
 
 
 @dataclass(frozen=True)
 class OpSpec:
     """One op. ``torch_fn`` has the op's public signature (that of ``tritongrad.<name>``) and is the eager
     baseline and what torch.compile compiles; ``bind`` turns a function of that signature into one taking
-    exactly the tensors ``inputs`` makes."""
+    exactly the arguments ``inputs`` makes (tensors, and for a declared op its other arguments too)."""
 
     name: str
-    inputs: Callable[[int, int, torch.dtype, object], tuple[torch.Tensor, ...]]
+    inputs: Callable[[int, int, torch.dtype, object], tuple]
     torch_fn: Callable
     bind: Callable[[Callable], Callable]
     fwd_bytes: Callable[[int, int, int], int]
     bwd_bytes: Callable[[int, int, int], int]
     shapes: tuple[tuple[int, int], ...] = ROW_SWEEP
-    fn: Callable | None = None  # tritongrad's callable; None: ``tritongrad.<name>``
+    fn: Callable | str | None = None  # tritongrad's callable, or its name in tritongrad; None: ``name``
+    size: str = "x: [N, D]"  # what N x D means for this op
 
     def bytes(self, mode: str, N: int, D: int, s: int) -> int:
         fwd, bwd = self.fwd_bytes(N, D, s), self.bwd_bytes(N, D, s)
         return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[mode]
+
+
+def _identity(f):
+    return f
 
 
 OPS: dict[str, OpSpec] = {
@@ -87,7 +157,7 @@ OPS: dict[str, OpSpec] = {
             "weighted_sum",
             _x_and_vectors(1),
             _weighted_sum_torch,
-            bind=lambda f: f,
+            bind=_identity,
             # read x + read w + write y
             fwd_bytes=lambda N, D, s: N * D * s + D * s + N * s,
             # read x + read w + read g + write gx + write gw
@@ -113,53 +183,111 @@ OPS: dict[str, OpSpec] = {
             # read x + read w + read g + write gx + write gw + write gb (b itself is not needed)
             bwd_bytes=lambda N, D, s: N * D * s + D * s + N * D * s + N * D * s + 2 * D * s,
         ),
+        OpSpec(
+            "cross_entropy",
+            _logits_and_targets,
+            F.cross_entropy,
+            bind=_identity,
+            # read logits + read targets (the loss, one element, not counted)
+            fwd_bytes=lambda N, D, s: N * D * s + 8 * N,
+            # read logits + read targets + write their gradient (an implementation that writes the gradient
+            # in the forward moves these bytes there: fwdbwd is the figure to compare)
+            bwd_bytes=lambda N, D, s: 2 * N * D * s + 8 * N,
+            shapes=((4096, 32000), (16384, 32000), (8192, 128256)),
+            size="logits [N, D] (D classes), targets [N]",
+        ),
+        OpSpec(
+            "linear_cross_entropy",
+            _hidden_weight_targets,
+            _linear_cross_entropy_torch,
+            bind=lambda f: lambda h, W, t: f(h, W, t),
+            # read hidden + read weight + read targets (the logits are never materialised)
+            fwd_bytes=lambda N, D, s: N * D * s + lce_vocab(D) * D * s + 8 * N,
+            # read hidden + weight + targets + write their gradients
+            bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 8 * N,
+            shapes=((4096, 4096), (16384, 4096)),
+            size="hidden [N, D], weight [V, D] (V = 128256 from D = 1024, else 8 D), targets [N]",
+        ),
+        OpSpec(
+            "swiglu",
+            _rows(2),
+            _swiglu_torch,
+            bind=_identity,
+            # read gate + read up + write y
+            fwd_bytes=lambda N, D, s: 3 * N * D * s,
+            # read gate + read up + read g + write d_gate + write d_up
+            bwd_bytes=lambda N, D, s: 5 * N * D * s,
+            shapes=((4096, 4096), (16384, 14336), (4096, 14336)),
+            size="gate, up [N, D]",
+        ),
+        OpSpec(
+            "rotary",
+            _rope_inputs,
+            _rotary_torch,
+            bind=_identity,
+            # read q + k + cos + sin, write q and k rotated
+            fwd_bytes=lambda N, D, s: 2 * sum(ROPE_HEADS) * N * D * s + 2 * N * D * s,
+            # read their gradients + cos + sin, write q's and k's
+            bwd_bytes=lambda N, D, s: 2 * sum(ROPE_HEADS) * N * D * s + 2 * N * D * s,
+            shapes=((4096, 128), (16384, 128)),
+            fn="apply_rotary_pos_emb",
+            size="q [1, 32, N, D], k [1, 8, N, D] (N positions, heads of D), cos, sin [1, N, D]",
+        ),
     )
 }
 
+# Other names an op is known by (the README's, the function's).
+ALIASES = {"apply_rotary_pos_emb": "rotary", "rope": "rotary", "rotary_embedding": "rotary"}
 
-def from_op(op, inputs: Callable | None = None, fwd_bytes: Callable | None = None, bwd_bytes: Callable | None = None,
-            shapes: tuple[tuple[int, int], ...] = ROW_SWEEP) -> OpSpec:
-    """An :class:`OpSpec` for an op declared with :func:`tritongrad.op` (one output): its reference is the
-    eager baseline and what torch.compile compiles.
 
-    Defaults, for ops whose tensor arguments are all ``[N, D]`` (elementwise and row-wise ops): ``inputs``
-    makes every tensor argument ``[N, D]`` (requiring grad where the op differentiates it) and gives the other
-    arguments their defaults; the bytes are one read of each tensor input and one write of the output
-    forward, and one read of each saved tensor and of the output's gradient plus one write of each input
-    gradient backward."""
-    if op.n_outputs != 1:
-        raise ValueError(f"tritongrad bench: {op.label} has {op.n_outputs} outputs; give an OpSpec with a "
-                         "function returning one tensor")
-    tensors = op.tensor_positions
-    if inputs is None:
-        missing = [n for i, (n, d) in enumerate(zip(op._names, op._defaults))
-                   if i not in tensors and d is inspect.Parameter.empty]
-        if missing:
-            raise ValueError(f"tritongrad bench: {op.label}'s arguments {missing} have no default; give inputs=")
-
-        def inputs(N, D, dtype, device):
-            return tuple(
-                make_rows((N, D), dtype, device).requires_grad_(i in op._diff_positions) if i in tensors else d
-                for i, d in enumerate(op._defaults)
-            )
-
-    n_in, n_diff = len(tensors), len(op._diff_positions)
-    fwd_bytes = fwd_bytes or (lambda N, D, s: (n_in + 1) * N * D * s)
-    bwd_bytes = bwd_bytes or (lambda N, D, s: (len(op.save) + 1 + n_diff) * N * D * s)
-    return OpSpec(op.label, inputs, op.reference, lambda f: f, fwd_bytes, bwd_bytes, shapes, fn=op)
+def from_op(op) -> OpSpec:
+    """An :class:`OpSpec` for an op declared with :func:`tritongrad.op` whose inputs are declared
+    (:meth:`tritongrad.Op.inputs`): its reference is the eager baseline and what torch.compile compiles.
+    Raises ValueError, saying what to declare, for an op that declares none."""
+    declared = op.declared_inputs
+    if declared is None:
+        op.make_inputs(1, 1, torch.float32, "meta")  # raises the message that says what to declare
+    return OpSpec(op.label, op.make_inputs, op.reference, _identity, declared.fwd_bytes, declared.bwd_bytes,
+                  declared.shapes or ROW_SWEEP, fn=op)
 
 
 def load(path: str) -> OpSpec:
-    """``"package.module:attr"``: an :class:`OpSpec`, or an op declared with :func:`tritongrad.op` (then
-    :func:`from_op`'s defaults)."""
+    """``"package.module:attr"``: an :class:`OpSpec`, or an op declared with :func:`tritongrad.op` that declares
+    its inputs (:func:`from_op`). Raises ValueError with what to do otherwise."""
     module, _, attr = path.partition(":")
     if not module or not attr:
-        raise ValueError(f"tritongrad bench --op: expected MODULE:NAME such as mypkg.ops:softcap, got {path!r}")
-    obj = getattr(importlib.import_module(module), attr)
+        raise ValueError(f"expected MODULE:NAME such as mypkg.ops:softcap, got {path!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` does: MODULE may be a file under the current folder
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{path}: {type(e).__name__}: {e}") from e
     if isinstance(obj, OpSpec):
         return obj
     from .._pattern import Op
 
     if isinstance(obj, Op):
         return from_op(obj)
-    raise TypeError(f"tritongrad bench --op {path}: {type(obj).__name__} is neither an OpSpec nor a tritongrad op")
+    raise ValueError(f"{path} is a {type(obj).__name__}, neither a tritongrad op nor a tritongrad.bench OpSpec")
+
+
+def outputs(result) -> tuple:
+    """An op's result as a tuple of its floating outputs (the tensors a backward starts from)."""
+    outs = result if isinstance(result, (tuple, list)) else (result,)
+    return tuple(o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point())
+
+
+def verify(spec: OpSpec, device: str) -> None:
+    """Before timing a user's op: at the smallest smoke shape, tritongrad's op and the baseline (its reference)
+    give outputs of the same shapes and dtypes for the declared inputs, so that the rows of every provider time
+    one computation. Raises ValueError saying what differs."""
+    N, D = SMOKE_SHAPES[0]
+    args = spec.inputs(N, D, torch.float32, device)
+    with torch.no_grad():
+        ours = outputs(spec.bind(spec.fn)(*args))
+        base = outputs(spec.bind(spec.torch_fn)(*args))
+    shown = [[(tuple(o.shape), o.dtype) for o in outs] for outs in (ours, base)]
+    if shown[0] != shown[1]:
+        raise ValueError(f"{spec.name} at {N}x{D}: the op returns {shown[0]}, its reference {shown[1]}; the "
+                         "declared inputs must be arguments both compute one result from")

@@ -57,9 +57,9 @@ def _tritongrad_probe() -> str:
 def _tritongrad_build(op: OpSpec) -> Callable:
     import tritongrad
 
-    fn = op.fn if op.fn is not None else getattr(tritongrad, op.name, None)
+    fn = op.fn if op.fn is not None and not isinstance(op.fn, str) else getattr(tritongrad, op.fn or op.name, None)
     if fn is None:
-        raise Unavailable(f"tritongrad.{op.name} does not exist in this version")
+        raise Unavailable(f"tritongrad.{op.fn or op.name} does not exist in this version")
     return op.bind(fn)
 
 
@@ -94,18 +94,45 @@ def _liger_probe() -> str:
 
 
 def _liger_build(op: OpSpec) -> Callable:
-    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    def rms_norm():
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-    fns = {
         # offset 0, casting_mode "llama" (its default); in_place=False because the harness replays one
         # backward with one grad tensor, which in_place=True would overwrite with grad_x.
-        "rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False),
-        "layer_norm": lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS),
-    }
+        return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+
+    def layer_norm():
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+
+    def cross_entropy():
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        return lambda x, t: liger_cross_entropy(x, t)
+
+    def linear_cross_entropy():
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return lambda h, W, t: liger_fused_linear_cross_entropy(h, W, t)
+
+    def swiglu():
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        return LigerSiLUMulFunction.apply
+
+    def rotary():
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
+
+    fns = {f.__name__: f for f in (rms_norm, layer_norm, cross_entropy, linear_cross_entropy, swiglu, rotary)}
     if op.name not in fns:
         raise Unavailable(f"liger-kernel has no {op.name}")
-    return fns[op.name]
+    try:
+        return fns[op.name]()
+    except ImportError as e:
+        raise Unavailable(f"liger-kernel {op.name} is not importable ({e})") from None
 
 
 def _quack_probe() -> str:
@@ -122,6 +149,20 @@ def _quack_build(op: OpSpec) -> Callable:
     return lambda x, w: quack.rmsnorm(x, w, eps=EPS)
 
 
+def _cce_probe() -> str:
+    _, version = _import("cut_cross_entropy", "cut-cross-entropy")
+    _needs_cuda("cut-cross-entropy")
+    return version
+
+
+def _cce_build(op: OpSpec) -> Callable:
+    if op.name != "linear_cross_entropy":
+        raise Unavailable(f"cut-cross-entropy has no {op.name}")
+    from cut_cross_entropy import linear_cross_entropy
+
+    return lambda h, W, t: linear_cross_entropy(h, W, t)
+
+
 # tritongrad first: every other provider's speedup is measured against it.
 PROVIDERS: dict[str, Provider] = {
     p.name: p
@@ -131,6 +172,7 @@ PROVIDERS: dict[str, Provider] = {
         Provider("torch.compile", _compile_probe, _compile_build, guard=_compiled_only),
         Provider("liger", _liger_probe, _liger_build),
         Provider("quack", _quack_probe, _quack_build),
+        Provider("cce", _cce_probe, _cce_build),
     )
 }
 

@@ -1,0 +1,132 @@
+"""The ops in examples/, written on the public API alone, as CI runs them: each through the test kit on tiny
+shapes made by its own input declaration, and through ``tritongrad bench --op`` (a one-shape, one-mode sweep
+that works through the interpreter); then ``--op`` refusing what it cannot time right."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import DEVICE, ROOT, import_example
+
+import tritongrad
+from tritongrad.cli import main
+from tritongrad.testing import OpSuite
+
+softcap = import_example("softcap").softcap
+weighted_sum = import_example("weighted_sum").weighted_sum
+
+# Per example: its samples, from the op's own declared inputs (N x D), each there for a reason.
+SUITES = {
+    "softcap": OpSuite(softcap, [softcap.sample(7, 33)],  # one block of 1024, mostly masked
+                       leading=("x",), dtypes=(torch.float32, torch.bfloat16)),
+    "weighted_sum": OpSuite(weighted_sum, [
+        weighted_sum.sample(5, 37),    # rows and columns short of a tile: every mask on
+        weighted_sum.sample(40, 150),  # three row tiles over two partial rows, two column blocks: reduce_partials
+    ], leading=("x",), dtypes=(torch.float32, torch.bfloat16)),
+}
+test_softcap = SUITES["softcap"].pytest()
+test_weighted_sum = SUITES["weighted_sum"].pytest()
+
+
+# Two ops that `tritongrad bench --op` must refuse (neither ever runs): one that declares no inputs, and the
+# issue's y = a * tanh(x / a) * g whose declared gain is [N, D] where the op takes [D].
+def _tanh_reference(x: torch.Tensor, g: torch.Tensor, a: float = 2.0) -> torch.Tensor:
+    return a * torch.tanh(x / a) * g
+
+
+@tritongrad.op("examples_test::no_inputs", reference=_tanh_reference)
+def no_inputs(x: torch.Tensor, g: torch.Tensor, a: float = 2.0) -> torch.Tensor:
+    raise AssertionError("never launched")
+
+
+def _validate_gain(x, g, a=2.0):
+    if g.shape != x.shape[-1:]:
+        raise ValueError(f"scaled_tanh: g must be [D] = [{x.shape[-1]}], got {tuple(g.shape)}")
+
+
+@tritongrad.op("examples_test::wrong_inputs", reference=_tanh_reference, validate=_validate_gain)
+def wrong_inputs(x: torch.Tensor, g: torch.Tensor, a: float = 2.0) -> torch.Tensor:
+    raise AssertionError("never launched")
+
+
+@wrong_inputs.inputs(fwd_bytes=lambda N, D, s: 3 * N * D * s, bwd_bytes=lambda N, D, s: 5 * N * D * s)
+def _(N, D, dtype, device):
+    return torch.randn(N, D, dtype=dtype, device=device), torch.randn(N, D, dtype=dtype, device=device)
+
+
+def _bench(capsys, *args):
+    code = main(["bench", "--shapes", "4x64", "--dtype", "fp32", "--mode", "fwdbwd", "--rep", "1", "--warmup", "0",
+                 "--provider", "tritongrad", "eager", *args])
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("path", ["examples.softcap:softcap", "examples.weighted_sum:weighted_sum"])
+def test_bench_times_each_example(path, tmp_path, monkeypatch, capsys):
+    """``tritongrad bench --op``: tritongrad's op and its reference (the eager row) timed on the op's declared
+    inputs, with its declared bytes."""
+    monkeypatch.chdir(ROOT)
+    code, out = _bench(capsys, "--op", path, "--out", str(tmp_path))
+    assert code == 0, out.err
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    rows = doc["results"]
+    assert {r["provider"] for r in rows} == {"tritongrad", "eager"} and all(r["status"] == "ok" for r in rows), rows
+    op = sys.modules[path.split(":")[0]].__dict__[path.split(":")[1]]
+    declared = op.declared_inputs
+    assert all(r["bytes"] == declared.fwd_bytes(4, 64, 4) + declared.bwd_bytes(4, 64, 4) for r in rows)
+
+
+def _refused(capsys, path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out = _bench(capsys, "--op", path)
+    assert code == 2 and out.out == "", (code, out.out)
+    return out.err
+
+
+def test_bench_refuses_an_op_without_declared_inputs(capsys, monkeypatch):
+    err = _refused(capsys, "test_examples:no_inputs", monkeypatch)
+    assert "declares no inputs" in err and "@no_inputs.inputs(fwd_bytes=" in err, err
+
+
+def test_bench_refuses_inputs_the_op_does_not_take(capsys, monkeypatch):
+    """The gain of y = a tanh(x / a) g declared [N, D] where the op takes [D]: refused at the op's validation,
+    never timed against a reference that would broadcast it."""
+    err = _refused(capsys, "test_examples:wrong_inputs", monkeypatch)
+    assert "cannot be built" in err and "g must be [D]" in err, err
+
+
+def test_bench_refuses_what_cannot_be_loaded(capsys, monkeypatch):
+    assert "ModuleNotFoundError" in _refused(capsys, "examples.no_such_module:op", monkeypatch)
+    assert "neither a tritongrad op" in _refused(capsys, "examples.softcap:softcap_reference", monkeypatch)
+
+
+def test_examples_run_as_scripts():
+    """``python examples/<name>.py`` (in the interpreter here) prints its op's node and errors."""
+    import subprocess
+
+    for name in ("softcap", "weighted_sum"):
+        env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py")], capture_output=True, text=True,
+                             env=env, timeout=300, cwd=ROOT)
+        assert out.returncode == 0 and "Backward object" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="Inductor launches the kernels only on a GPU")
+@pytest.mark.parametrize("name", ["softcap", "weighted_sum"])
+def test_compiled_equals_eager_bitwise(name):
+    """Under torch.compile (Inductor, which passes a Python float to a kernel as float64) the example's
+    outputs and gradients equal eager mode's bit for bit: float arguments reach the kernel as float32 either
+    way (tritongrad.kernel), and reduce_partials runs in the compiled graph."""
+    op = SUITES[name].op
+    args = op.make_inputs(1000, 300, torch.float32, DEVICE)
+    compiled = torch.compile(op, fullgraph=True)
+    for fn in (op, compiled):
+        args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+        out = fn(*args)
+        out.backward(torch.ones_like(out))
+        got = (out.detach(), *[a.grad for a in args if isinstance(a, torch.Tensor)])
+        if fn is op:
+            want = got
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
