@@ -130,3 +130,21 @@ def test_compiled_equals_eager_bitwise(name):
             want = got
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_readme_quick_start_says_what_ran(capsys):
+    """The README's quick start, run as it is: it names the path the ops took and prints a result."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme[readme.index("## Quick start"):].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README quick start", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == tritongrad.backend(DEVICE) and printed[0].startswith("Triton kernels"), printed
+    assert printed[1].startswith("loss ") and "(CrossEntropyBackward)" in printed[1], printed
+    if DEVICE == "cpu":  # the figures the README shows
+        assert readme.count(printed[1]) == 1, printed[1]
+
+
+def test_demo_says_what_ran(capsys):
+    assert main(["demo"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"tritongrad {tritongrad.__version__}: {tritongrad.backend(DEVICE)}", first

@@ -23,6 +23,7 @@ _WHERE = {
     "kernel": "._pattern",
     "set_small_input_threshold": "._pattern",
     "size_hint": "._pattern",
+    "backend": "._runtime",
     "reduce_partials": ".ops.column_sum",
     "partial_rows": ".ops.column_sum",
     "language": ".language",

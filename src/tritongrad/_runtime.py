@@ -48,6 +48,20 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cuda" or INTERPRET
 
 
+def backend(device=None) -> str:
+    """Which path tritongrad's ops take for tensors on ``device`` (default: the GPU if there is one, else the
+    CPU), in words: Triton kernels on the GPU, Triton kernels in Triton's interpreter, or the ops' PyTorch
+    references (a CPU without ``TRITON_INTERPRET=1`` set before triton was imported). Public as
+    ``tritongrad.backend``."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return f"Triton kernels on {torch.cuda.get_device_name(device)}"
+    if INTERPRET:
+        return f"Triton kernels in Triton's interpreter ({device.type})"
+    return (f"the ops' PyTorch references ({device.type}; set TRITON_INTERPRET=1 before importing triton for the "
+            "kernels in Triton's interpreter)")
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """Fake and meta tensors carry shapes only: launchers allocate outputs for them and launch nothing."""
     return t.is_meta or isinstance(t, FakeTensor)

@@ -26,7 +26,6 @@ def demo(args) -> int:
     import tritongrad
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    where = torch.cuda.get_device_name() if device == "cuda" else "CPU, Triton interpreter"
     torch.manual_seed(args.seed)
     x = torch.randn(4, 8, 512, device=device, requires_grad=True)
     w = torch.randn(512, device=device, requires_grad=True)
@@ -37,7 +36,7 @@ def demo(args) -> int:
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     yr = (xr * wr).sum(-1)
     yr.backward(g)
-    print(f"tritongrad {tritongrad.__version__} on {where}")
+    print(f"tritongrad {tritongrad.__version__}: {tritongrad.backend(device)}")
     print(f"x: {tuple(x.shape)} {x.dtype}, w: {tuple(w.shape)}")
     print(f"y = tritongrad.weighted_sum(x, w): {tuple(y.shape)}, y[0, :4] = {y[0, :4].tolist()}")
     print(f"y.grad_fn = {y.grad_fn}")
