@@ -22,7 +22,7 @@ SUITES = {
                        leading=("x",), dtypes=(torch.float32, torch.bfloat16)),
     "weighted_sum": OpSuite(weighted_sum, [
         weighted_sum.sample(5, 37),    # rows and columns short of a tile: every mask on
-        weighted_sum.sample(40, 150),  # three row tiles over two partial rows, two column blocks: reduce_partials
+        weighted_sum.sample(40, 150),  # three row tiles, one partial row each, two column blocks: reduce_partials
     ], leading=("x",), dtypes=(torch.float32, torch.bfloat16)),
 }
 test_softcap = SUITES["softcap"].pytest()

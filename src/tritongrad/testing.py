@@ -240,6 +240,8 @@ class OpSuite:
         mixed: also run with the first floating tensor in bfloat16 and the other floating tensors in float32.
         factor, ulps: the tolerance, ``factor x baseline error + ulps units of the dtype``.
         compile: include the torch.compile cases (fullgraph; dynamic shapes too).
+        device: where the samples are made and the cases run (default :func:`default_device`: the GPU if there
+            is one, else the CPU, whose kernels need Triton's interpreter, :func:`use_interpreter`).
         isolate: run each case in a forked child process, so that a crash of the process fails the case
             instead of ending the session. Out-of-bounds accesses, the usual crash, need no child: under the
             interpreter every case checks each load and store (:class:`bounds_checked`). A child costs its
