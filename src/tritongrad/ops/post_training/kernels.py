@@ -24,7 +24,8 @@ ls = log \sum s and A = \sum a:
     logprob = (z_t - mx) - ls,    H = ls - A / \sum s
 
 so no large common offset of the logits is subtracted after rounding (the row's max is taken out first, as in
-the cross-entropy family). ``parts`` [2 or 3, N] keeps mx, ls (and H) for the backward, which needs no pass
+the cross-entropy family). With HAS_STATS the same pass also gives two statistics without gradient, which TRL's
+DPO trainer logs: the mean of z over the vocabulary, and whether t is the first argmax of z. ``parts`` [2 or 3, N] keeps mx, ls (and H) for the backward, which needs no pass
 over the row to find them: ``_token_logprobs_bwd_kernel`` reads each chunk once and writes dL/dx over it (the
 launchers then multiply it into grad_input and grad_weight).
 
@@ -75,6 +76,7 @@ def _token_logprobs_fwd_kernel(
     logp_ptr,  # [N] ACC out
     ent_ptr,  # [N] ACC out; None without HAS_ENTROPY
     parts_ptr,  # [2 or 3, N] ACC out: mx, ls (and H with HAS_ENTROPY)
+    stats_ptr,  # [2, N] ACC out: the mean of z, and 1.0 where the target is the first argmax; None without HAS_STATS
     V,
     N,
     row0,
@@ -85,29 +87,35 @@ def _token_logprobs_fwd_kernel(
     scale_lo,  # ... plus the rest of a float64 value (rt.split_float)
     BLOCK_V: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
+    HAS_STATS: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     n = row0 + pid
     p_x = x_ptr + pid * stride_x_row
     scale = float_arg(scale_hi, scale_lo, ACC)
+    t = tl.load(target_ptr + n * stride_t)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
     o_v = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), dtype=ACC)
     s_vec = tl.zeros([BLOCK_V], dtype=ACC)
     a_vec = tl.zeros([BLOCK_V], dtype=ACC)
+    zsum = tl.zeros([BLOCK_V], dtype=ACC)
+    before = tl.full([BLOCK_V], float("-inf"), dtype=ACC)  # the largest z_j with j < t
     for k in range(0, V, BLOCK_V):
         o = k + o_v
         m_v = o < V
         z = tl.load(p_x + o, mask=m_v, other=0.0).to(ACC) * scale
+        if HAS_STATS:
+            zsum += z  # masked lanes loaded as 0
+            before = tl.maximum(before, tl.where(m_v & (o < t), z, float("-inf")))
         z = tl.where(m_v, z, float("-inf"))
         m, s_vec, a_vec = _online_step(z, m, s_vec, a_vec, m_v, HAS_ENTROPY)
     mx = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(s_vec, 0)
     ls = tl.log(s)
 
-    t = tl.load(target_ptr + n * stride_t)
-    valid = t != ignore_index
-    in_range = (t >= 0) & (t < V)
     tl.device_assert(in_range | (t == ignore_index), "linear_token_logprobs: target out of [0, V)")
     z_t = tl.load(p_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0).to(ACC) * scale
     lp = (z_t - mx) - ls
@@ -119,6 +127,11 @@ def _token_logprobs_fwd_kernel(
         h = ls - tl.sum(a_vec, 0) / s
         tl.store(ent_ptr + n, h)
         tl.store(parts_ptr + 2 * N + n, h)
+    if HAS_STATS:
+        # argmax's first maximum: a tie with an earlier token is not the target's (TRL's is_top1)
+        top = (z_t >= m) & (z_t > tl.max(before, 0)) & valid & in_range
+        tl.store(stats_ptr + n, tl.sum(zsum, 0) / V)
+        tl.store(stats_ptr + N + n, tl.where(top, 1.0, 0.0))
 
 
 @triton.jit

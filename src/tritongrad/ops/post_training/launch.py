@@ -56,7 +56,7 @@ def _check_scale(name: str, logit_scale) -> None:
                          f"{logit_scale!r}")
 
 
-def _check_head(name: str, input, weight, bias) -> None:
+def _check_head(name: str, input, weight, bias, mixed: bool = False) -> None:
     if input.dim() != 2 or weight.dim() != 2 or input.shape[1] != weight.shape[1]:
         raise ValueError(f"tritongrad.{name}: input [N, H] and weight [V, H] must share H, got {tuple(input.shape)} "
                          f"and {tuple(weight.shape)}")
@@ -67,17 +67,39 @@ def _check_head(name: str, input, weight, bias) -> None:
     if V == 0 and input.shape[0] > 0:
         raise ValueError(f"tritongrad.{name}: weight {tuple(weight.shape)} has no classes")
     for what, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != input.dtype:
-            raise TypeError(f"tritongrad.{name}: {what} is {t.dtype}, input is {input.dtype}; F.linear takes one "
-                            "dtype (cast them, or use torch.autocast)")
+        if t is None or t.dtype == input.dtype:
+            continue
+        if mixed and t.dtype == torch.float32 and input.dtype in (torch.float16, torch.bfloat16):
+            continue  # float32 parameters with 16-bit hidden states: the product in the 16-bit dtype
+        raise TypeError(f"tritongrad.{name}: {what} is {t.dtype}, input is {input.dtype}; F.linear takes one "
+                        "dtype (cast them, or use torch.autocast)"
+                        + ("; float32 parameters with 16-bit input are also taken" if mixed else ""))
+
+
+def _low(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A parameter in the product's dtype (float32 parameters with 16-bit hidden states: one cast per call, as
+    autocast makes it)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into a float32 ``acc`` without rounding the product to a's 16-bit dtype first."""
+    if acc.is_cuda and _MM_OUT_DTYPE and a.dtype != acc.dtype:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
 # ---------------------------------------------------------------- linear_token_logprobs
-def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy) -> None:
+def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, return_stats,
+                  grad_weight_f32) -> None:
     _check_scale("linear_token_logprobs", logit_scale)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"tritongrad.linear_token_logprobs: ignore_index must be an int, got {ignore_index!r}")
-    _check_head("linear_token_logprobs", input, weight, bias)
+    _check_head("linear_token_logprobs", input, weight, bias, mixed=True)
     if target.dim() != 1 or target.shape[0] != input.shape[0]:
         raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} does not match "
                          f"input {tuple(input.shape)}: expected [{input.shape[0]}]")
@@ -88,55 +110,73 @@ def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return
 # Opaque under torch.compile: the chunk loop writes slices of buffers, which traced code would turn into copies
 # (docs/writing-an-op.md#opaque-ops).
 @op("tritongrad::linear_token_logprobs", reference=linear_token_logprobs_reference, validate=_tlp_validate,
-    index=("target",), outputs=("logprobs", "entropy"), residuals=("parts",),
+    index=("target",), outputs=("logprobs", "entropy", "stats"), residuals=("parts",),
     save=("input", "weight", "target", "bias", "parts"), opaque=True)
 def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                              bias: Optional[torch.Tensor] = None, ignore_index: int = -100, logit_scale: float = 1.0,
-                             return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             return_entropy: bool = False, return_stats: bool = False,
+                             grad_weight_f32: bool = False,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered op over ``input [N, H]``, ``weight [V, H]``, ``target [N]``: ``(logprobs [N], entropy [N]
-    (``[0]`` without ``return_entropy``), parts)`` in float32 (float64 for float64); parts [2 or 3, N]: each
-    row's max, the log of its shifted sum (and its entropy), for the backward. :func:`linear_token_logprobs`
-    is the public function."""
+    (``[0]`` without ``return_entropy``), stats [2, N] (``[0]`` without ``return_stats``), parts)`` in float32
+    (float64 for float64). stats, without gradient: each row's mean logit and whether its target is the first
+    argmax (1.0 or 0.0), which TRL's DPO trainer logs. parts [2 or 3, N]: each row's max, the log of its
+    shifted sum (and its entropy), for the backward. float32 ``weight`` and ``bias`` with 16-bit ``input`` are
+    cast to input's dtype for the products, and their gradients accumulate in float32; ``grad_weight_f32``
+    accumulates a 16-bit weight's gradient in float32 too (rounded once, at the end: a float32 buffer of the
+    weight's shape, as TRL's fused head keeps). :func:`linear_token_logprobs` is the public function."""
     N, V = input.shape[0], weight.shape[0]
     acc = acc_dtype(input)
     lp = torch.empty(N, dtype=acc, device=input.device)
     ent = torch.empty(N if return_entropy else 0, dtype=acc, device=input.device)
+    stats = torch.empty((2, N) if return_stats else (0,), dtype=acc, device=input.device)
     parts = torch.empty((3 if return_entropy else 2, N), dtype=acc, device=input.device)
     if N == 0:
-        return lp, ent, parts
+        return lp, ent, stats, parts
     plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
     buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
     scale = rt.split_float(float(logit_scale))
+    w, b = _low(weight, input.dtype), _low(bias, input.dtype)
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
-        logits = _logits_into(buf[: r1 - r0], input[r0:r1], weight, bias)
+        logits = _logits_into(buf[: r1 - r0], input[r0:r1], w, b)
         _fwd_kernel[(r1 - r0,)](
-            logits, target, lp, ent if return_entropy else None, parts, V, N, r0, logits.stride(0), target.stride(0),
-            ignore_index, *scale, BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=return_entropy, ACC=rt.tl_acc_dtype(acc),
-            num_warps=plan.num_warps,
+            logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None, V, N, r0,
+            logits.stride(0), target.stride(0), ignore_index, *scale, BLOCK_V=plan.BLOCK_V,
+            HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
         )
-    return lp, ent, parts
+    return lp, ent, stats, parts
 
 
 @linear_token_logprobs_op.backward
-def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor):
+def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, grad_stats):
+    # stats have no gradient (the reference detaches them): grad_stats is not read
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     input, weight, target, bias, parts = ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts
     need_b = need_b and bias is not None
     N, V = input.shape[0], weight.shape[0]
     acc = parts.dtype
+    # grad_weight accumulates in a float32 buffer (rounded once) for float32 weights with 16-bit input, and for
+    # 16-bit weights when asked; else in the weight's dtype, rounded once a chunk (docs/post-training.md)
+    acc_w = weight.dtype != input.dtype or bool(ctx.grad_weight_f32) and weight.element_size() == 2
     gi = torch.empty_like(input) if need_x else None
-    gw = (torch.empty_like(weight) if N else torch.zeros_like(weight)) if need_w else None
+    gw = None
+    if need_w:
+        if acc_w:
+            gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        else:
+            gw = torch.empty_like(weight) if N else torch.zeros_like(weight)
     gb = torch.zeros(V, dtype=acc_dtype(bias), device=input.device) if need_b else None  # float sums, one rounding
     if N:
         plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
         buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
         scale = rt.split_float(float(ctx.logit_scale))
         has_dent = bool(ctx.return_entropy) and grad_entropy.numel() == N
+        w, b = _low(weight, input.dtype), _low(bias, input.dtype)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
             h = input[r0:r1]
-            g = _logits_into(buf[: r1 - r0], h, weight, bias)
+            g = _logits_into(buf[: r1 - r0], h, w, b)
             _bwd_kernel[(r1 - r0,)](
                 g, target, parts, grad_logprobs, grad_entropy if has_dent else None, V, N, r0, g.stride(0),
                 target.stride(0), grad_logprobs.stride(0), grad_entropy.stride(0) if has_dent else 0,
@@ -144,16 +184,20 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entro
                 num_warps=plan.num_warps,
             )
             if need_x:
-                torch.mm(g, weight, out=gi[r0:r1])
+                torch.mm(g, w, out=gi[r0:r1])
             if need_w:
-                # Chunks add into grad_weight in order (deterministic): each product accumulates in float32 and
-                # rounds once to weight's dtype (docs/post-training.md, as the linear cross-entropy does).
-                if r0 == 0:
+                # Chunks add into grad_weight in order (deterministic): each product accumulates in float32 and,
+                # in the weight's dtype, rounds once a chunk (docs/post-training.md, as the linear cross-entropy)
+                if gw.dtype != g.dtype:
+                    _addmm_f32(gw, g.t(), h)
+                elif r0 == 0:
                     torch.mm(g.t(), h, out=gw)
                 else:
                     gw.addmm_(g.t(), h)
             if need_b:
                 gb += g.sum(0, dtype=gb.dtype)
+    if need_w and gw.dtype != weight.dtype:
+        gw = gw.to(weight.dtype)
     return gi, gw, None, (gb.to(bias.dtype) if need_b else None)
 
 
@@ -210,8 +254,8 @@ def linear_token_logprobs(
                          f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
     scale = _scale_of(temperature, "linear_token_logprobs")
     input, weight, bias = _autocast_head(input, weight, bias)
-    lp, ent = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
-                                       ignore_index, scale, bool(return_entropy))
+    lp, ent, _ = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
+                                          ignore_index, scale, bool(return_entropy))
     lp = lp.reshape(target.shape)
     return (lp, ent.reshape(target.shape)) if return_entropy else lp
 

@@ -44,15 +44,21 @@ def linear_token_logprobs_reference(
     ignore_index: int = -100,
     logit_scale: float = 1.0,
     return_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs [N], entropy [N] or [0])`` of ``logit_scale * F.linear(input, weight, bias)`` for ``input
-    [N, H]``, ``weight [V, H]``, targets ``[N]``: the product rounded to input's dtype as F.linear returns it,
-    then everything in float32 (float64 for float64). Rows whose target is ``ignore_index`` have logprob 0 (no
-    gradient); the entropy is every row's."""
+    return_stats: bool = False,
+    grad_weight_f32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs [N], entropy [N] or [0], stats [2, N] or [0])`` of ``logit_scale * F.linear(input, weight,
+    bias)`` for ``input [N, H]``, ``weight [V, H]``, targets ``[N]``: the product rounded to input's dtype as
+    F.linear returns it, then everything in float32 (float64 for float64). Rows whose target is
+    ``ignore_index`` have logprob 0 (no gradient); the entropy is every row's. ``stats``, without gradient: the
+    mean logit, and 1.0 where the target is the first argmax (0 for ignored rows). float32 parameters with
+    16-bit input are cast to input's dtype first (the product F.linear runs under autocast);
+    ``grad_weight_f32`` is the registered op's hint (kernels only)."""
     if _readable(target):
         check_targets(target, weight.shape[0], ignore_index)
     acc = acc_dtype(input)
-    z = F.linear(input, weight, bias).to(acc)
+    low = (lambda t: t if t is None or t.dtype == input.dtype else t.to(input.dtype))
+    z = F.linear(input, low(weight), low(bias)).to(acc)
     if logit_scale != 1.0:
         z = z * logit_scale
     logp = torch.log_softmax(z, -1)
@@ -60,7 +66,15 @@ def linear_token_logprobs_reference(
     safe = torch.where(valid, target, 0).long()
     lp = torch.where(valid, logp.gather(-1, safe[:, None])[:, 0], 0.0)
     ent = -(logp.exp() * logp).sum(-1) if return_entropy else z.new_empty(0)
-    return lp, ent
+    stats = z.new_empty(0)
+    if return_stats:
+        zd = z.detach()
+        z_t = zd.gather(-1, safe[:, None])[:, 0]
+        cols = torch.arange(zd.shape[-1], device=zd.device)
+        before = torch.where(cols < target[:, None], zd, float("-inf")).amax(-1)
+        top = (z_t >= zd.amax(-1)) & (z_t > before) & valid
+        stats = torch.stack([zd.mean(-1), top.to(zd.dtype)])
+    return lp, ent, stats
 
 
 def _divergence_rows(zs: torch.Tensor, zt: torch.Tensor, beta: float) -> torch.Tensor:

@@ -1,0 +1,730 @@
+"""The post-training family on small shapes, through Triton's interpreter on CPU.
+
+The OpSuite battery for the per-token log-probabilities; then each loss against a float64 reference built from
+TRL's own formulas on materialised logits, within twice the error of the same formulas in eager PyTorch in
+the input's dtype (float32, float16, bfloat16); gradient accumulation against one big step; masks and ignored
+tokens; torch.compile(fullgraph=True); and, where TRL is installed, the formulas against TRL's own
+``_compute_loss`` and the fused-head patch inside TRL's trainers.
+
+Every test runs with chunks of a few rows and vocabulary steps of 16 columns (``small_chunks``), so that the
+chunk loops run several times and the last chunk and the last vocabulary step are ragged.
+"""
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ATOL, DEVICE
+
+import tritongrad
+from tritongrad.ops.post_training import (
+    dpo_from_logprobs,
+    grpo_from_logprobs,
+    linear_distill_op,
+    linear_distill_reference,
+    linear_dpo_loss,
+    linear_grpo_loss,
+    linear_jsd,
+    linear_kl_div,
+    linear_token_logprobs,
+    linear_token_logprobs_op,
+    linear_token_logprobs_reference,
+)
+from tritongrad.ops.post_training import plans as P
+from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol
+
+# 600 bytes of logits a chunk: 3 rows of 40 float32 logits, 7 of bfloat16; 16 columns a vocabulary step
+SMALL = P.Limits(chunk_bytes=600, row_multiple=1, min_rows=1, block_bytes=64)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(P, "LIMITS", SMALL)
+
+
+def _targets(N, V, ignored=(), device=DEVICE):
+    t = torch.randint(0, V, (N,), device=device)
+    for i in ignored:
+        t[i] = -100
+    return t
+
+
+# ---------------------------------------------------------------- OpSuite: linear_token_logprobs
+def tlp_entropy_bias(dtype, device):
+    # entropy (its gradient too), a bias, a temperature (0.8: its reciprocal exact in float32, see
+    # docs/post-training.md on float64), an ignored row; 7 rows in chunks, 40 columns in 3 steps
+    return {"input": torch.randn(7, 8, device=device).to(dtype),
+            "weight": (torch.randn(40, 8, device=device) / 2).to(dtype), "target": _targets(7, 40, (2,), device),
+            "bias": torch.randn(40, device=device).to(dtype), "logit_scale": 1 / 0.8, "return_entropy": True}
+
+
+def tlp_logprobs_only(dtype, device):
+    # the default call: log-probabilities alone, no bias (the reference model's path, and GRPO's policy)
+    return (torch.randn(5, 8, device=device).to(dtype), (torch.randn(24, 8, device=device) / 2).to(dtype),
+            _targets(5, 24, device=device))
+
+
+# mixed: bfloat16 hidden states with a float32 head (autocast's case), grad_weight accumulated in float32
+TLP_SUITE = OpSuite(linear_token_logprobs_op, [tlp_entropy_bias, tlp_logprobs_only], mixed=True, device=DEVICE)
+test_linear_token_logprobs_suite = TLP_SUITE.pytest()
+
+
+# ---------------------------------------------------------------- parity helpers
+def _earned(what, got, ref64, base, dtype):
+    assert_close_earned(what, got, ref64, base, factor=2.0, atol=ATOL[dtype] + ulp_atol(torch.float32, ref64, 4))
+
+
+def _check(ours, ref, make, dtype, diff=("input", "weight")):
+    """``ours(**t)`` and ``ref(**t)`` return a 0-d loss (or a tuple of tensors); compare ours in ``dtype``
+    against ref in float64 (the same values, upcast), within 2x ref in ``dtype``: values and the gradients of
+    ``diff``. Returns the largest errors against float64, for the record."""
+    torch.manual_seed(0)
+    base_in = make(dtype)
+    errs = {}
+    runs = {}
+    for name, cast in (("got", None), ("ref64", torch.float64), ("base", None)):
+        t = {k: (v.detach().to(cast) if cast and isinstance(v, torch.Tensor) and v.is_floating_point() else v.detach()
+                 if isinstance(v, torch.Tensor) else v) for k, v in base_in.items()}
+        for k in diff:
+            if t.get(k) is not None:
+                t[k].requires_grad_(True)
+        out = (ours if name == "got" else ref)(**t)
+        out = out if isinstance(out, tuple) else (out,)
+        g = torch.autograd.grad(sum(o.sum() * (i + 1) for i, o in enumerate(out) if o.requires_grad),
+                                [t[k] for k in diff if t.get(k) is not None])
+        runs[name] = (out, g)
+    for i, (a, r, b) in enumerate(zip(*(runs[n][0] for n in ("got", "ref64", "base")))):
+        _earned(f"output {i}", a, r, b, dtype)
+        errs[f"out{i}"] = (a.double() - r).abs().max().item()
+    for k, a, r, b in zip([k for k in diff if base_in.get(k) is not None], *(runs[n][1] for n in ("got", "ref64", "base"))):
+        assert a.dtype == base_in[k].dtype
+        _earned(f"grad {k}", a, r, b, dtype)
+        errs[k] = (a.double() - r).abs().max().item()
+    return errs
+
+
+def _head(dtype, B=3, T=5, H=16, V=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(B, T, H, generator=g)).to(dtype), (torch.randn(V, H, generator=g) / 3).to(dtype),
+            torch.randint(0, V, (B, T), generator=g))
+
+
+def _ref_logprobs(input, weight, target, bias=None, temperature=1.0, entropy=False):
+    """Materialised logits, as TRL's trainers had them: F.linear, then float32 (float64) and the temperature."""
+    lp, ent, _ = linear_token_logprobs_reference(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
+                                                 -100, 1 / temperature, entropy)
+    return lp.reshape(target.shape), (ent.reshape(target.shape) if entropy else None)
+
+
+# ---------------------------------------------------------------- token log-probabilities
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_token_logprobs_and_entropy_against_float64(dtype):
+    # [B, T, H] input, a temperature, ignored tokens: logprobs and entropy, and the gradients through both
+    def make(dt):
+        h, W, t = _head(dt)
+        t[0, :2] = -100
+        return {"input": h, "weight": W, "target": t, "temperature": 0.7}
+
+    _check(lambda **k: linear_token_logprobs(**k, return_entropy=True),
+           lambda **k: _ref_logprobs(**k, entropy=True), make, dtype)
+
+
+def test_ignored_tokens_have_no_logprob_gradient():
+    # reduction="none" with ignore_index, Liger #968's case: an ignored token contributes 0 and no gradient,
+    # the others their exact gradient
+    h, W, t = _head(torch.float64)
+    t[1, 1:4] = -100
+    h.requires_grad_(True)
+    lp = linear_token_logprobs(h, W, t)
+    assert (lp[1, 1:4] == 0).all()
+    g = torch.autograd.grad(lp.sum(), h)[0]
+    assert (g[1, 1:4] == 0).all() and (g[1, 0] != 0).all()
+    h2 = h.detach().clone().requires_grad_(True)
+    want = torch.autograd.grad(_ref_logprobs(h2, W, t)[0].sum(), h2)[0]
+    torch.testing.assert_close(g, want)
+
+
+def test_stats_mean_logit_and_first_argmax():
+    # the DPO trainer's statistics: the mean logit, and whether the target is the first argmax (ties go to the
+    # earlier token, as argmax breaks them)
+    h, W, t = _head(torch.float32, B=1, T=6)
+    h, t = h[0], t[0]
+    z = F.linear(h, W) * 2.0
+    t[:3] = z[:3].argmax(-1)  # three rows whose target is the argmax
+    W2 = torch.cat([W, W[:1]])  # a duplicate of class 0 at the end: a tie the target V loses to class 0 ...
+    t2 = t.clone()
+    t2[3] = 40
+    h2 = h.clone()
+    h2[3] = W[0] * 10  # ... on a row where class 0 is the argmax
+    lp, _, st = linear_token_logprobs_op(h2, W2, t2, None, -100, 2.0, False, True)
+    _, _, want = linear_token_logprobs_reference(h2, W2, t2, None, -100, 2.0, False, True)
+    torch.testing.assert_close(st, want)
+    assert st[1, :3].tolist() == [1.0, 1.0, 1.0] and st[1, 3] == 0.0
+
+
+# ---------------------------------------------------------------- GRPO
+def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps, ref_per_token_logps, *, beta,
+              epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, delta=None,
+              gradient_accumulation_steps=1, num_items_in_batch=None):
+    """TRL 1.16's GRPOTrainer._compute_loss, its arithmetic line by line (one process, training mode), on given
+    per-token log-probabilities: (loss, kl, clip ratios low/high/region)."""
+    mask = completion_mask
+    advantages = advantages.unsqueeze(1)
+    old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    log_ratio = per_token_logps - old_per_token_logps
+    if importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    if beta != 0.0:
+        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    ga = gradient_accumulation_steps
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length) / ga
+    else:  # dapo: num_items_in_batch spans the generation batch (steps_per_generation = ga here)
+        loss = (per_token_loss * mask).sum() / num_items_in_batch.clamp(min=1.0)
+
+    def gmm(x):
+        if x.shape[1] == 1:
+            return x.sum() / x.shape[0]
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    low = (coef_1 < 1 - epsilon_low) & (advantages < 0)
+    high = (coef_1 > 1 + epsilon_high) & (advantages > 0)
+    return loss, (gmm(per_token_kl) if beta else None), gmm(low.float()), gmm(high.float()), gmm((low | high).float())
+
+
+GRPO_CASES = {
+    # on-policy (old = current, detached), TRL's default loss
+    "dapo-on-policy": dict(loss_type="dapo", beta=0.0, old=False, level="token"),
+    # off-policy with clipping on both sides and the KL term
+    "grpo-kl-clipped": dict(loss_type="grpo", beta=0.04, old=True, level="token"),
+    "bnpo-kl": dict(loss_type="bnpo", beta=0.1, old=True, level="token"),
+    "dr_grpo": dict(loss_type="dr_grpo", beta=0.0, old=True, level="token", max_len=7),
+    # GSPO: one importance weight per sequence
+    "grpo-sequence": dict(loss_type="grpo", beta=0.0, old=True, level="sequence"),
+}
+
+
+def _grpo_inputs(dt, case, seed=0):
+    h, W, t = _head(dt, B=4, T=5, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = torch.ones(4, 5)
+    mask[1, 3:] = 0
+    mask[3, 1:] = 0
+    lp0 = _ref_logprobs(h.double(), W.double(), t, None, 0.8)[0].float()
+    return {"input": h, "weight": W, "completion_ids": t, "advantages": torch.randn(4, generator=g),
+            "completion_mask": mask,
+            "old_logprobs": (lp0 + 0.3 * torch.randn(4, 5, generator=g)) if case["old"] else None,
+            "ref_logprobs": lp0 + 0.2 * torch.randn(4, 5, generator=g)}
+
+
+def _grpo_kwargs(case):
+    return dict(temperature=0.8, beta=case["beta"], epsilon_low=0.2, epsilon_high=0.28, loss_type=case["loss_type"],
+                importance_sampling_level=case["level"], max_completion_length=case.get("max_len"))
+
+
+def _grid(names, sixteen):
+    """Every case in float32; the 16-bit dtypes on the cases named (each case is a path, each dtype a rounding)."""
+    return [(n, torch.float32) for n in names] + [(n, d) for n in sixteen for d in DTYPES[1:]]
+
+
+@pytest.mark.parametrize("name,dtype", _grid(GRPO_CASES, ["dapo-on-policy", "grpo-kl-clipped"]), ids=str)
+def test_grpo_against_trl_formula_in_float64(name, dtype):
+    case = GRPO_CASES[name]
+    kw = _grpo_kwargs(case)
+
+    def ours(input, weight, completion_ids, advantages, completion_mask, old_logprobs, ref_logprobs):
+        loss, metrics = linear_grpo_loss(input, weight, completion_ids, advantages, completion_mask,
+                                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, **kw)
+        return (loss, *(metrics[k] for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")))
+
+    def ref(input, weight, completion_ids, advantages, completion_mask, old_logprobs, ref_logprobs):
+        lp = _ref_logprobs(input, weight, completion_ids, None, kw["temperature"])[0]
+        acc = lp.dtype
+        cast = (lambda x: None if x is None else x.to(acc))
+        loss, kl, low, high, region = _trl_grpo(
+            lp, advantages.to(acc), completion_mask.to(acc), cast(old_logprobs), cast(ref_logprobs), beta=kw["beta"],
+            epsilon_low=0.2, epsilon_high=0.28, loss_type=kw["loss_type"], importance_sampling_level=kw[
+                "importance_sampling_level"], max_completion_length=kw["max_completion_length"] or 5,
+            num_items_in_batch=completion_mask.sum().to(acc))
+        return loss, low, high
+
+    _check(ours, ref, lambda dt: _grpo_inputs(dt, case), dtype)
+
+
+def test_grpo_metrics_are_trls():
+    # every metric TRL logs, in float64: KL mean, clip ratios (means, the per-sequence min and max), entropy
+    case = GRPO_CASES["grpo-kl-clipped"]
+    t = _grpo_inputs(torch.float64, case)
+    t["old_logprobs"], t["ref_logprobs"] = t["old_logprobs"].double(), t["ref_logprobs"].double()
+    _, m = linear_grpo_loss(**t, **_grpo_kwargs(case))
+    lp, ent = _ref_logprobs(t["input"], t["weight"], t["completion_ids"], None, 0.8, entropy=True)
+    _, kl, low, high, region = _trl_grpo(lp, t["advantages"].double(), t["completion_mask"].double(),
+                                         t["old_logprobs"], t["ref_logprobs"], beta=0.04, epsilon_low=0.2,
+                                         epsilon_high=0.28, loss_type="grpo", importance_sampling_level="token",
+                                         max_completion_length=5)
+    mask = t["completion_mask"].double()
+    for key, want in (("kl", kl), ("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
+                      ("clip_ratio/region_mean", region), ("entropy", (ent * mask).sum() / mask.sum())):
+        torch.testing.assert_close(m[key], want, msg=key)
+    assert m["clip_ratio/region_mean"] > 0  # the case clips something
+    assert not any(v.requires_grad for v in m.values())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_grpo_gradient_accumulation_equals_one_step(loss_type):
+    # two micro-batches of unequal token counts, each given the whole step's normaliser, sum to the big step's
+    # gradient (TRL #5890, Liger #802: dividing each micro-batch by its own count does not)
+    case = dict(GRPO_CASES["grpo-kl-clipped"], loss_type=loss_type)
+    t = _grpo_inputs(torch.float64, case)
+    t["old_logprobs"], t["ref_logprobs"] = t["old_logprobs"].double(), t["ref_logprobs"].double()
+    kw = _grpo_kwargs(case)
+    W = t.pop("weight").requires_grad_(True)
+    big, _ = linear_grpo_loss(weight=W, **t, **kw)
+    want = torch.autograd.grad(big, W)[0]
+    items, seqs = t["completion_mask"].sum(), t["completion_mask"].shape[0]
+    got = torch.zeros_like(W)
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 4)):
+        part = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+        loss, _ = linear_grpo_loss(weight=W, **part, **kw, num_items_in_batch=items, num_sequences_in_batch=seqs)
+        got += torch.autograd.grad(loss, W)[0]
+        total += loss.detach()
+    torch.testing.assert_close(total, big.detach())
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- DPO
+def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, completion_mask, *, beta, loss_type,
+             label_smoothing):
+    """TRL 1.16's DPOTrainer._compute_loss (reverse KL, one loss type, no weighting), its arithmetic line by
+    line; sigmoid with label smoothing as TRL 0.x defined it (conservative DPO)."""
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    delta_score = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        per_sequence_loss = (-F.logsigmoid(beta * delta_score) * (1 - label_smoothing)
+                             - F.logsigmoid(-beta * delta_score) * label_smoothing)
+    elif loss_type == "hinge":
+        per_sequence_loss = torch.relu(1 - beta * delta_score)
+    elif loss_type == "ipo":
+        chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
+        ipo_delta = (chosen_logratios / chosen_mask.sum(dim=1).clamp(min=1.0)
+                     - rejected_logratios / rejected_mask.sum(dim=1).clamp(min=1.0))
+        per_sequence_loss = (ipo_delta - 1 / (2 * beta)) ** 2
+    else:  # robust
+        clean_loss_term = -(1 - label_smoothing) * F.logsigmoid(beta * delta_score)
+        flipped_loss_term = -label_smoothing * F.logsigmoid(-beta * delta_score)
+        per_sequence_loss = (clean_loss_term - flipped_loss_term) / (1 - 2 * label_smoothing)
+    return per_sequence_loss.mean(), beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+DPO_CASES = {"sigmoid": 0.0, "sigmoid-smoothed": 0.1, "hinge": 0.0, "ipo": 0.0, "robust": 0.1}
+
+
+def _dpo_inputs(dt):
+    h, W, t = _head(dt, B=4, T=5)
+    t[:, 0] = -100  # the prompt's last position
+    t[3, 3:] = -100  # padding
+    g = torch.Generator().manual_seed(3)
+    return {"input": h, "weight": W, "target": t, "ref_chosen_logps": -10 + torch.randn(2, generator=g),
+            "ref_rejected_logps": -10 + torch.randn(2, generator=g)}
+
+
+@pytest.mark.parametrize("name,dtype", _grid(DPO_CASES, ["sigmoid-smoothed", "ipo"]), ids=str)
+def test_dpo_against_trl_formula_in_float64(name, dtype):
+    loss_type, eps = name.split("-")[0], DPO_CASES[name]
+    beta = 0.5 if loss_type == "ipo" else 0.1
+
+    def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
+                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=loss_type,
+                                  label_smoothing=eps)
+        return loss, m["chosen_rewards"], m["rejected_rewards"]
+
+    def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        lp = _ref_logprobs(input, weight, target)[0]
+        mask = (target != -100).to(lp.dtype)
+        c, r = (lp * mask).sum(1).chunk(2)
+        return _trl_dpo(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, beta=beta,
+                        loss_type=loss_type, label_smoothing=eps)
+
+    _check(ours, ref, _dpo_inputs, dtype)
+
+
+def test_dpo_reference_model_from_hidden_states_and_accumulation():
+    # the reference scored from its own hidden states and head (no gradient), equal to given sequence logprobs;
+    # two micro-batches of one pair each with num_pairs_in_batch=2 sum to the big step
+    t = _dpo_inputs(torch.float64)
+    ref_h, ref_W = torch.randn(4, 5, 8, dtype=torch.float64), torch.randn(40, 8, dtype=torch.float64)
+    ref_lp = _ref_logprobs(ref_h, ref_W, t["target"])[0].sum(1)
+    W = t["weight"].requires_grad_(True)
+    a, ma = linear_dpo_loss(t["input"], W, t["target"], ref_input=ref_h, ref_weight=ref_W)
+    b, mb = linear_dpo_loss(t["input"], W, t["target"], ref_chosen_logps=ref_lp[:2], ref_rejected_logps=ref_lp[2:])
+    torch.testing.assert_close(a, b)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        torch.testing.assert_close(ma[k], mb[k])
+    want = torch.autograd.grad(a, W)[0]
+    got = torch.zeros_like(W)
+    for i in range(2):
+        rows = [i, 2 + i]  # pair i: its chosen and its rejected row
+        loss, _ = linear_dpo_loss(t["input"][rows], W, t["target"][rows], ref_chosen_logps=ref_lp[i:i + 1],
+                                  ref_rejected_logps=ref_lp[2 + i:3 + i], num_pairs_in_batch=2)
+        got += torch.autograd.grad(loss, W)[0]
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- distillation
+def _trl_jsd(student_logits, teacher_logits, mask, beta, temperature):
+    """TRL's generalized JSD (the distillation trainer's), per token, masked mean."""
+    s = F.log_softmax(student_logits / temperature, -1)
+    t = F.log_softmax(teacher_logits / temperature, -1)
+    if beta == 0:
+        jsd = F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
+    elif beta == 1:
+        jsd = F.kl_div(t, s, reduction="none", log_target=True).sum(-1)
+    else:
+        m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), dim=0)
+        jsd = (beta * F.kl_div(m, t, reduction="none", log_target=True)
+               + (1 - beta) * F.kl_div(m, s, reduction="none", log_target=True)).sum(-1)
+    return (jsd * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _distill_inputs(dt):
+    g = torch.Generator().manual_seed(5)
+    mask = torch.ones(2, 7)
+    mask[1, 4:] = 0
+    return {"student_input": torch.randn(2, 7, 16, generator=g).to(dt),
+            "student_weight": (torch.randn(40, 16, generator=g) / 3).to(dt),
+            "teacher_input": torch.randn(2, 7, 12, generator=g).to(dt),  # a wider teacher head is fine too
+            "teacher_weight": (torch.randn(40, 12, generator=g) / 3).to(dt),
+            "student_bias": torch.randn(40, generator=g).to(dt), "mask": mask}
+
+
+@pytest.mark.parametrize("beta,dtype", _grid([0.0, 1.0, 0.5, 0.1], [0.0, 0.5]), ids=str)
+def test_jsd_against_trl_formula_in_float64(beta, dtype):
+    def ours(**t):
+        return linear_jsd(t.pop("student_input"), t.pop("student_weight"), t.pop("teacher_input"),
+                          t.pop("teacher_weight"), 1.3, beta, **t)
+
+    def ref(student_input, student_weight, teacher_input, teacher_weight, student_bias, mask):
+        acc = torch.float64 if student_input.dtype == torch.float64 else torch.float32
+        zs = F.linear(student_input, student_weight, student_bias).to(acc)
+        zt = F.linear(teacher_input, teacher_weight).to(acc)
+        return _trl_jsd(zs, zt, mask.to(acc), beta, 1.3)
+
+    _check(ours, ref, _distill_inputs, dtype, diff=("student_input", "student_weight", "student_bias"))
+
+
+def test_kl_div_is_jsd_at_the_ends_and_teacher_takes_no_gradient():
+    t = _distill_inputs(torch.float64)
+    Wt = t["teacher_weight"].requires_grad_(True)
+    fwd = linear_kl_div(t["student_input"], t["student_weight"], t["teacher_input"], Wt, mask=t["mask"])
+    rev = linear_kl_div(t["student_input"], t["student_weight"], t["teacher_input"], Wt, reverse=True, mask=t["mask"])
+    torch.testing.assert_close(fwd, linear_jsd(t["student_input"], t["student_weight"], t["teacher_input"], Wt,
+                                               beta=0.0, mask=t["mask"]))
+    torch.testing.assert_close(rev, linear_jsd(t["student_input"], t["student_weight"], t["teacher_input"], Wt,
+                                               beta=1.0, mask=t["mask"]))
+    assert not fwd.requires_grad and Wt.grad is None  # nothing else requires grad: the teacher's own is detached
+
+
+def test_jsd_gradient_accumulation_and_backward_scale():
+    # micro-batches with the step's token count sum to one step; a backward of 2 * loss gives twice the gradient
+    t = _distill_inputs(torch.float64)
+    W = t.pop("student_weight").requires_grad_(True)
+    args = (t.pop("student_input"), W, t.pop("teacher_input"), t.pop("teacher_weight"))
+    mask = t.pop("mask")
+    big = linear_jsd(*args, 1.0, 0.3, mask=mask, **t)
+    want = torch.autograd.grad(2 * big, W)[0]
+    got = torch.zeros_like(W)
+    for rows in (slice(0, 1), slice(1, 2)):
+        part = (args[0][rows], W, args[2][rows], args[3])
+        got += torch.autograd.grad(2 * linear_jsd(*part, 1.0, 0.3, mask=mask[rows], num_items_in_batch=mask.sum(),
+                                                  **t), W)[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_distill_op_recomputes_a_gradient_the_forward_did_not_make():
+    # the registered op called without grads (as torch.compile's graph could): its backward recomputes
+    t = _distill_inputs(torch.float64)
+    hs = t["student_input"].reshape(14, 16).requires_grad_(True)
+    w = torch.rand(14, dtype=torch.float64)
+    args = (t["student_weight"], t["teacher_input"].reshape(14, 12), t["teacher_weight"], w)
+    got = torch.autograd.grad(linear_distill_op(hs, *args, None, None, 0.5, 1.0, None), hs)[0]
+    h2 = hs.detach().clone().requires_grad_(True)
+    want = torch.autograd.grad(linear_distill_reference(h2, *args, None, None, 0.5, 1.0), h2)[0]
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- torch.compile
+def test_compile_fullgraph_without_graph_breaks():
+    # the three losses in one compiled function (aot_eager on CPU: the ops are opaque custom ops), equal to
+    # eager, loss and gradients
+    torch._dynamo.reset()
+    t = _grpo_inputs(torch.float32, GRPO_CASES["grpo-kl-clipped"])
+    d = _distill_inputs(torch.float32)
+
+    def step(h, W, Ws):
+        grpo, m = linear_grpo_loss(h, W, t["completion_ids"], t["advantages"], t["completion_mask"],
+                                   old_logprobs=t["old_logprobs"], ref_logprobs=t["ref_logprobs"], beta=0.04,
+                                   loss_type="grpo", temperature=0.8)
+        dpo, _ = linear_dpo_loss(h, W, t["completion_ids"], ref_chosen_logps=t["ref_logprobs"][:2].sum(1),
+                                 ref_rejected_logps=t["ref_logprobs"][2:].sum(1))
+        jsd = linear_jsd(d["student_input"], Ws, d["teacher_input"], d["teacher_weight"], 1.0, 0.5)
+        return grpo + dpo + jsd + 0 * m["kl"]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    outs = []
+    for fn in (step, compiled):
+        h = t["input"].clone().requires_grad_(True)
+        W = t["weight"].clone().requires_grad_(True)
+        Ws = d["student_weight"].clone().requires_grad_(True)
+        loss = fn(h, W, Ws)
+        outs.append((loss, *torch.autograd.grad(loss, (h, W, Ws))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- a plain training loop
+def test_plain_training_loop_with_accumulation():
+    # GRPO in a plain loop: two micro-batches accumulated with the step's normaliser equal one step, and the
+    # head and the hidden states' producer both train (docs/post-training.md's loop)
+    torch.manual_seed(0)
+    body = torch.nn.Linear(8, 16, dtype=torch.float64)
+    head = torch.nn.Linear(16, 40, bias=False, dtype=torch.float64)
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    ids = torch.randint(0, 40, (4, 5))
+    adv = torch.randn(4, dtype=torch.float64)
+    mask = torch.ones(4, 5, dtype=torch.float64)
+    mask[2, 2:] = 0
+    grads = []
+    for micro in ([slice(0, 4)], [slice(0, 2), slice(2, 4)]):
+        body.zero_grad(), head.zero_grad()
+        for rows in micro:
+            loss, _ = linear_grpo_loss(body(x[rows]), head.weight, ids[rows], adv[rows], mask[rows],
+                                       num_items_in_batch=mask.sum())
+            loss.backward()
+        grads.append([p.grad.clone() for p in (*body.parameters(), head.weight)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- TRL itself
+def _trl():
+    return pytest.importorskip("trl", reason="TRL not installed")
+
+
+class _Acc:
+    """What TRL's _compute_loss reads from its accelerator, for one process."""
+    num_processes = 1
+    device = torch.device("cpu")
+    reduce = staticmethod(lambda x, reduction="sum": x)
+    gather = staticmethod(lambda x: x)
+    gather_for_metrics = staticmethod(lambda x: x)
+    sync_gradients = True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GRPO_CASES))
+def test_grpo_formula_is_trls_own(name):
+    # grpo_from_logprobs against GRPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities:
+    # loss and every metric it logs
+    _trl()
+    from collections import defaultdict
+
+    from trl import GRPOTrainer
+    case = GRPO_CASES[name]
+    t = _grpo_inputs(torch.float64, case)
+    lp, ent = _ref_logprobs(t["input"], t["weight"], t["completion_ids"], None, 0.8, entropy=True)
+    B, T = lp.shape
+    mask = t["completion_mask"].double()
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
+              "completion_ids": t["completion_ids"], "completion_mask": mask, "advantages": t["advantages"].double(),
+              "ref_per_token_logps": t["ref_logprobs"].double(), "num_items_in_batch": mask.sum()}
+    if case["old"]:
+        inputs["old_per_token_logps"] = t["old_logprobs"].double()
+    me = types.SimpleNamespace(
+        top_entropy_quantile=1.0, importance_sampling_level=case["level"], beta=case["beta"],
+        loss_type=case["loss_type"], epsilon_low=0.2, epsilon_high=0.28, off_policy_mask_threshold=None,
+        use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=case.get("max_len") or T, accelerator=_Acc(),
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None))
+    want = GRPOTrainer._compute_loss(me, None, inputs)
+    loss, m = grpo_from_logprobs(lp, t["advantages"].double(), mask, inputs.get("old_per_token_logps"),
+                                 inputs["ref_per_token_logps"], beta=case["beta"], epsilon_low=0.2, epsilon_high=0.28,
+                                 loss_type=case["loss_type"], importance_sampling_level=case["level"],
+                                 max_completion_length=case.get("max_len"), entropy=ent)
+    torch.testing.assert_close(loss, want)
+    logged = me._metrics["train"]
+    for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "clip_ratio/low_min", "clip_ratio/high_max"):
+        if key in logged or key in m:
+            assert abs(m[key].item() - logged[key][0]) < 1e-12, key
+
+
+def _tiny_llama(seed=0):
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                   bos_token_id=None)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.slow
+def test_trl_fused_head_patched_is_exact():
+    # TRL's fused LM head (every trainer's log-probabilities) served by tritongrad: the same log-probabilities,
+    # entropy, statistics, loss and parameter gradients as TRL's own kernel, float32; a field tritongrad does
+    # not compute is handed back to TRL's
+    _trl()
+    from trl.trainer.utils import add_fused_lm_head
+
+    from tritongrad.ops.post_training.trl_integration import REPORT, patch_trl, unpatch_trl
+    fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+    models = [_tiny_llama(), None]
+    models[1] = copy.deepcopy(models[0])
+    for m in models:
+        add_fused_lm_head(m, temperature=0.7, outputs=fields)
+    ids = torch.randint(2, 96, (2, 9))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    outs = []
+    REPORT.clear()
+    for i, m in enumerate(models):
+        if i == 1:
+            patch_trl()
+        try:
+            o = m(input_ids=ids, labels=labels, fused_lm_head=True)
+            (o.loss + 0.1 * (o.entropy * o.label_mask).sum()).backward()
+            outs.append(o)
+        finally:
+            unpatch_trl()
+    assert REPORT == {"tritongrad": 1}
+    for k in fields + ("loss",):
+        torch.testing.assert_close(getattr(outs[1], k), getattr(outs[0], k), msg=k)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name, rtol=1e-5, atol=1e-6)
+    patch_trl()
+    try:
+        m = copy.deepcopy(models[0])
+        add_fused_lm_head(m, outputs=("log_probs", "log_sum_sq_probs"))
+        m(input_ids=ids, labels=labels, fused_lm_head=True)
+    finally:
+        unpatch_trl()
+    assert REPORT["trl: fields ['log_sum_sq_probs'] not computed by tritongrad"] == 1
+
+
+def _tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(94)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trl_grpo_trainer_step_patched_equals_unpatched(tmp_path, dtype):
+    # one GRPOTrainer step (generation, rewards, the KL to a reference model, dapo) on a tiny random Llama,
+    # patched and not: the same logged loss, KL, entropy, grad norm, and the same parameters after an SGD step.
+    # float32: a float32 model without autocast; bfloat16: a bfloat16 model under TRL's bf16 autocast
+    trl = _trl()
+    import datasets
+
+    from tritongrad.ops.post_training.trl_integration import REPORT, patch_trl, unpatch_trl
+    path = str(tmp_path / "model")
+    _tiny_llama().to(getattr(torch, dtype)).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    ds = datasets.Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5 w6", "w7 w8 w9", "w3 w2 w1"]})
+
+    def reward(completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    runs = []
+    REPORT.clear()
+    for patched in (False, True):
+        args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                              max_completion_length=5, max_steps=1, report_to=[], logging_steps=1, learning_rate=0.1,
+                              optim="sgd", beta=0.1, use_cpu=True, save_strategy="no", seed=0, temperature=0.7,
+                              bf16=dtype == "bfloat16", model_init_kwargs={"dtype": dtype})
+        trainer = trl.GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=ds)
+        if patched:
+            patch_trl()
+        try:
+            trainer.train()
+        finally:
+            unpatch_trl()
+        runs.append((trainer.state.log_history[0], [p.detach().clone() for p in trainer.model.parameters()]))
+    assert REPORT == {"tritongrad": 2}  # the policy and the reference model
+    (a, pa), (b, pb) = runs
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bfloat16: the logits and gradients round to bfloat16
+    for key in ("loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean"):
+        assert abs(a[key] - b[key]) <= tol * max(1.0, abs(a[key])), (key, a[key], b[key])
+    for x, y in zip(pa, pb):
+        assert x.dtype == getattr(torch, dtype)
+        torch.testing.assert_close(y, x, rtol=tol, atol=tol / 10)
+
+
+@pytest.mark.slow
+def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path):
+    # one DPOTrainer step (policy and reference model, the sigmoid loss, every logged metric: the mean logits and
+    # token accuracy come from the same kernel) on a tiny random Llama, patched and not
+    trl = _trl()
+    import datasets
+
+    from tritongrad.ops.post_training.trl_integration import REPORT, patch_trl, unpatch_trl
+    path = str(tmp_path / "model")
+    _tiny_llama().save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    ds = datasets.Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5 w6"], "chosen": [" w7 w8", " w9 w10 w11"],
+                                     "rejected": [" w12", " w13 w14"]})
+    runs = []
+    REPORT.clear()
+    for patched in (False, True):
+        args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=1,
+                             report_to=[], logging_steps=1, learning_rate=0.1, optim="sgd", use_cpu=True,
+                             save_strategy="no", seed=0, bf16=False)
+        trainer = trl.DPOTrainer(model=path, args=args, train_dataset=ds)
+        if patched:
+            patch_trl()
+        try:
+            trainer.train()
+        finally:
+            unpatch_trl()
+        runs.append((trainer.state.log_history[0], [p.detach().clone() for p in trainer.model.parameters()]))
+    assert REPORT == {"tritongrad": 2}
+    (a, pa), (b, pb) = runs
+    for key in ("loss", "grad_norm", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy",
+                "logps/chosen", "logps/rejected", "rewards/margins"):
+        assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    for x, y in zip(pa, pb):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_patch_refuses_uncovered_trl(monkeypatch):
+    # exact or refused: a TRL version outside COVERED is not patched
+    trl_mod = _trl()
+    from tritongrad.ops.post_training import trl_integration as ti
+    monkeypatch.setattr(trl_mod, "__version__", "0.19.1")
+    with pytest.raises(RuntimeError, match="not covered"):
+        ti.patch_trl()
