@@ -73,6 +73,23 @@ TLP_SUITE = OpSuite(linear_token_logprobs_op, [tlp_entropy_bias, tlp_logprobs_on
 test_linear_token_logprobs_suite = TLP_SUITE.pytest()
 
 
+# ---------------------------------------------------------------- OpSuite: the distillation op
+def distill_jsd(dtype, device):
+    # the generalized JSD (its three passes), a wider student than teacher, a student bias, row weights
+    # (mask and normaliser), the gradients made in the forward
+    return {"student_input": torch.randn(6, 8, device=device).to(dtype),
+            "student_weight": (torch.randn(24, 8, device=device) / 2).to(dtype),
+            "teacher_input": torch.randn(6, 4, device=device).to(dtype),
+            "teacher_weight": (torch.randn(24, 4, device=device) / 2).to(dtype),
+            "row_weight": torch.rand(6, device=device).to(dtype),
+            "student_bias": torch.randn(24, device=device).to(dtype), "beta": 0.3, "logit_scale": 1.25,
+            "grads": [True, True, True]}
+
+
+# slow: the second op's battery (12 s through the interpreter); its formulas are also checked below, fast
+test_linear_distill_suite = pytest.mark.slow(OpSuite(linear_distill_op, [distill_jsd], device=DEVICE).pytest())
+
+
 # ---------------------------------------------------------------- parity helpers
 def _earned(what, got, ref64, base, dtype):
     assert_close_earned(what, got, ref64, base, factor=2.0, atol=ATOL[dtype] + ulp_atol(torch.float32, ref64, 4))

@@ -64,5 +64,6 @@ def __dir__():
 
 # The post-training family: losses from hidden states and the LM head, no [N, V] logits (docs/post-training.md).
 _WHERE.update({name: ".ops.post_training" for name in (
-    "linear_token_logprobs", "linear_grpo_loss", "linear_dpo_loss", "linear_jsd", "linear_kl_div")})
+    "linear_token_logprobs", "linear_grpo_loss", "linear_dpo_loss", "linear_jsd", "linear_kl_div", "patch_trl",
+    "unpatch_trl")})
 __all__ = sorted(_WHERE)

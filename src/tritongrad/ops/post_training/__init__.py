@@ -11,6 +11,7 @@ from .launch import (
     linear_token_logprobs,
     linear_token_logprobs_op,
 )
+from .trl_integration import patch_trl, unpatch_trl
 from .reference import (
     dpo_from_logprobs,
     grpo_from_logprobs,
@@ -21,5 +22,5 @@ from .reference import (
 __all__ = [
     "dpo_from_logprobs", "grpo_from_logprobs", "linear_distill_op", "linear_distill_reference", "linear_dpo_loss",
     "linear_grpo_loss", "linear_jsd", "linear_kl_div", "linear_token_logprobs", "linear_token_logprobs_op",
-    "linear_token_logprobs_reference",
+    "linear_token_logprobs_reference", "patch_trl", "unpatch_trl",
 ]
