@@ -125,6 +125,27 @@ def _linear_cross_entropy_torch(input, weight, target):
     return F.cross_entropy(F.linear(input, weight), target)
 
 
+def _token_logprobs_torch(input, weight, target):
+    """Per-token log-probabilities as TRL's trainers took them from materialised logits (float32)."""
+    return torch.log_softmax(F.linear(input, weight).float(), -1).gather(-1, target[..., None])[..., 0]
+
+
+def _grpo_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """One sequence of N completion tokens: hidden, head, ids, its advantage and the reference's log-probs."""
+    h, W, t = _hidden_weight_targets(N, D, dtype, device)
+    return h, W, t, torch.randn(1, device=device), -10 * torch.rand(N, device=device)
+
+
+def _grpo_torch(input, weight, completion_ids, advantages, completion_mask=None, bias=None, *, ref_logprobs=None,
+                beta=0.0):
+    """TRL's GRPO loss (dapo, on-policy) on materialised logits."""
+    from ..ops.post_training.reference import grpo_from_logprobs
+
+    lp = _token_logprobs_torch(input, weight, completion_ids)
+    mask = torch.ones_like(lp) if completion_mask is None else completion_mask
+    return grpo_from_logprobs(lp, advantages, mask, None, ref_logprobs, beta=beta)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op. ``torch_fn`` has the op's public signature (that of ``tritongrad.<name>``) and is the eager
@@ -207,6 +228,29 @@ OPS: dict[str, OpSpec] = {
             bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 8 * N,
             shapes=((4096, 4096), (16384, 4096)),
             size="hidden [N, D], weight [V, D] (V = 128256 from D = 1024, else 8 D), targets [N]",
+        ),
+        OpSpec(
+            "linear_token_logprobs",
+            _hidden_weight_targets,
+            _token_logprobs_torch,
+            bind=lambda f: lambda h, W, t: f(h, W, t),
+            # as linear_cross_entropy: read hidden + weight + targets (no logits materialised) ...
+            fwd_bytes=lambda N, D, s: N * D * s + lce_vocab(D) * D * s + 8 * N,
+            # ... and write their gradients (the backward makes the logits again: compute, not bytes)
+            bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 8 * N,
+            shapes=((4096, 4096), (8192, 4096)),
+            size="hidden [N, D], weight [V, D] (V = 128256 from D = 1024, else 8 D), targets [N]",
+        ),
+        OpSpec(
+            "linear_grpo_loss",
+            _grpo_inputs,
+            _grpo_torch,
+            bind=lambda f: lambda h, W, t, a, ref: f(h[None], W, t[None], a, ref_logprobs=ref[None], beta=0.04),
+            # linear_token_logprobs' bytes, plus the reference's log-probabilities (float32)
+            fwd_bytes=lambda N, D, s: N * D * s + lce_vocab(D) * D * s + 12 * N,
+            bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 12 * N,
+            shapes=((4096, 4096), (8192, 4096)),
+            size="one sequence of N completion tokens: hidden [N, D], weight [V, D] (as linear_token_logprobs)",
         ),
         OpSpec(
             "swiglu",
