@@ -20,6 +20,12 @@ import torch  # noqa: E402
 from tritongrad import _runtime as rt  # noqa: E402
 from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol  # noqa: E402
 
+# One intra-op thread per test process, and for the subprocesses tests start: pytest-xdist already runs a
+# process per core, and torch's thread pool on top of it oversubscribes the cores, which slows the suite's
+# tiny ops tenfold (docs/measuring.md#the-test-suite).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
 DEVICE = default_device()
 ROOT = Path(__file__).resolve().parents[1]
 
