@@ -112,6 +112,39 @@ def test_grouped_rms_norm_is_left_alone():
     torch.testing.assert_close(model[1](x), want, rtol=0, atol=0)
 
 
+def test_gated_rms_norm_called_with_its_gate_runs_its_own_forward():
+    """A norm established on its input alone (Bamba's and Mamba2's gated RMSNorm, forward(x, gate=None)) is
+    replaced for forward(x); called with the gate, as the compiled mixer calls it, it computes its own
+    forward, exactly."""
+    import torch
+
+    import tritongrad
+
+    class GatedRMSNorm(torch.nn.Module):
+        def __init__(self, dim, eps=1e-6):
+            super().__init__()
+            self.variance_epsilon = eps
+            self.weight = torch.nn.Parameter(torch.randn(dim))
+
+        def forward(self, hidden_states, gate=None):
+            x = hidden_states.float()
+            if gate is not None:
+                x = x * torch.nn.functional.silu(gate.float())
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * x.to(hidden_states.dtype)
+
+    GatedRMSNorm.__module__ = "transformers.models.bamba.modeling_bamba"
+    model = torch.nn.Sequential(GatedRMSNorm(64))
+    x, gate = torch.randn(3, 64), torch.randn(3, 64)
+    with torch.no_grad():
+        want, want_gated = model[0](x), model[0](x, gate)
+    assert tritongrad.patch(model).targets("rms_norm") == ["0"]
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x, gate), want_gated, rtol=0, atol=0)
+        torch.testing.assert_close(model[0](x, gate=gate), want_gated, rtol=0, atol=0)
+        torch.testing.assert_close(model[0](x), want, rtol=1e-6, atol=1e-6)
+
+
 def test_matrix_says_why_a_forward_it_cannot_establish_is_left_alone():
     """A causal LM whose forward scales the logits by a name the probe does not know: linear_cross_entropy is
     left alone with the reason, and the model stays exact."""

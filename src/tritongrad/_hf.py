@@ -176,21 +176,23 @@ def norm_forward(kind: str, eps_name: str):
             self.__dict__[NORM_ATTR] = ok
         return bool(ok)
 
+    # A norm whose forward takes more than its input (a gated norm's ``gate``) was established on the input
+    # alone: called with more, it runs its own forward.
     if kind == "llama":
-        def forward(self, hidden_states):
-            if not established(self):
-                return original_forward_of(type(self))(self, hidden_states)
+        def forward(self, hidden_states, *args, **kwargs):
+            if args or kwargs or not established(self):
+                return original_forward_of(type(self))(self, hidden_states, *args, **kwargs)
             return tritongrad.llama_rms_norm(hidden_states, _plain(self.weight), getattr(self, eps_name))
     elif kind == "gemma":
-        def forward(self, x):
-            if not established(self):
-                return original_forward_of(type(self))(self, x)
+        def forward(self, x, *args, **kwargs):
+            if args or kwargs or not established(self):
+                return original_forward_of(type(self))(self, x, *args, **kwargs)
             w = _plain(self.weight)
             return tritongrad.rms_norm(x, w.shape, 1.0 + w.float(), getattr(self, eps_name))
     else:
-        def forward(self, hidden_states):
-            if not established(self):
-                return original_forward_of(type(self))(self, hidden_states)
+        def forward(self, hidden_states, *args, **kwargs):
+            if args or kwargs or not established(self):
+                return original_forward_of(type(self))(self, hidden_states, *args, **kwargs)
             w = _plain(self.weight)
             return tritongrad.rms_norm(hidden_states, w.shape, w, getattr(self, eps_name))
     forward.__qualname__ = forward.__name__ = f"{kind}_rms_norm_forward"
