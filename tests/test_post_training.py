@@ -27,6 +27,7 @@ from tritongrad.ops.post_training import (
     linear_distill_reference,
     linear_dpo_loss,
     linear_grpo_loss,
+    linear_grpo_op,
     linear_jsd,
     linear_kl_div,
     linear_token_logprobs,
@@ -88,6 +89,23 @@ def distill_jsd(dtype, device):
 
 # slow: the second op's battery (12 s through the interpreter); its formulas are also checked below, fast
 test_linear_distill_suite = pytest.mark.slow(OpSuite(linear_distill_op, [distill_jsd], device=DEVICE).pytest())
+
+
+def grpo_off_policy_kl(dtype, device):
+    # the GRPO op: off-policy ratios (some clipped), the KL term, a bias, one ignored token, per-token weights
+    # (mask and normaliser); differentiable log-probabilities and entropy, so that every output's gradient is
+    # checked (the public function's fused path, gradients made in the forward, is checked by the parity
+    # tests below against TRL's formula)
+    lp0 = -3 + torch.randn(7, device=device)
+    return {"input": torch.randn(7, 8, device=device).to(dtype),
+            "weight": (torch.randn(24, 8, device=device) / 2).to(dtype), "target": _targets(7, 24, (4,), device),
+            "advantages": torch.randn(7, device=device), "token_weight": torch.rand(7, device=device),
+            "bias": torch.randn(24, device=device).to(dtype), "old_logprobs": lp0,
+            "ref_logprobs": lp0 + 0.3 * torch.randn(7, device=device), "logit_scale": 1.25, "beta": 0.1,
+            "epsilon_low": 0.2, "epsilon_high": 0.28, "return_entropy": True, "differentiable_logprobs": True}
+
+
+test_linear_grpo_suite = pytest.mark.slow(OpSuite(linear_grpo_op, [grpo_off_policy_kl], device=DEVICE).pytest())
 
 
 # ---------------------------------------------------------------- parity helpers

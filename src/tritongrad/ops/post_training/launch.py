@@ -28,11 +28,13 @@ from ..cross_entropy.launch import _as_float, _host_checkable, _scale, _take_buf
 from . import kernels
 from . import plans as P
 from .reference import (
+    GRPO_LOSS_TYPES,
     acc_dtype,
     check_targets,
     dpo_from_logprobs,
     grpo_from_logprobs,
     linear_distill_reference,
+    linear_grpo_reference,
     linear_token_logprobs_reference,
 )
 
@@ -148,57 +150,83 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
     return lp, ent, stats, parts
 
 
-@linear_token_logprobs_op.backward
-def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, grad_stats):
-    # stats have no gradient (the reference detaches them): grad_stats is not read
-    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
-    input, weight, target, bias, parts = ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts
-    need_b = need_b and bias is not None
+class _HeadGrads:
+    """The gradients of the hidden states, the head's weight and its bias, accumulated chunk by chunk from each
+    chunk's gradient with respect to its logits, G: ``grad_input[chunk] = G W``, ``grad_weight += G^T h``,
+    ``grad_bias += sum G``, chunks in order (deterministic). ``need``: (input, weight, bias).
+
+    grad_weight accumulates in a float32 buffer, rounded once, for a float32 weight with 16-bit input and, with
+    ``f32``, for a 16-bit weight; else in the weight's dtype, each chunk's product accumulated in float32 and
+    rounded once a chunk (docs/post-training.md, as the linear cross-entropy does)."""
+
+    def __init__(self, input, weight, bias, need, f32: bool = False):
+        self.need = (need[0], need[1], need[2] and bias is not None)
+        self.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        N = input.shape[0]
+        self.gi = torch.empty_like(input) if self.need[0] else None
+        self.gw = None
+        if self.need[1]:
+            if weight.dtype != input.dtype or f32 and weight.element_size() == 2:
+                self.gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            else:
+                self.gw = torch.empty_like(weight) if N else torch.zeros_like(weight)
+        self.gb = torch.zeros(weight.shape[0], dtype=acc_dtype(bias), device=input.device) if self.need[2] else None
+        self.first = True
+
+    def add(self, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, r0: int, r1: int) -> None:
+        if self.need[0]:
+            torch.mm(g, w, out=self.gi[r0:r1])
+        if self.need[1]:
+            if self.gw.dtype != g.dtype:
+                _addmm_f32(self.gw, g.t(), h)
+            elif self.first:
+                torch.mm(g.t(), h, out=self.gw)
+            else:
+                self.gw.addmm_(g.t(), h)
+        if self.need[2]:
+            self.gb += g.sum(0, dtype=self.gb.dtype)
+        self.first = False
+
+    def result(self) -> tuple:
+        gw = self.gw.to(self.dtypes[0]) if self.gw is not None and self.gw.dtype != self.dtypes[0] else self.gw
+        return self.gi, gw, (self.gb.to(self.dtypes[1]) if self.gb is not None else None)
+
+
+def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_entropy, ignore_index, logit_scale,
+                       need, f32: bool):
+    """The gradients (input, weight, bias; None where not in ``need``) for upstream gradients of the
+    log-probabilities ``[N]`` and, where not None, of the entropy ``[N]``: each chunk's logits made again and
+    turned into their gradient in place (kernels.py), then its products."""
     N, V = input.shape[0], weight.shape[0]
-    acc = parts.dtype
-    # grad_weight accumulates in a float32 buffer (rounded once) for float32 weights with 16-bit input, and for
-    # 16-bit weights when asked; else in the weight's dtype, rounded once a chunk (docs/post-training.md)
-    acc_w = weight.dtype != input.dtype or bool(ctx.grad_weight_f32) and weight.element_size() == 2
-    gi = torch.empty_like(input) if need_x else None
-    gw = None
-    if need_w:
-        if acc_w:
-            gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        else:
-            gw = torch.empty_like(weight) if N else torch.zeros_like(weight)
-    gb = torch.zeros(V, dtype=acc_dtype(bias), device=input.device) if need_b else None  # float sums, one rounding
+    grads = _HeadGrads(input, weight, bias, need, f32)
     if N:
         plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
         buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-        scale = rt.split_float(float(ctx.logit_scale))
-        has_dent = bool(ctx.return_entropy) and grad_entropy.numel() == N
+        scale = rt.split_float(float(logit_scale))
+        has_dent = grad_entropy is not None
         w, b = _low(weight, input.dtype), _low(bias, input.dtype)
         for r0 in range(0, N, plan.rows):
             r1 = min(N, r0 + plan.rows)
             h = input[r0:r1]
             g = _logits_into(buf[: r1 - r0], h, w, b)
             _bwd_kernel[(r1 - r0,)](
-                g, target, parts, grad_logprobs, grad_entropy if has_dent else None, V, N, r0, g.stride(0),
-                target.stride(0), grad_logprobs.stride(0), grad_entropy.stride(0) if has_dent else 0,
-                ctx.ignore_index, *scale, BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, ACC=rt.tl_acc_dtype(acc),
-                num_warps=plan.num_warps,
+                g, target, parts, grad_logprobs, grad_entropy, V, N, r0, g.stride(0), target.stride(0),
+                grad_logprobs.stride(0), grad_entropy.stride(0) if has_dent else 0, ignore_index, *scale,
+                BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, ACC=rt.tl_acc_dtype(parts.dtype), num_warps=plan.num_warps,
             )
-            if need_x:
-                torch.mm(g, w, out=gi[r0:r1])
-            if need_w:
-                # Chunks add into grad_weight in order (deterministic): each product accumulates in float32 and,
-                # in the weight's dtype, rounds once a chunk (docs/post-training.md, as the linear cross-entropy)
-                if gw.dtype != g.dtype:
-                    _addmm_f32(gw, g.t(), h)
-                elif r0 == 0:
-                    torch.mm(g.t(), h, out=gw)
-                else:
-                    gw.addmm_(g.t(), h)
-            if need_b:
-                gb += g.sum(0, dtype=gb.dtype)
-    if need_w and gw.dtype != weight.dtype:
-        gw = gw.to(weight.dtype)
-    return gi, gw, None, (gb.to(bias.dtype) if need_b else None)
+            grads.add(g, h, w, r0, r1)
+    return grads.result()
+
+
+@linear_token_logprobs_op.backward
+def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, grad_stats):
+    # stats have no gradient (the reference detaches them): grad_stats is not read
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    dent = grad_entropy if ctx.return_entropy and grad_entropy.numel() == ctx.input.shape[0] else None
+    gi, gw, gb = _logprobs_backward(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts, grad_logprobs, dent,
+                                    ctx.ignore_index, ctx.logit_scale, (need_x, need_w, need_b),
+                                    bool(ctx.grad_weight_f32))
+    return gi, gw, None, gb
 
 
 def _autocast_head(input, weight, bias):
@@ -266,6 +294,156 @@ def _mask_of(target: torch.Tensor, mask: torch.Tensor | None, ignore_index: int,
     return valid if mask is None else valid * mask.to(dtype)
 
 
+def _grpo_terms(lp, adv, old, ref, c, beta, eps_low, eps_high, delta):
+    """``(c loss_tok, c dloss_tok/dl)`` per token of TRL's token-level GRPO loss (docs/post-training.md), the
+    derivative with PyTorch's subgradients, as autograd takes them through TRL's formula: ``torch.min`` splits
+    a tie in halves, ``torch.clamp`` passes the gradient at its bounds. Without ``old`` the ratio is 1 (old is
+    the current log-probability, detached)."""
+    r = torch.exp(lp - old) if old is not None else torch.ones_like(lp)
+    c1 = r if delta is None else torch.clamp(r, max=delta)
+    dc1 = 1.0 if delta is None else (r <= delta).to(lp.dtype)
+    c2 = torch.clamp(r, 1 - eps_low, 1 + eps_high)
+    dc2 = ((r >= 1 - eps_low) & (r <= 1 + eps_high)).to(lp.dtype)
+    t1, t2 = c1 * adv, c2 * adv
+    w1 = torch.where(t1 < t2, 1.0, torch.where(t1 == t2, 0.5, 0.0))
+    loss = -torch.minimum(t1, t2)
+    dl = -(w1 * dc1 + (1 - w1) * dc2) * adv * r
+    if beta != 0.0:
+        d = ref - lp
+        e = torch.exp(d)
+        loss = loss + beta * (e - d - 1)
+        dl = dl + beta * (1 - e)
+    return c * loss, c * dl
+
+
+def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs, ignore_index,
+                   logit_scale, beta, epsilon_low, epsilon_high, delta, return_entropy, grads,
+                   differentiable_logprobs) -> None:
+    _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, False, False)
+    N = input.shape[0]
+    for name, t in (("advantages", advantages), ("token_weight", token_weight), ("old_logprobs", old_logprobs),
+                    ("ref_logprobs", ref_logprobs)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != N):
+            raise ValueError(f"tritongrad.linear_grpo_loss: {name} of shape {tuple(t.shape)} must be [{N}], one per token")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
+    if grads is not None and len(grads) != 3:
+        raise ValueError(f"tritongrad.linear_grpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
+
+
+def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, ignore_index, logit_scale, beta,
+               eps_low, eps_high, delta, lp, ent, parts, need):
+    """Chunks of rows: the logits, the log-probabilities (and entropy) into ``lp`` (``ent``; the rows' max and
+    log-sum into ``parts``), each token's loss and its derivative (PyTorch, O(rows)), then, where a gradient is
+    asked for, the logits' gradient in place and that chunk's share of the gradients. Returns
+    ``(loss, (grad_input, grad_weight, grad_bias))``."""
+    N, V = input.shape[0], weight.shape[0]
+    acc = lp.dtype
+    rows = torch.empty(N, dtype=acc, device=input.device)
+    dl = torch.empty(N, dtype=acc, device=input.device)
+    grads = _HeadGrads(input, weight, bias, need)
+    plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
+    buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
+    scale = rt.split_float(float(logit_scale))
+    w, b = _low(weight, input.dtype), _low(bias, input.dtype)
+    cast = (lambda t, sl: t[sl].to(acc) if t is not None else None)
+    for r0 in range(0, N, plan.rows):
+        r1 = min(N, r0 + plan.rows)
+        sl = slice(r0, r1)
+        h = input[r0:r1]
+        g = _logits_into(buf[: r1 - r0], h, w, b)
+        _fwd_kernel[(r1 - r0,)](
+            g, target, lp, ent, parts, None, V, N, r0, g.stride(0), target.stride(0), ignore_index, *scale,
+            BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=ent is not None, HAS_STATS=False, ACC=rt.tl_acc_dtype(acc),
+            num_warps=plan.num_warps,
+        )
+        rows[sl], dl[sl] = _grpo_terms(lp[sl], cast(advantages, sl), cast(old, sl), cast(ref, sl),
+                                       cast(token_weight, sl), beta, eps_low, eps_high, delta)
+        if any(grads.need):
+            _bwd_kernel[(r1 - r0,)](
+                g, target, parts, dl, None, V, N, r0, g.stride(0), target.stride(0), dl.stride(0), 0, ignore_index,
+                *scale, BLOCK_V=plan.BLOCK_V, HAS_DENT=False, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+            )
+            grads.add(g, h, w, r0, r1)
+    return rows.sum(), grads.result()
+
+
+# Opaque, as linear_token_logprobs. The per-token GRPO loss depends only on the token's own log-probability and on
+# normalisers known before the call, so the forward makes the gradients too: three products, not four.
+@op("tritongrad::linear_grpo", reference=linear_grpo_reference, validate=_grpo_validate, index=("target",),
+    nondiff=("advantages", "token_weight", "old_logprobs", "ref_logprobs"), outputs=("loss", "logprobs", "entropy"),
+    residuals=("parts", "grad_input", "grad_weight", "grad_bias"),
+    save=("input", "weight", "target", "advantages", "token_weight", "bias", "old_logprobs", "ref_logprobs",
+          "logprobs", "parts", "grad_input", "grad_weight", "grad_bias"), opaque=True)
+def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, advantages: torch.Tensor,
+                   token_weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
+                   ignore_index: int = -100, logit_scale: float = 1.0, beta: float = 0.0, epsilon_low: float = 0.2,
+                   epsilon_high: float = 0.2, delta: Optional[float] = None, return_entropy: bool = False,
+                   grads: Optional[list[bool]] = None, differentiable_logprobs: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor]:
+    """The fused token-level GRPO loss over rows ``[N]``: ``(loss, logprobs, entropy, parts, grad_input,
+    grad_weight, grad_bias)``, the loss ``sum_n token_weight[n] loss_tok[n]`` (0-d, float32; float64 for
+    float64), ``token_weight`` the mask times the loss type's normaliser; logprobs and entropy (``[0]`` without
+    ``return_entropy``) for the metrics. ``grads`` (input, weight, bias): the gradients the forward computes
+    for an upstream gradient of 1 of the loss. Without ``differentiable_logprobs`` (the public function's
+    case) logprobs and entropy have no gradient and the backward scales what the forward made; with it they
+    are differentiable, the forward makes no gradient and the backward takes every upstream gradient (three
+    products). :func:`linear_grpo_loss` is the public function."""
+    N = input.shape[0]
+    acc = acc_dtype(input)
+
+    def empty():  # a fresh one per residual: a registered op's returns may not alias each other
+        return torch.empty(0, dtype=input.dtype, device=input.device)
+
+    need = tuple(bool(g) for g in grads) if grads is not None and not differentiable_logprobs else (False,) * 3
+    lp = torch.empty(N, dtype=acc, device=input.device)
+    ent = torch.empty(N if return_entropy else 0, dtype=acc, device=input.device)
+    parts = torch.empty((3 if return_entropy else 2, N), dtype=acc, device=input.device)
+    if N == 0:
+        zero = [torch.zeros_like(t) if n and t is not None else empty()
+                for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
+        return (torch.zeros((), dtype=acc, device=input.device), lp, ent, parts, *zero)
+    loss, got = _grpo_pass(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs,
+                           ignore_index, logit_scale, beta, epsilon_low, epsilon_high, delta, lp,
+                           ent if return_entropy else None, parts, need)
+    return loss, lp, ent, parts, *(g if g is not None else empty() for g in got)
+
+
+@linear_grpo_op.backward
+def _linear_grpo_backward(ctx, grad_loss: torch.Tensor, grad_logprobs, grad_entropy):
+    need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[5] and ctx.bias is not None)
+    if ctx.differentiable_logprobs:
+        # every upstream gradient: the loss's through each token's derivative, plus the log-probabilities' own
+        acc = ctx.logprobs.dtype
+        f = (lambda t: t.to(acc) if t is not None else None)
+        _, dl = _grpo_terms(ctx.logprobs, f(ctx.advantages), f(ctx.old_logprobs), f(ctx.ref_logprobs),
+                            f(ctx.token_weight), ctx.beta, ctx.epsilon_low, ctx.epsilon_high, ctx.delta)
+        dent = grad_entropy if ctx.return_entropy and grad_entropy.numel() == ctx.input.shape[0] else None
+        gi, gw, gb = _logprobs_backward(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts,
+                                        grad_loss * dl + grad_logprobs, dent, ctx.ignore_index, ctx.logit_scale,
+                                        need, False)
+        return gi, gw, None, None, None, gb, None, None
+    # logprobs and entropy are the metrics' (the reference detaches them): their gradients are not read
+    made = (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)
+    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
+            ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
+            ctx.bias is None or ctx.grad_bias.numel() > 0 or ctx.bias.numel() == 0)
+    if all(h or not n for n, h in zip(need, have)):
+        take = _take_buffer(ctx)
+        out = [_scale(g, grad_loss, bool(take)) if n else None for n, g in zip(need, made)]
+    else:  # a gradient the forward was not asked for (the registered op called directly): recompute
+        N = ctx.input.shape[0]
+        lp = torch.empty(N, dtype=acc_dtype(ctx.input), device=ctx.input.device)
+        parts = torch.empty((2, N), dtype=lp.dtype, device=ctx.input.device)
+        _, got = _grpo_pass(ctx.input, ctx.weight, ctx.target, ctx.advantages, ctx.token_weight, ctx.bias,
+                            ctx.old_logprobs, ctx.ref_logprobs, ctx.ignore_index, ctx.logit_scale, ctx.beta,
+                            ctx.epsilon_low, ctx.epsilon_high, ctx.delta, lp, None, parts, need)
+        out = [_scale(g, grad_loss, True) if g is not None else None for g in got]
+    return out[0], out[1], None, None, None, out[2], None, None
+
+
 def linear_grpo_loss(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -319,15 +497,49 @@ def linear_grpo_loss(
     if completion_ids.dim() != 2 or tuple(input.shape[:-1]) != tuple(completion_ids.shape):
         raise ValueError(f"tritongrad.linear_grpo_loss: input [B, T, H] and completion_ids [B, T] must agree, got "
                          f"{tuple(input.shape)} and {tuple(completion_ids.shape)}")
-    logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature, return_entropy=True,
-                                              ignore_index=ignore_index)
-    mask = _mask_of(completion_ids, completion_mask, ignore_index, logprobs.dtype)
-    return grpo_from_logprobs(
-        logprobs, advantages, mask, old_logprobs, ref_logprobs, beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-        num_sequences_in_batch=num_sequences_in_batch, entropy=entropy.detach(),
+    formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
+                   importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
+                   num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch)
+    if importance_sampling_level != "token":
+        # one importance weight per sequence: each token's loss depends on its whole sequence, so the
+        # log-probabilities first, then the formula, whose gradient flows back through them
+        logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature,
+                                                  return_entropy=True, ignore_index=ignore_index)
+        mask = _mask_of(completion_ids, completion_mask, ignore_index, logprobs.dtype)
+        return grpo_from_logprobs(logprobs, advantages, mask, old_logprobs, ref_logprobs, entropy=entropy.detach(),
+                                  **formula)
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"tritongrad.linear_grpo_loss: loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    scale = _scale_of(temperature, "linear_grpo_loss")
+    input, weight, bias = _autocast_head(input, weight, bias)
+    B, T = completion_ids.shape
+    acc = acc_dtype(input)
+    mask = _mask_of(completion_ids, completion_mask, ignore_index, acc)
+    # each token's weight: the mask and the loss type's normaliser (grpo_from_logprobs, docs/post-training.md)
+    if loss_type == "grpo":
+        c = mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / (B if num_sequences_in_batch is None
+                                                                  else num_sequences_in_batch)
+    elif loss_type == "dr_grpo":
+        c = mask / ((B if num_sequences_in_batch is None else num_sequences_in_batch)
+                    * (T if max_completion_length is None else max_completion_length))
+    else:
+        items = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        c = mask / (items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0))
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).expand(B, T)
+    flat = (lambda t: None if t is None else t.detach().reshape(-1))
+    grads = None
+    if torch.is_grad_enabled():
+        grads = [input.requires_grad, weight.requires_grad, isinstance(bias, torch.Tensor) and bias.requires_grad]
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    loss, lp, ent = linear_grpo_op(
+        input.reshape(-1, input.shape[-1]), weight, completion_ids.reshape(-1), flat(adv), flat(c), bias,
+        flat(old_logprobs), flat(ref_logprobs), ignore_index, scale, _as_float(beta), _as_float(epsilon_low),
+        _as_float(eps_high), _as_float(delta) if delta is not None else None, True, grads,
     )
+    with torch.no_grad():  # the metrics, from the same log-probabilities (O(tokens))
+        _, metrics = grpo_from_logprobs(lp.reshape(B, T), advantages, mask, old_logprobs, ref_logprobs,
+                                        entropy=ent.reshape(B, T), **formula)
+    return loss, metrics
 
 
 def linear_dpo_loss(

@@ -116,6 +116,54 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta: float, epsilon_low: float,
+                    epsilon_high: float, delta: float | None):
+    """TRL's per-token GRPO loss at token level (the clipped ratio, plus beta times the k3 KL estimate):
+    ``(loss_tok, coef_1, per_token_kl or None)``, all of logprobs' shape (advantages broadcast)."""
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+    coef_1 = torch.exp(logprobs - old)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    kl = None
+    if beta != 0.0:
+        ref = ref_logprobs.to(logprobs.dtype)
+        kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
+        loss = loss + beta * kl
+    return loss, coef_1, kl
+
+
+def linear_grpo_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    token_weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    return_entropy: bool = False,
+    grads: list[bool] | None = None,
+    differentiable_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused GRPO op over rows ``[N]``: ``(sum_n token_weight[n] loss_tok[n], logprobs, entropy)``, the
+    last two without gradient unless ``differentiable_logprobs``; ``token_weight`` carries the mask and the
+    loss type's normaliser (launch.py). ``grads`` is the registered op's hint (kernels only)."""
+    lp, ent, _ = linear_token_logprobs_reference(input, weight, target, bias, ignore_index, logit_scale, return_entropy)
+    loss, _, _ = grpo_token_loss(lp, advantages.to(lp.dtype), old_logprobs, ref_logprobs, beta, epsilon_low,
+                                 epsilon_high, delta)
+    if not differentiable_logprobs:
+        lp, ent = lp.detach(), ent.detach()
+    return (token_weight.to(lp.dtype) * loss).sum(), lp, ent
+
+
 def grpo_from_logprobs(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -148,24 +196,26 @@ def grpo_from_logprobs(
         advantages = advantages.unsqueeze(1)
     advantages = advantages.to(logprobs.dtype)
     mask = mask.to(logprobs.dtype)
-    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
-    log_ratio = logprobs - old
-    if importance_sampling_level == "token":
-        log_w = log_ratio
-    else:
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_w)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
     metrics = {}
-    if beta != 0.0:
-        if ref_logprobs is None:
-            raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
-        ref = ref_logprobs.to(logprobs.dtype)
-        per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
-        per_token_loss = per_token_loss + beta * per_token_kl
+    if importance_sampling_level == "token":
+        per_token_loss, coef_1, per_token_kl = grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta,
+                                                               epsilon_low, eps_high, delta)
+    else:  # one importance weight per sequence (GSPO)
+        old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+        log_w = (((logprobs - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1 = torch.exp(log_w)
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        per_token_kl = None
+        if beta != 0.0:
+            ref = ref_logprobs.to(logprobs.dtype)
+            per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
+            per_token_loss = per_token_loss + beta * per_token_kl
+    if per_token_kl is not None:
         metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
     B, T = mask.shape
     total = per_token_loss * mask
