@@ -382,8 +382,9 @@ test_tanhw = OpSuite(TANHW_RIGHT, TANHW_SAMPLES, leading=("x",)).pytest()
 
 
 def first_failure(suite) -> str | None:
-    """The id of the first case of ``suite`` that fails, or None."""
-    for case_id, check in suite.cases:
+    """The id of the first quick case of ``suite`` that fails, or None: the quick tier alone must catch the
+    bugs (the extended cases repeat its checks on the other samples)."""
+    for case_id, check in suite.quick_cases:
         try:
             check()
         except Exception:
@@ -414,6 +415,22 @@ def test_kit_catches_planted_bugs(bug):
     suite = OpSuite(declare_tanhw(bug), TANHW_SAMPLES, leading=("x",))
     caught = first_failure(suite)
     assert caught == CAUGHT_BY.get(bug), f"bug {bug}: first failing case {caught}, expected {CAUGHT_BY.get(bug)}"
+
+
+def test_quick_tier_has_every_check_and_every_sample():
+    # Each kind of check at least once, and every sample in every dtype; the rest only in the extended tier.
+    suite = OpSuite(TANHW_RIGHT, TANHW_SAMPLES, leading=("x",), mixed=True)
+    names = [s.__name__ for s in TANHW_SAMPLES]
+
+    def kind(case_id):
+        return next(case_id.replace(f"-{n}", "") for n in names if f"-{n}" in case_id)
+
+    full, quick = [c for c, _ in suite.cases], [c for c, _ in suite.quick_cases]
+    assert set(quick) < set(full) and {kind(c) for c in quick} == {kind(c) for c in full}
+    assert {c for c in full if c.startswith("values-")} <= set(quick)
+    assert all(c.startswith("values-") or c.endswith(names[0]) or c.startswith("layout-") for c in quick)
+    marks = {p.id: [m.name for m in p.marks] for p in OpSuite(TANHW_RIGHT, TANHW_SAMPLES).pytest().pytestmark[0].args[1]}
+    assert {i for i, m in marks.items() if "extended" not in m} == {c for c, _ in OpSuite(TANHW_RIGHT, TANHW_SAMPLES).quick_cases}
 
 
 def test_kit_catches_at_least_12_of_13():

@@ -28,6 +28,13 @@ extents of the launch's tensor arguments (:class:`bounds_checked`): an unmasked 
 would read another allocation or abort the process, fails its case with an IndexError naming the kernel.
 ``OpSuite(isolate=True)`` (or ``TRITONGRAD_KIT_FORK=1``) runs each case in a forked child as well, for crashes
 of other kinds, at some tenths of a second per case.
+
+Two tiers. The quick cases (:attr:`OpSuite.quick_cases`) are the values in every dtype on every sample (each
+sample is there for a mask or a path, each dtype for its casts) and every other kind of check once: on the first
+sample, the representative (make it the one where every mask is active), or, for a layout that does not apply
+to it, on the first sample it applies to. ``OpSuite.pytest`` marks the rest ``extended``: those checks again
+on the other samples, the representative's code paths at other sizes. A project's default test command can
+leave them out with ``-m "not extended"`` and run them in a second one.
 """
 
 from __future__ import annotations
@@ -276,41 +283,56 @@ class OpSuite:
 
     # ------------------------------------------------------------ cases
     @property
+    def quick_cases(self) -> list[tuple[str, Callable[[], None]]]:
+        """The cases of the quick tier (module docstring), in the order of :attr:`cases`."""
+        return [(case_id, check) for case_id, check, quick in self._generate() if quick]
+
+    def _names(self) -> list[str]:
+        names = [getattr(s, "__name__", f"sample{i}") for i, s in enumerate(self.samples)]
+        return [n if n != "<lambda>" else f"sample{i}" for i, n in enumerate(names)]
+
+    @property
     def cases(self) -> list[tuple[str, Callable[[], None]]]:
         """``(id, check)`` pairs, every check on every sample; each raises AssertionError on failure."""
-        out = []
-        names = [getattr(s, "__name__", f"sample{i}") for i, s in enumerate(self.samples)]
-        names = [n if n != "<lambda>" else f"sample{i}" for i, n in enumerate(names)]
+        return [(case_id, check) for case_id, check, _ in self._generate()]
 
-        def add(case_id, fn, *args, **kwargs):
-            out.append((case_id, _bind(fn, *args, _isolate=self._isolated(), _what=f"{self.op.label} {case_id}",
-                                       **kwargs)))
+    def _generate(self) -> list[tuple[str, Callable[[], None], bool]]:
+        """``(id, check, quick)``: a case is quick when it checks values, or when no earlier sample has its
+        kind of check (the first sample has them all but the layouts that do not apply to it)."""
+        out, kinds = [], set()
 
-        for name, sample in zip(names, self.samples):
+        def add(kind, name, fn, *args, **kwargs):
+            case_id = f"{kind}-{name}" if not kind.startswith("values-") else f"values-{name}-{kind[7:]}"
+            check = _bind(fn, *args, _isolate=self._isolated(), _what=f"{self.op.label} {case_id}", **kwargs)
+            out.append((case_id, check, kind.startswith("values-") or kind not in kinds))
+            kinds.add(kind)
+
+        for name, sample in zip(self._names(), self.samples):
+            first = sample is self.samples[0]
             for dtype in self.dtypes:
-                add(f"values-{name}-{str(dtype)[6:]}", self.check_values, sample, dtype)
+                add(f"values-{str(dtype)[6:]}", name, self.check_values, sample, dtype)
             shapes = self._shapes(sample)
             for layout in LAYOUTS:
                 if shapes is None or any(_applies(t, layout) for t in shapes):
-                    add(f"layout-{layout}-{name}", self.check_values, sample, torch.float32, layout=layout)
+                    add(f"layout-{layout}", name, self.check_values, sample, torch.float32, layout=layout)
             if self.leading:
-                add(f"leading-{name}", self.check_values, sample, torch.float32, leading=True)
+                add("leading", name, self.check_values, sample, torch.float32, leading=True)
             if self.mixed:
-                add(f"mixed-{name}", self.check_values, sample, torch.bfloat16, mixed=True)
-            add(f"upstream-grads-{name}", self.check_upstream_grads, sample)
-            add(f"needs_input_grad-{name}", self.check_needs_input_grad, sample)
-            add(f"no_grad-{name}", self.check_no_grad, sample)
-            add(f"backward-reuse-{name}", self.check_backward_reuse, sample)
-            add(f"transforms-{name}", self.check_transforms, sample)
-            add(f"gradcheck-{name}", self.check_gradcheck, sample)
+                add("mixed", name, self.check_values, sample, torch.bfloat16, mixed=True)
+            add("upstream-grads", name, self.check_upstream_grads, sample)
+            add("needs_input_grad", name, self.check_needs_input_grad, sample)
+            add("no_grad", name, self.check_no_grad, sample)
+            add("backward-reuse", name, self.check_backward_reuse, sample)
+            add("transforms", name, self.check_transforms, sample)
+            add("gradcheck", name, self.check_gradcheck, sample)
             # AOT dispatch with dynamic shapes once: compile-dynamic traces it on every sample.
-            add(f"opcheck-{name}", self.check_opcheck, sample, aot=sample is self.samples[0])
+            add("opcheck", name, self.check_opcheck, sample, aot=first)
             if self.compile:
                 # Dynamic shapes on every sample (the launcher's shape logic traced symbolically); the static
                 # trace runs the same code on concrete sizes, once.
-                if sample is self.samples[0]:
-                    add(f"compile-{name}", self.check_compile, sample, False)
-                add(f"compile-dynamic-{name}", self.check_compile, sample, True)
+                if first:
+                    add("compile", name, self.check_compile, sample, False)
+                add("compile-dynamic", name, self.check_compile, sample, True)
         return out
 
     def _isolated(self) -> bool:
@@ -333,14 +355,18 @@ class OpSuite:
 
     def pytest(self):
         """A pytest test function parametrized over :attr:`cases`; assign it to a ``test_*`` name. Cases named
-        in ``known_failures`` are marked ``xfail(strict=True)`` with their reason."""
+        in ``known_failures`` are marked ``xfail(strict=True)`` with their reason; cases outside
+        :attr:`quick_cases` are marked ``extended``."""
         import pytest
 
         params = []
+        quick = {case_id for case_id, _ in self.quick_cases}
         for case_id, check in self.cases:
             reason = next((r for k, r in self.known_failures.items() if case_id == k or case_id.startswith(k)),
                           None)
             marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            if case_id not in quick:
+                marks.append(pytest.mark.extended)
             params.append(pytest.param(check, id=case_id, marks=marks))
 
         @pytest.mark.parametrize("check", params)
