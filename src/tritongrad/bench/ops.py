@@ -246,7 +246,8 @@ OPS: dict[str, OpSpec] = {
             _grpo_inputs,
             _grpo_torch,
             bind=lambda f: lambda h, W, t, a, ref: f(h[None], W, t[None], a, ref_logprobs=ref[None], beta=0.04),
-            # linear_token_logprobs' bytes, plus the reference's log-probabilities (float32)
+            # linear_token_logprobs' bytes, plus the reference's log-probabilities (float32); tritongrad's op
+            # writes the gradients in the forward, moving those bytes there: fwdbwd is the figure to compare
             fwd_bytes=lambda N, D, s: N * D * s + lce_vocab(D) * D * s + 12 * N,
             bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 12 * N,
             shapes=((4096, 4096), (8192, 4096)),

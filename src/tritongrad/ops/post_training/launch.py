@@ -7,7 +7,10 @@ Work each call does (N rows, H hidden, V vocabulary; a "product" is one N x H x 
   linear_token_logprobs: forward 1 product (the logits) + one read of each chunk's logits;
                          backward 3 products (the logits again, grad_input, grad_weight) + one read and one write
                          of each chunk's logits. Under torch.no_grad (a reference model), the forward alone.
-  linear_grpo_loss, linear_dpo_loss: linear_token_logprobs, then O(N) elementwise work.
+  linear_grpo_loss (token level): 3 products, all in the forward (the logits, grad_input, grad_weight: each
+                         token's loss depends only on its own log-probability, so its derivative is known in the
+                         chunk) + two reads and one write of each chunk's logits; backward: a scale.
+  linear_grpo_loss (sequence level), linear_dpo_loss: linear_token_logprobs, then O(N) elementwise work.
   linear_jsd, linear_kl_div: forward 4 products (student and teacher logits, grad_input, grad_weight: the
                          gradients are made in the forward, for an upstream gradient of 1) + 3 reads of each
                          student chunk, 2 of each teacher chunk; backward: a scale of the gradients (nothing when
