@@ -19,15 +19,14 @@ import torch
 import torch.nn.functional as F
 from conftest import ATOL, DEVICE
 
-import tritongrad
 from tritongrad.ops.post_training import (
-    dpo_from_logprobs,
     grpo_from_logprobs,
     linear_distill_op,
     linear_distill_reference,
     linear_dpo_loss,
     linear_grpo_loss,
     linear_grpo_op,
+    linear_grpo_reference,
     linear_jsd,
     linear_kl_div,
     linear_token_logprobs,
@@ -135,7 +134,8 @@ def _check(ours, ref, make, dtype, diff=("input", "weight")):
     for i, (a, r, b) in enumerate(zip(*(runs[n][0] for n in ("got", "ref64", "base")))):
         _earned(f"output {i}", a, r, b, dtype)
         errs[f"out{i}"] = (a.double() - r).abs().max().item()
-    for k, a, r, b in zip([k for k in diff if base_in.get(k) is not None], *(runs[n][1] for n in ("got", "ref64", "base"))):
+    names = [k for k in diff if base_in.get(k) is not None]
+    for k, a, r, b in zip(names, *(runs[n][1] for n in ("got", "ref64", "base"))):
         assert a.dtype == base_in[k].dtype
         _earned(f"grad {k}", a, r, b, dtype)
         errs[k] = (a.double() - r).abs().max().item()
@@ -320,6 +320,18 @@ def test_grpo_metrics_are_trls():
         torch.testing.assert_close(m[key], want, msg=key)
     assert m["clip_ratio/region_mean"] > 0  # the case clips something
     assert not any(v.requires_grad for v in m.values())
+
+
+def test_grpo_op_recomputes_a_gradient_the_forward_did_not_make():
+    # the fused op called without grads (as a caller of the registered op could): its backward recomputes, and
+    # equals the formula's gradient through the reference
+    a = grpo_off_policy_kl(torch.float64, DEVICE)
+    a.update(differentiable_logprobs=False, grads=None)
+    h = a.pop("input").requires_grad_(True)
+    got = torch.autograd.grad(linear_grpo_op(h, **a)[0], h)[0]
+    h2 = h.detach().clone().requires_grad_(True)
+    want = torch.autograd.grad(linear_grpo_reference(h2, **a)[0], h2)[0]
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])

@@ -25,15 +25,16 @@ ls = log \sum s and A = \sum a:
 
 so no large common offset of the logits is subtracted after rounding (the row's max is taken out first, as in
 the cross-entropy family). With HAS_STATS the same pass also gives two statistics without gradient, which TRL's
-DPO trainer logs: the mean of z over the vocabulary, and whether t is the first argmax of z. ``parts`` [2 or 3, N] keeps mx, ls (and H) for the backward, which needs no pass
-over the row to find them: ``_token_logprobs_bwd_kernel`` reads each chunk once and writes dL/dx over it (the
-launchers then multiply it into grad_input and grad_weight).
+DPO trainer logs: the mean of z over the vocabulary, and whether t is the first argmax of z. ``parts`` [2 or 3, N]
+keeps mx, ls (and H) for the backward, which needs no pass over the row to find them:
+``_token_logprobs_bwd_kernel`` reads each chunk once and writes dL/dx over it (the launchers then multiply it
+into grad_input and grad_weight).
 
 Distillation. For a student row z^s = k x^s and a teacher row z^t = k x^t (the same k = 1 / temperature), with
 q = softmax(z^s) (the student), p = softmax(z^t) (the teacher) and beta in [0, 1], TRL's generalized JSD:
 
-    beta = 0:   D = KL(p || q) = \sum p (log p - log q)                      dD/dz^s_j = q_j - p_j
-    beta = 1:   D = KL(q || p) = \sum q (log q - log p)                      dD/dz^s_j = q_j (d_j - D),  d = log q - log p
+    beta = 0:   D = KL(p || q) = \sum p (log p - log q)              dD/dz^s_j = q_j - p_j
+    beta = 1:   D = KL(q || p) = \sum q (log q - log p)              dD/dz^s_j = q_j (d_j - D),  d = log q - log p
     otherwise:  log m = log((1 - beta) q + beta p)   (a log-add-exp of log q + log(1 - beta) and log p + log beta)
                 D = beta \sum p (log p - log m) + (1 - beta) \sum q (log q - log m)
                 dD/dz^s_j = (1 - beta) q_j (d_j - K),   d = log q - log m,  K = \sum q d

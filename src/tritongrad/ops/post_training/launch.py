@@ -327,7 +327,8 @@ def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_lo
     for name, t in (("advantages", advantages), ("token_weight", token_weight), ("old_logprobs", old_logprobs),
                     ("ref_logprobs", ref_logprobs)):
         if t is not None and (t.dim() != 1 or t.shape[0] != N):
-            raise ValueError(f"tritongrad.linear_grpo_loss: {name} of shape {tuple(t.shape)} must be [{N}], one per token")
+            raise ValueError(f"tritongrad.linear_grpo_loss: {name} of shape {tuple(t.shape)} must be [{N}], one per "
+                             "token")
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
     if grads is not None and len(grads) != 3:
@@ -599,7 +600,8 @@ def linear_dpo_loss(
             raise ValueError("tritongrad.linear_dpo_loss: give ref_chosen_logps and ref_rejected_logps, or ref_input "
                              "and ref_weight")
         with torch.no_grad():
-            ref = (linear_token_logprobs(ref_input, ref_weight, tgt, ref_bias, ignore_index=ignore_index) * mask).sum(-1)
+            ref = linear_token_logprobs(ref_input, ref_weight, tgt, ref_bias, ignore_index=ignore_index)
+            ref = (ref * mask).sum(-1)
         ref_chosen_logps, ref_rejected_logps = ref.chunk(2)
     chosen, rejected = logps.chunk(2)
     tokens = mask.sum(-1)
@@ -618,9 +620,9 @@ def _distill_validate(student_input, student_weight, teacher_input, teacher_weig
     _check_head("linear_jsd (teacher)", teacher_input, teacher_weight, teacher_bias)
     N = student_input.shape[0]
     if teacher_input.shape[0] != N or teacher_weight.shape[0] != student_weight.shape[0]:
-        raise ValueError(f"tritongrad.linear_jsd: student {tuple(student_input.shape)} x {tuple(student_weight.shape)} "
-                         f"and teacher {tuple(teacher_input.shape)} x {tuple(teacher_weight.shape)} must share the rows "
-                         "and the vocabulary")
+        raise ValueError(f"tritongrad.linear_jsd: student {tuple(student_input.shape)} x "
+                         f"{tuple(student_weight.shape)} and teacher {tuple(teacher_input.shape)} x "
+                         f"{tuple(teacher_weight.shape)} must share the rows and the vocabulary")
     if row_weight.dim() != 1 or row_weight.shape[0] != N:
         raise ValueError(f"tritongrad.linear_jsd: row_weight of shape {tuple(row_weight.shape)} must be [{N}]")
     if grads is not None and len(grads) != 3:

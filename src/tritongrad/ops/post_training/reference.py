@@ -290,7 +290,8 @@ def dpo_from_logprobs(
         per_pair = (ipo_delta - 1 / (2 * beta)) ** 2
     else:  # robust
         if not 0.0 <= eps < 0.5:
-            raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got {eps}")
+            raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
+                             f"{eps}")
         per_pair = (-(1 - eps) * F.logsigmoid(beta * d) + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
