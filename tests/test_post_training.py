@@ -12,12 +12,13 @@ chunk loops run several times and the last chunk and the last vocabulary step ar
 
 import copy
 import math
+import os
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE
+from conftest import ATOL, DEVICE, run_without_interpreter
 
 from tritongrad.ops.post_training import (
     grpo_from_logprobs,
@@ -570,6 +571,15 @@ def test_plain_training_loop_with_accumulation():
         grads.append([p.grad.clone() for p in (*body.parameters(), head.weight)])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- sm_90
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests compile and run the kernels themselves")
+def test_kernels_compile_for_sm90_without_spills():
+    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "post_training_sm90_compile.py")],
+                                  timeout=600)
+    assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]
 
 
 # ---------------------------------------------------------------- TRL itself
