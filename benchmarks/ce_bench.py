@@ -21,6 +21,7 @@ loss also less the gradients it must return (grad_input, grad_weight).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import tritongrad  # noqa: E402
+from tritongrad import _runtime as rt  # noqa: E402
 from tritongrad.ops.cross_entropy import plans as P  # noqa: E402
 
 QUICK = "--quick" in sys.argv
@@ -252,8 +254,6 @@ SWEEP = [  # (warps a program, stages, warps of the persistent grid per SM) for 
 
 
 def sweep(bw: float):
-    knobs = ("CHUNK_WARPS", "CHUNK_WARPS_LONG", "STAGES", "STAGES_LONG", "WARPS_PER_SM")
-    saved = {k: getattr(P, k) for k in knobs}
     rows = []
     for N, C in ((16384, 32000), (8192, 128256)):
         x = torch.randn(N, C, device="cuda", generator=_gen(), dtype=torch.bfloat16).requires_grad_()
@@ -264,17 +264,17 @@ def sweep(bw: float):
             tritongrad.cross_entropy(x, t).backward()
 
         for variant in SWEEP:
-            for k, v in saved.items():
-                setattr(P, k, v)
-            if variant is not None:
+            table = P.TABLE
+            if variant is not None:  # warps a program (short and long rows alike), bf16 stages, warps an SM
                 warps, stages, per_sm = variant
-                P.CHUNK_WARPS = P.CHUNK_WARPS_LONG = warps
-                P.STAGES, P.STAGES_LONG, P.WARPS_PER_SM = {**saved["STAGES"], 2: stages}, {2: stages}, per_sm
-            P.row_plan.cache_clear()
-            plan = P.row_plan(N, C, 2, 132)
+                table = dataclasses.replace(P.TABLE, CHUNK_WARPS=warps, CHUNK_WARPS_LONG=warps,
+                                            STAGES={**P.TABLE.STAGES, 2: stages},
+                                            STAGES_LONG={**P.TABLE.STAGES_LONG, 2: stages}, WARPS_PER_SM=per_sm)
+            plan = P.row_plan(N, C, 2, rt.device_props(x.device), 0, table)
             try:
-                run()
-                ms = triton.testing.do_bench_cudagraph(run, grad_to_none=[x], return_mode="median")
+                with P.using(table):
+                    run()
+                    ms = triton.testing.do_bench_cudagraph(run, grad_to_none=[x], return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(f"  {plan}: {type(e).__name__}: {str(e)[:150]}")
                 continue
@@ -284,9 +284,6 @@ def sweep(bw: float):
                   f"{plan.stages} programs {plan.programs}: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy")
         del x
         torch.cuda.empty_cache()
-    for k, v in saved.items():
-        setattr(P, k, v)
-    P.row_plan.cache_clear()
     RESULTS["sweep"] = rows
 
 

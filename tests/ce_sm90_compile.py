@@ -69,7 +69,7 @@ def main() -> int:
     bf, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     # The three backward paths: the eager first backward (in place), the registered backward op under
     # torch.compile (fresh tensors), a later backward through one graph (recompute from the logits).
-    for take in (True, False, None):
+    for take in (launch.Buffers.TAKE, launch.Buffers.READ, launch.Buffers.GONE):
         launch._take_buffer = lambda ctx, take=take: take
         # Why each: the two target vocabularies (bf16); a vocabulary held in one chunk; an odd vocabulary
         # (GPT-2, unaligned rows); rows of a padded vocabulary; float16, float32 and float64 logits.

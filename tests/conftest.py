@@ -5,6 +5,7 @@ from tritongrad.testing import default_device, use_interpreter
 
 use_interpreter()
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
@@ -12,7 +13,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -74,28 +74,16 @@ def _fresh_seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-class Launch(NamedTuple):
-    kernel: str  # the @triton.jit function's name
-    grid: tuple
-    args: tuple
-    kw: dict  # constexprs and num_warps
+Launch = rt.Launch  # kernel (name), grid, args (in the kernel's order), kw (constexprs and num_warps)
 
 
 @pytest.fixture
-def launches(monkeypatch) -> list:
+def launches() -> list:
     """Every kernel launch through ``tritongrad.kernel`` while the test runs, in order: which kernel served a
     shape, on which grid, with which constexprs. The launches still run."""
     seen: list = []
-    launch = rt.Kernel._launch
-
-    def spy(self, grid, *args, **kw):
-        kw = dict(kw)
-        args = self.positional(args, kw)  # arguments passed by name, in the kernel's order
-        seen.append(Launch(self.fn.__name__, tuple(grid), args, kw))
-        return launch(self, grid, *args, **kw)
-
-    monkeypatch.setattr(rt.Kernel, "_launch", spy)
-    return seen
+    with rt.observe_launches(seen.append):
+        yield seen
 
 
 def kernel_names(seen: list) -> list:
@@ -166,15 +154,29 @@ def run_without_interpreter(args: list, timeout: float = 300) -> subprocess.Comp
 
 
 class KernelSpy:
-    """Stands in for a launcher's kernel handle and records the data_ptr of every tensor argument of each
-    launch (``ptrs``), then launches: what a test of "read in place, no copy" checks."""
+    """Inside ``with KernelSpy(kern) as spy:`` (or from ``kernel_spy(kern)`` to the test's end), records the
+    data_ptr of every tensor argument (in the kernel's order) of each launch of ``kern`` (``ptrs``); the
+    launches run: what a test of "read in place, no copy" checks."""
 
     def __init__(self, kern):
-        self.kern, self.ptrs = kern, []
+        self.name, self.ptrs, self._observing = kern.fn.__name__, [], None
 
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.ptrs.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
-            return self.kern[grid](*args, **kw)
+    def __call__(self, launch: rt.Launch) -> None:
+        if launch.kernel == self.name:
+            self.ptrs.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in launch.args])
 
-        return launch
+    def __enter__(self):
+        self._observing = rt.observe_launches(self)
+        self._observing.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._observing.__exit__(*exc)
+
+
+# ---------------------------------------------------------------- kernel spies for a whole test
+@pytest.fixture
+def kernel_spy():
+    """``kernel_spy(kern)``: a :class:`KernelSpy` of ``kern`` recording until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda kern: stack.enter_context(KernelSpy(kern))

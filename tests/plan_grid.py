@@ -26,17 +26,12 @@ DEVICES = (rt.DeviceProps(4, 228 * 1024), rt.DeviceProps(132, 228 * 1024), rt.De
 
 
 def _record(seen):
-    launch = rt.Kernel._launch
-
-    def spy(self, grid, *args, **kw):
-        kw = dict(kw)
-        args = self.positional(args, kw)
-        ints = [a for a in args if type(a) is int]
-        consts = {k: (str(v) if not isinstance(v, (int, bool)) else v) for k, v in kw.items()}
-        if self.fn.__name__ == "_column_sum_kernel":  # column_sum's own plan is not the family's: its shape only
+    def spy(launch: rt.Launch):
+        ints = [a for a in launch.args if type(a) is int]
+        consts = {k: (str(v) if not isinstance(v, (int, bool)) else v) for k, v in launch.kw.items()}
+        if launch.kernel == "_column_sum_kernel":  # column_sum's own plan is not the family's: its shape only
             consts = {}
-        seen.append(f"{self.fn.__name__} grid={tuple(grid)} ints={ints} {sorted(consts.items())}")
-        return launch(self, grid, *args, **kw)
+        seen.append(f"{launch.kernel} grid={launch.grid} ints={ints} {sorted(consts.items())}")
 
     return spy
 
@@ -94,17 +89,18 @@ def plan_cases():
 
     for N, C, elem, narrow in itertools.product((1, 64, 16384), (1000, 4096, 32000, 128256, 256000), (2, 4, 8),
                                                 (0, 1, 2)):
-        yield f"ce row {N} {C} {elem} {narrow}", lambda: CE.row_plan(N, C, elem, rt.sm_count(_DEV), narrow)
+        yield f"ce row {N} {C} {elem} {narrow}", lambda: CE.row_plan(N, C, elem, rt.device_props(_DEV), narrow,
+                                                                            CE.table())
     for N, V, elem in itertools.product((1, 1000, 16384, 65536), (32000, 128256, 256000), (2, 4)):
-        yield f"ce lce {N} {V} {elem}", lambda: CE.lce_chunk_rows(N, V, elem)
+        yield f"ce lce {N} {V} {elem}", lambda: CE.lce_chunk_rows(N, V, elem, CE.table())
     for N in (1, 100, 16384, 1 << 20):
-        yield f"ce bwd {N}", lambda: CE.bwd_rows(N, rt.sm_count(_DEV))
+        yield f"ce bwd {N}", lambda: CE.bwd_rows(N, rt.device_props(_DEV), CE.table())
     for T, HQ, HK, D, R, elem in itertools.product((1, 7, 4096), (32, 40, 28, 14, 8), (8, 4, 1, 0), (64, 128, 256),
                                                    (32, 64, 128), (2, 4)):
         if R <= D:
-            yield f"rope {T} {HQ} {HK} {D} {R} {elem}", lambda: RP.plan(T, HQ, HK, D, R, elem)
+            yield f"rope {T} {HQ} {HK} {D} {R} {elem}", lambda: RP.plan(T, HQ, HK, D, R, elem, RP.table())
     for N, D, elem in itertools.product((1, 7, 16384), (64, 1000, 4096, 11008, 14336, 13824), (2, 4, 8)):
-        yield f"swiglu {N} {D} {elem}", lambda: SW.tile(N, D, elem)
+        yield f"swiglu {N} {D} {elem}", lambda: SW.tile(N, D, elem, SW.table())
 
 
 _DEV = torch.device("meta")
@@ -117,16 +113,12 @@ def lines():
     for props in DEVICES:
         with contextlib.ExitStack() as stack:
             stack.enter_context(rt.assume_device(props))
-            orig = rt.Kernel._launch
-            rt.Kernel._launch = spy
-            try:
-                for name, fn in itertools.chain(norm_cases(), weighted_sum_cases(), plan_cases()):
-                    seen.clear()
-                    r = fn()
-                    got = " | ".join(seen) if seen else repr(r)
-                    out.append(f"{props.sm_count}/{props.shared_mem_per_sm} {name}: {got}")
-            finally:
-                rt.Kernel._launch = orig
+            stack.enter_context(rt.observe_launches(spy))
+            for name, fn in itertools.chain(norm_cases(), weighted_sum_cases(), plan_cases()):
+                seen.clear()
+                r = fn()
+                got = " | ".join(seen) if seen else repr(r)
+                out.append(f"{props.sm_count}/{props.shared_mem_per_sm} {name}: {got}")
     return out
 
 

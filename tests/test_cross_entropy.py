@@ -6,6 +6,7 @@ and their messages, out-of-range targets, the modules as drop-ins, and the sm_90
 specialization the launchers request.
 """
 
+import dataclasses
 import itertools
 import os
 
@@ -250,7 +251,7 @@ def test_softcap_and_z_loss_equal_composed_ops(reduction):
 def test_extreme_logits_over_many_chunks(dtype):
     # rows of several chunks (the per-lane running max): masked -inf logits, a row all -inf but its target, the
     # most negative finite value, a maximum in the first chunk only, and values whose exp overflows unshifted
-    C = 2 * P.ONE_CHUNK_MAX[torch.empty((), dtype=dtype).element_size()] + 37
+    C = 2 * P.TABLE.ONE_CHUNK_MAX[torch.empty((), dtype=dtype).element_size()] + 37
     x = torch.randn(5, C, dtype=torch.float64, device=DEVICE) * 4
     x[0, torch.rand(C, device=DEVICE) < 0.7] = float("-inf")
     x[1] = float("-inf")
@@ -324,11 +325,10 @@ def test_linear_equals_functional_float64():
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
+def small_chunks():
     # linear_cross_entropy in chunks of 4 rows: several chunks on interpreter-sized inputs
-    monkeypatch.setattr(P, "LCE_CHUNK_BYTES", 4 * 30 * 8)
-    monkeypatch.setattr(P, "LCE_ROW_MULTIPLE", 1)
-    monkeypatch.setattr(P, "LCE_MIN_ROWS", 1)
+    with P.using(dataclasses.replace(P.TABLE, LCE_CHUNK_BYTES=4 * 30 * 8, LCE_ROW_MULTIPLE=1, LCE_MIN_ROWS=1)):
+        yield
 
 
 def test_linear_in_chunks(small_chunks):
@@ -337,7 +337,7 @@ def test_linear_in_chunks(small_chunks):
     W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=True)
     t = _targets(13, 30, (0, 5, 12))
-    assert P.lce_chunk_rows(13, 30, 8) == 4
+    assert P.lce_chunk_rows(13, 30, 8, P.table()) == 4
     got = linear_cross_entropy(h, W, t, b, z_loss=1e-3)
     want = linear_cross_entropy_reference(h, W, t, b, z_loss=1e-3)
     torch.testing.assert_close(got, want)
@@ -417,24 +417,14 @@ def test_ignored_rows_are_not_read():
     assert torch.isfinite(loss) and torch.isnan(lse[2]) and torch.isfinite(lse[[0, 1, 3, 4]]).all()
 
 
-def test_no_gradient_work_under_no_grad(monkeypatch):
+def test_no_gradient_work_under_no_grad(launches):
     # under no_grad (or without requires_grad) the forward writes no gradient
-    stores = []
-    kernel = launch._fwd_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                stores.append(kw["STORE_GRAD"])
-                return kernel[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(launch, "_fwd_kernel", Spy())
     x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
     with torch.no_grad():
         cross_entropy(x, _targets(4, 10))
     cross_entropy(x.detach(), _targets(4, 10))
     cross_entropy(x, _targets(4, 10))
+    stores = [seen.kw["STORE_GRAD"] for seen in launches if seen.kernel == "_cross_entropy_fwd_kernel"]
     assert stores == [False, False, True]
 
 
@@ -522,10 +512,15 @@ def test_out_of_range_target_raises_on_cpu():
         linear_cross_entropy(torch.randn(2, 3), torch.randn(9, 3), torch.tensor([9, 0]))
 
 
-def test_out_of_range_target_poisons_without_reading(monkeypatch):
+@pytest.fixture
+def no_host_checks():
+    with launch.host_checks.using(False):
+        yield
+
+
+def test_out_of_range_target_poisons_without_reading(no_host_checks):
     # where the host cannot read the targets (a GPU), a bad index is never read: its row's loss and gradient
     # are NaN, and so is the mean; the other rows are untouched
-    monkeypatch.setattr(launch, "_host_checkable", lambda t: False)
     x = torch.randn(4, 5, device=DEVICE, requires_grad=True)
     t = torch.tensor([0, 7, 2, -100], device=DEVICE)
     rows = cross_entropy(x, t, reduction="none")
@@ -652,7 +647,7 @@ def test_large_common_offset_costs_no_precision(offset, case):
     # in float32 (lse - x_t, rounded, would lose the offset's bits). Paths: the forward's gradient (mean,
     # smoothing), the recompute from the saved row maxima (none), the lse's gradient re-reading the logits.
     # Rows of several chunks, so that the online max moves.
-    C = 2 * P.ONE_CHUNK_MAX[4] + 37
+    C = 2 * P.TABLE.ONE_CHUNK_MAX[4] + 37
     x64 = (torch.randn(6, C, dtype=torch.float64, device=DEVICE) + offset).float().double()  # float32 values
     t = _targets(6, C, (2,))
     kw = {"mean": {}, "none": {"reduction": "none"}, "smoothing": {"label_smoothing": 0.1},

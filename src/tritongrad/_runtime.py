@@ -30,6 +30,8 @@ from triton import knobs
 from triton.runtime import driver as _driver
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ._dtypes import acc_dtype, acc_of  # noqa: F401 (the launchers read them as rt.acc_dtype, rt.acc_of)
+
 
 @triton.jit
 def _probe_kernel():
@@ -184,11 +186,6 @@ _TL_DTYPE = {
 }
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulate in float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def tl_acc_dtype(dtype: torch.dtype):
     return _TL_DTYPE[acc_dtype(dtype)]
 
@@ -281,6 +278,25 @@ def _hooks_active() -> bool:
     return False
 
 
+class Launch(NamedTuple):
+    """One kernel launch as an observer sees it (``observe_launches``)."""
+
+    kernel: str  # the @triton.jit function's name
+    grid: tuple
+    args: tuple  # the kernel's non-constexpr arguments in its order, those passed by name included
+    kw: dict  # constexprs and num_warps
+
+
+_observers = Scoped("launch observers", ())
+
+
+def observe_launches(fn):
+    """``with observe_launches(fn):`` calls ``fn(Launch(...))`` before every launch through :class:`Kernel`
+    in the block (the launch then runs as it would): tests see which kernel served a shape, on which grid,
+    with which arguments, without replacing a launcher's kernel."""
+    return _observers.using((*_observers.value, fn))
+
+
 class Kernel:
     """``Kernel(jit_fn)[grid](*args, num_warps=..., **constexprs)`` launches like ``jit_fn[grid]``; public as
     ``tritongrad.kernel``. The first argument must be a tensor (it picks the device and the mode):
@@ -324,7 +340,16 @@ class Kernel:
         return (*args, *more)
 
     def __getitem__(self, grid):
+        if _observers.value:
+            return functools.partial(self._observed, grid)
         return functools.partial(self._launch, grid)
+
+    def _observed(self, grid, *args, **kw):
+        args = self.positional(args, kw)
+        seen = Launch(self.fn.__name__, tuple(grid), args, dict(kw))
+        for fn in _observers.value:
+            fn(seen)
+        return self._launch(grid, *args, **kw)
 
     def _launch(self, grid, *args, num_warps: int = 4, **constexprs):
         if len(args) < len(self._arg_names) and self._arg_names[len(args)] in constexprs:

@@ -17,6 +17,7 @@ logits and one write of their gradient):
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from typing import Optional
@@ -37,10 +38,6 @@ _scale_kernel = kernel(kernels._scale_kernel)
 
 
 # ---------------------------------------------------------------- shared pieces
-def _acc(*tensors: torch.Tensor | None) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def _check_options(name: str, ignore_index, reduction, label_smoothing, logit_softcap, z_loss, logit_scale) -> None:
     if type(reduction) is not str or reduction not in REDUCTIONS:
         raise ValueError(f"tritongrad.{name}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
@@ -63,46 +60,74 @@ def _as_float(v):
     return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
 
 
+# Whether the host reads CPU targets to raise on an out-of-range index; tests turn it off (``with
+# host_checks.using(False):``) to run the GPU's way on CPU: the kernels poison the loss with NaN instead.
+host_checks = rt.Scoped("cross-entropy's host checks of CPU targets", True)
+
+
 def _host_checkable(t: torch.Tensor) -> bool:
     """Targets whose values the host can read without a device sync (CPU tensors outside tracing): there an
     out-of-range index raises. On a GPU the kernels poison the loss with NaN instead (kernels.py)."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not rt.is_fake(t)
+    return (host_checks.value and t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not rt.is_fake(t))
 
 
-def _take_buffer(ctx) -> bool | None:
-    """How the backward may use the gradient buffers its forward saved. True: it runs in the op's own eager
+class Buffers(enum.Enum):
+    """How a backward may use the gradient buffers its forward saved (``_take_buffer``)."""
+
+    TAKE = "take"  # scale them in place and hand them over: they become the caller's gradients
+    READ = "read"  # read them, return fresh tensors, leave them as they are
+    GONE = "gone"  # handed over already (or never written): recompute, do not read them
+
+    def __bool__(self) -> bool:  # ``bool(b)``: whether the backward may write into the buffers
+        return self is Buffers.TAKE
+
+
+def _take_buffer(ctx) -> Buffers:
+    """How the backward may use the gradient buffers its forward saved. TAKE: it runs in the op's own eager
     autograd node, in a backward that frees the graph (no ``retain_graph``, no ``create_graph``), so no later
-    backward can read the buffers: it may scale them in place and hand them over (they become the caller's
-    gradients). False: it must return fresh tensors and leave the buffers as they are, which it may read: the
-    graph is retained (a later backward reads them again, and the caller may mutate what it gets), or this is
-    the registered backward op (torch.compile, torch.export, opcheck). None: the buffers were handed over
-    already and must not be read (not reachable through PyTorch's engine, which refuses a backward through a
-    freed graph; kept as a guard). The pattern does not say which path called: the running autograd node
-    and its graph task tell (docs/cross-entropy.md, 'who owns the gradient buffer')."""
+    backward can read the buffers: it may scale them in place and hand them over. READ: it must return fresh
+    tensors and leave the buffers as they are, which it may read: the graph is retained (a later backward
+    reads them again, and the caller may mutate what it gets), or this is the registered backward op
+    (torch.compile, torch.export, opcheck). GONE: the buffers were handed over already and must not be read
+    (not reachable through PyTorch's engine, which refuses a backward through a freed graph; kept as a
+    guard). The pattern does not say which path called: the running autograd node and its graph task tell
+    (docs/cross-entropy.md, 'who owns the gradient buffer')."""
     node = torch._C._current_autograd_node()
     if node is None or type(node) is not ctx.op._function._backward_cls:
-        return False
+        return Buffers.READ
     if getattr(node, "_tritongrad_buffers_taken", False):
-        return None
+        return Buffers.GONE
     if torch._C._autograd._get_current_graph_task_keep_graph():
-        return False
+        return Buffers.READ
     node._tritongrad_buffers_taken = True
-    return True
+    return Buffers.TAKE
 
 
-def _splits(label_smoothing: float, z_loss: float, logit_softcap: float | None, logit_scale: float) -> tuple:
-    return (*rt.split_float(float(label_smoothing)), *rt.split_float(float(z_loss)),
-            *rt.split_float(float(logit_softcap) if logit_softcap is not None else 1.0),
-            *rt.split_float(float(logit_scale)))
+# The main kernel's upstream gradient of the loss (its DLOSS constexpr): none (the forward's gradient, for an
+# upstream 1), one scalar (reduction mean/sum), or one per row (reduction="none").
+DLOSS_ONE, DLOSS_SCALAR, DLOSS_ROWS = 0, 1, 2
+
+
+def _split(name: str, v: float) -> dict:
+    """A float argument as the kernels take it: ``<name>_hi`` (float32) and ``<name>_lo`` (rt.split_float)."""
+    hi, lo = rt.split_float(float(v))
+    return {f"{name}_hi": hi, f"{name}_lo": lo}
+
+
+def _splits(label_smoothing: float, z_loss: float, logit_softcap: float | None, logit_scale: float) -> dict:
+    return {**_split("eps", label_smoothing), **_split("z", z_loss),
+            **_split("cap", logit_softcap if logit_softcap is not None else 1.0), **_split("scale", logit_scale)}
 
 
 def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_index: int, acc: torch.dtype):
     """[D, W] on the device (kernels.py): the mean's denominator and the class weights' sum."""
     stats = torch.empty(2, dtype=acc, device=target.device)
+    t = P.table()
     _stats_kernel[(1,)](
-        target, weight, stats, target.shape[0], C, target.stride(0), weight.stride(0) if weight is not None else 0,
-        ignore_index, BLOCK=P.STATS_BLOCK, HAS_WEIGHT=weight is not None, ACC=rt.tl_acc_dtype(acc),
-        num_warps=P.STATS_WARPS,
+        target, weight_ptr=weight, stats_ptr=stats, N=target.shape[0], C=C, stride_t=target.stride(0),
+        stride_w=weight.stride(0) if weight is not None else 0, ignore_index=ignore_index, BLOCK=t.STATS_BLOCK,
+        HAS_WEIGHT=weight is not None, ACC=rt.tl_acc_dtype(acc), num_warps=t.STATS_WARPS,
     )
     return stats
 
@@ -110,17 +135,19 @@ def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_ind
 def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
                  store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, scaled: bool,
                  smoothing: bool, acc):
-    """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride)."""
+    """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride); ``splits``: the float
+    arguments (``_splits``)."""
     N, C = x.shape
     stride_g = grad.stride(0) if grad is not None else 0
     align = rt.align(int(x.stride(0)), stride_g)
     narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16) + int(softcap)
-    plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.sm_count(x.device), narrow)
+    plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.device_props(x.device), narrow, P.table())
     _fwd_kernel[(plan.programs,)](
-        x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, N, C, x.stride(0), stride_g, target.stride(0),
-        weight.stride(0) if weight is not None else 0,
-        dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
-        dlse.stride(0) if dlse is not None else 0, ignore_index, *splits,
+        x, target_ptr=target, weight_ptr=weight, stats_ptr=stats, loss_ptr=loss, lse_ptr=lse, parts_ptr=parts,
+        grad_ptr=grad, dloss_ptr=dloss, dlse_ptr=dlse, N=N, C=C, stride_x_row=x.stride(0), stride_g_row=stride_g,
+        stride_t=target.stride(0), stride_w=weight.stride(0) if weight is not None else 0,
+        stride_dloss=dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
+        stride_dlse=dlse.stride(0) if dlse is not None else 0, ignore_index=ignore_index, **splits,
         BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SCALE=scaled, HAS_SOFTCAP=softcap,
         HAS_SMOOTHING=smoothing, MEAN=mean, STORE_LOSS=loss is not None, STORE_LSE=store_lse, LSE_ALL=lse_all,
         STORE_GRAD=grad is not None, LSE_KNOWN=lse_known, DLOSS=dloss_mode, HAS_DLSE=dlse is not None,
@@ -130,8 +157,9 @@ def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, 
 
 def _finish(rows: torch.Tensor, stats, out: torch.Tensor, mean: bool) -> torch.Tensor:
     """``out`` (0-d) = the fixed-order sum of the per-row losses (over D for the mean)."""
-    _sum_kernel[(1,)](rows, stats, out, rows.shape[0], BLOCK=P.STATS_BLOCK, MEAN=mean,
-                      ACC=rt.tl_acc_dtype(rows.dtype), num_warps=P.STATS_WARPS)
+    t = P.table()
+    _sum_kernel[(1,)](rows, stats_ptr=stats, out_ptr=out, N=rows.shape[0], BLOCK=t.STATS_BLOCK, MEAN=mean,
+                      ACC=rt.tl_acc_dtype(rows.dtype), num_warps=t.STATS_WARPS)
     return out
 
 
@@ -140,9 +168,10 @@ def _scale(src: torch.Tensor, s: torch.Tensor, in_place: bool) -> torch.Tensor:
     dst = src if in_place else torch.empty_like(src)
     n = src.numel()
     if n:
-        programs = max(1, min(rt.cdiv(n, P.SCALE_BLOCK), P.SCALE_PROGRAMS_PER_SM * rt.sm_count(src.device)))
-        _scale_kernel[(programs,)](src, dst, s, n, BLOCK=P.SCALE_BLOCK, IN_PLACE=in_place,
-                                   ACC=rt.tl_acc_dtype(_acc(src, s)), num_warps=4)
+        t = P.table()
+        _scale_kernel[(P.scale_programs(n, rt.device_props(src.device), t),)](
+            src, dst_ptr=dst, s_ptr=s, numel=n, BLOCK=t.SCALE_BLOCK, IN_PLACE=in_place,
+            ACC=rt.tl_acc_dtype(rt.acc_of(src, s)), num_warps=t.SCALE_WARPS)
     return dst
 
 
@@ -180,7 +209,7 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     [2, N]: each row's max and the log of its shifted sum (lse = their sum), which the backward's softmax
     needs apart. Without ``return_lse``, ignored rows are not read: their lse is 0, without gradient."""
     N, C = input.shape
-    acc = _acc(input, weight)
+    acc = rt.acc_of(input, weight)
     x = input if input.stride(1) == 1 else input.contiguous()  # the kernels take rows of unit column stride
     mean, fused = reduction == "mean", compute_grad and reduction != "none"
     loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
@@ -194,7 +223,7 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     _rows_kernel(x, target, weight, stats, rows, lse, parts, grad if fused else None, None, None, ignore_index,
                  _splits(label_smoothing, z_loss, logit_softcap, logit_scale), mean=mean and fused, store_lse=True,
-                 lse_all=return_lse, lse_known=False, dloss_mode=0, softcap=logit_softcap is not None,
+                 lse_all=return_lse, lse_known=False, dloss_mode=DLOSS_ONE, softcap=logit_softcap is not None,
                  scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
     if reduction != "none":
         _finish(rows, stats, loss, mean)
@@ -210,17 +239,19 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     x = input if input.stride(1) == 1 else input.contiguous()
     acc = parts.dtype
     softcap = ctx.logit_softcap is not None
-    cap = rt.split_float(float(ctx.logit_softcap) if softcap else 1.0)
-    scale = rt.split_float(float(ctx.logit_scale))
-    take = _take_buffer(ctx) if grad.numel() else None
-    if take is not None:  # the forward wrote the gradient for an upstream 1: scale it, add the lse's term
-        dx = grad if take else torch.empty_like(grad)
-        rows = P.bwd_rows(rt.hint(N), rt.sm_count(x.device))
+    buffers = _take_buffer(ctx) if grad.numel() else Buffers.GONE
+    if buffers is not Buffers.GONE:  # the forward wrote the gradient for an upstream 1: scale it, add the lse's term
+        dx = grad if buffers is Buffers.TAKE else torch.empty_like(grad)
+        t = P.table()
+        rows = P.bwd_rows(rt.hint(N), rt.device_props(x.device), t)
         _bwd_kernel[(rt.cdiv(N, rows),)](
-            grad, dx, x, parts, grad_loss, grad_lse, ctx.target, N, C, x.stride(0), grad.stride(0), grad_lse.stride(0),
-            ctx.target.stride(0), ctx.ignore_index, *cap, *scale, ROWS=rows, BLOCK_C=P.BWD_BLOCK_C[x.element_size()],
-            IN_PLACE=take, LSE_ALL=ctx.return_lse, HAS_SCALE=ctx.logit_scale != 1.0, HAS_SOFTCAP=softcap,
-            ACC=rt.tl_acc_dtype(acc), ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=P.BWD_WARPS,
+            grad, dx_ptr=dx, x_ptr=x, parts_ptr=parts, dloss_ptr=grad_loss, dlse_ptr=grad_lse, target_ptr=ctx.target,
+            N=N, C=C, stride_x_row=x.stride(0), stride_g_row=grad.stride(0), stride_dlse=grad_lse.stride(0),
+            stride_t=ctx.target.stride(0), ignore_index=ctx.ignore_index,
+            **_split("cap", ctx.logit_softcap if softcap else 1.0), **_split("scale", ctx.logit_scale),
+            ROWS=rows, BLOCK_C=t.BWD_BLOCK_C[x.element_size()], IN_PLACE=buffers is Buffers.TAKE,
+            LSE_ALL=ctx.return_lse, HAS_SCALE=ctx.logit_scale != 1.0, HAS_SOFTCAP=softcap, ACC=rt.tl_acc_dtype(acc),
+            ALIGN=rt.align(int(x.stride(0)), int(grad.stride(0))), num_warps=t.BWD_WARPS,
         )
         return dx, None, None
     # The gradient from the logits and the saved row maxima and sums (reduction="none", compute_grad off):
@@ -231,8 +262,8 @@ def _cross_entropy_backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor
     dx = torch.empty((N, C), dtype=input.dtype, device=input.device)
     _rows_kernel(x, target, weight, stats, None, None, parts, dx, grad_loss, grad_lse, ctx.ignore_index,
                  _splits(ctx.label_smoothing, ctx.z_loss, ctx.logit_softcap, ctx.logit_scale), mean=mean,
-                 store_lse=False, lse_all=ctx.return_lse, lse_known=True, dloss_mode=2 if reduction == "none" else 1,
-                 softcap=softcap, scaled=ctx.logit_scale != 1.0, smoothing=smoothing, acc=acc)
+                 store_lse=False, lse_all=ctx.return_lse, lse_known=True,
+                 dloss_mode=DLOSS_ROWS if reduction == "none" else DLOSS_SCALAR, softcap=softcap, scaled=ctx.logit_scale != 1.0, smoothing=smoothing, acc=acc)
     return dx, None, None
 
 
@@ -360,17 +391,17 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     gradients (None where not asked)."""
     N, H = input.shape
     V = weight.shape[0]
-    acc = _acc(input)
+    acc = rt.acc_of(input)
     mean, smoothing = reduction == "mean", label_smoothing > 0
     want_grad = any(need)
     stats = _stats(target, None, V, ignore_index, acc) if mean and want_grad else None
     gi = torch.empty_like(input) if need[0] else None
     gw = torch.empty_like(weight) if need[1] else None
-    gb = torch.zeros(V, dtype=_acc(bias), device=input.device) if need[2] else None  # float sums, one rounding
-    chunk = P.lce_chunk_rows(rt.hint(N), int(V), input.element_size())
+    gb = torch.zeros(V, dtype=rt.acc_of(bias), device=input.device) if need[2] else None  # float sums, one rounding
+    chunk = P.lce_chunk_rows(rt.hint(N), int(V), input.element_size(), P.table())
     buf = torch.empty((min(chunk, N), V), dtype=input.dtype, device=input.device)
     splits = _splits(label_smoothing, z_loss, logit_softcap, logit_scale)
-    dloss_mode = 0 if dloss is None else 2 if dloss.dim() == 1 else 1
+    dloss_mode = DLOSS_ONE if dloss is None else DLOSS_ROWS if dloss.dim() == 1 else DLOSS_SCALAR
     wt = weight.t()
     for r0 in range(0, N, chunk):
         r1 = min(N, r0 + chunk)
@@ -379,7 +410,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
             torch.mm(h, wt, out=logits)
         else:
             torch.addmm(bias, h, wt, out=logits)
-        d = dloss[r0:r1] if dloss_mode == 2 else dloss
+        d = dloss[r0:r1] if dloss_mode == DLOSS_ROWS else dloss
         _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None, None,
                      logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
                      store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
@@ -425,7 +456,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
         zero = [torch.zeros_like(t) if n else empty() for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
         return (loss.fill_(float("nan") if reduction == "mean" else 0.0), *zero)
     mean = reduction == "mean"
-    acc = _acc(input)
+    acc = rt.acc_of(input)
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     gi, gw, gb = _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap,
                            z_loss, logit_scale, rows, need)
@@ -442,10 +473,11 @@ def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
     have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
             ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
             ctx.grad_bias.numel() > 0 or (ctx.bias is not None and ctx.bias.numel() == 0))
-    take = _take_buffer(ctx) if ctx.reduction != "none" and all(h or not n for n, h in zip(need, have)) else None
-    if take is not None:
+    usable = ctx.reduction != "none" and all(h or not n for n, h in zip(need, have))
+    buffers = _take_buffer(ctx) if usable else Buffers.GONE
+    if buffers is not Buffers.GONE:
         # The forward computed them for an upstream gradient of 1: scale (on the device; nothing when it is 1).
-        out = [_scale(g, grad_loss, take) if n else None
+        out = [_scale(g, grad_loss, buffers is Buffers.TAKE) if n else None
                for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias))]
         return out[0], out[1], None, out[2]
     # Not computed in the forward (reduction="none": per-row upstream gradients, or a gradient the forward was

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float32, or float64 when any present tensor is float64."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+from ..._dtypes import acc_of as _acc
 
 
 def default_eps(dtype: torch.dtype) -> float:

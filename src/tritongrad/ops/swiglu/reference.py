@@ -3,10 +3,12 @@ Imports torch only."""
 
 import torch
 
+from ..._dtypes import acc_dtype
+
 
 def _acc(gate: torch.Tensor, up: torch.Tensor):
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
-    return out_dtype, torch.float64 if out_dtype == torch.float64 else torch.float32
+    return out_dtype, acc_dtype(out_dtype)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
