@@ -17,6 +17,7 @@ ids) and [B, T, 128].
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -180,19 +181,19 @@ def bench_rope(reps: int, rows: list, providers=None, label="") -> None:
 
 # ---------------------------------------------------------------- plan sweep
 def sweep(reps: int, rows: list) -> None:
+    # Each variant is a table passed to the launchers for the extent of its runs; the tuned tables stay as they are.
     for tile in (2048, 4096, 8192):
         for warps in (4, 8):
-            swiglu_plans.TILE_BYTES, swiglu_plans.NUM_WARPS = tile, warps
-            swiglu_plans.tile.cache_clear()
-            bench_swiglu(reps, rows, {"tritongrad": tritongrad.swiglu}, f" [tile {tile} B, {warps} warps]",
-                         cases=(False,))
+            with swiglu_plans.using(dataclasses.replace(swiglu_plans.TABLE, TILE_BYTES=tile, NUM_WARPS=warps)):
+                bench_swiglu(reps, rows, {"tritongrad": tritongrad.swiglu}, f" [tile {tile} B, {warps} warps]",
+                             cases=(False,))
     for tile in (4096, 8192, 16384):
         for warps in (2, 4, 8):
             for max_h in (8, 16, 32):
-                rope_plans.TILE_BYTES, rope_plans.NUM_WARPS, rope_plans.MAX_BLOCK_H = tile, warps, max_h
-                rope_plans.plan.cache_clear()
-                bench_rope(reps, rows, {"tritongrad": tritongrad.apply_rotary_pos_emb},
-                           f" [{tile} B, {warps} w, heads <= {max_h}]")
+                table = dataclasses.replace(rope_plans.TABLE, TILE_BYTES=tile, NUM_WARPS=warps, MAX_BLOCK_H=max_h)
+                with rope_plans.using(table):
+                    bench_rope(reps, rows, {"tritongrad": tritongrad.apply_rotary_pos_emb},
+                               f" [{tile} B, {warps} w, heads <= {max_h}]")
 
 
 COPY = [0.0]

@@ -235,9 +235,8 @@ def test_backward_sign():
 
 
 # ---------------------------------------------------------------- memory: in place, layouts, no writes
-def test_transposed_projections_are_read_in_place_and_layouts_kept(monkeypatch):
-    spy = KernelSpy(rope_launch._kernel)
-    monkeypatch.setattr(rope_launch, "_kernel", spy)
+def test_transposed_projections_are_read_in_place_and_layouts_kept(kernel_spy):
+    spy = kernel_spy(rope_launch._kernel)
     q, k = projections(2, 5, 8, 2, 16, torch.float32, DEVICE)
     cos, sin = tables(1, 5, 16, torch.float32, DEVICE)
     qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
@@ -253,9 +252,8 @@ def test_transposed_projections_are_read_in_place_and_layouts_kept(monkeypatch):
     assert qr.grad.stride() == q.stride() and kr.grad.stride() == k.stride()
 
 
-def test_one_launch_for_q_and_k(monkeypatch):
-    spy = KernelSpy(rope_launch._kernel)
-    monkeypatch.setattr(rope_launch, "_kernel", spy)
+def test_one_launch_for_q_and_k(kernel_spy):
+    spy = kernel_spy(rope_launch._kernel)
     q, k = projections(1, 4, 4, 2, 8, torch.float32, DEVICE)
     qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
     qe, ke = apply_rotary_pos_emb(qr, kr, *tables(1, 4, 8, torch.float32, DEVICE))

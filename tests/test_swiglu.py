@@ -300,12 +300,10 @@ def test_geglu_is_exported_and_runs_its_own_node():
 
 
 # ---------------------------------------------------------------- memory: in place, no copies, no writes
-def test_fused_halves_are_read_in_place(monkeypatch):
+def test_fused_halves_are_read_in_place(kernel_spy):
     I = 40
     x = torch.randn(2, 3, 2 * I, device=DEVICE)
-    fwd, bwd = KernelSpy(sw_launch._fwd_kernel), KernelSpy(sw_launch._bwd_kernel)
-    monkeypatch.setattr(sw_launch, "_fwd_kernel", fwd)
-    monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
+    fwd, bwd = kernel_spy(sw_launch._fwd_kernel), kernel_spy(sw_launch._bwd_kernel)
     xr = x.clone().requires_grad_()
     out = swiglu(xr[..., :I], xr[..., I:])
     out.sum().backward()
@@ -350,17 +348,15 @@ GATED = {
 
 
 @pytest.mark.parametrize("name", list(GATED))
-def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(monkeypatch, name):
+def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(name):
     fn = GATED[name][0]
     dout = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
     grads = {}
     for inplace in (False, True):
         torch.manual_seed(0)
         leaves, g, u = _projected()
-        bwd = KernelSpy(sw_launch._bwd_kernel)
-        monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
-        fn(g, u, inplace_backward=inplace).backward(dout)
-        monkeypatch.undo()
+        with KernelSpy(sw_launch._bwd_kernel) as bwd:
+            fn(g, u, inplace_backward=inplace).backward(dout)
         grads[inplace] = [t.grad for t in leaves]
         # In place: the gradients were written over gate and up (the backward allocated neither).
         assert (bwd.ptrs[0][3:5] == [g.data_ptr(), u.data_ptr()]) == inplace
@@ -442,11 +438,10 @@ def test_inplace_backward_survives_a_second_backward(name):
 
 
 @pytest.mark.parametrize("name", list(GATED))
-def test_inplace_backward_autograd_grad_with_retain_graph_is_bitwise_repeatable(name, monkeypatch):
+def test_inplace_backward_autograd_grad_with_retain_graph_is_bitwise_repeatable(name, kernel_spy):
     leaves = _mlp()
     want = _want(name, leaves)
-    bwd = KernelSpy(sw_launch._bwd_kernel)
-    monkeypatch.setattr(sw_launch, "_bwd_kernel", bwd)
+    bwd = kernel_spy(sw_launch._bwd_kernel)
     held = {}
     loss = _mlp_loss(leaves, _ours(name), gate_hook=lambda g, u: held.update(g=g.data_ptr(), u=u.data_ptr()))
     runs = [torch.autograd.grad(loss, leaves, retain_graph=True) for _ in range(3)]

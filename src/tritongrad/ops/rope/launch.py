@@ -10,7 +10,7 @@ k_embed: promoted dtypes); passed features are read and written like rotated one
             (only the gradients asked for: dk alone reads dk_embed, cos and sin and writes dk).
 cos and sin are read from HBM once and from L2 (or L1) by every other head block of the same tokens. At
 Llama-8B's attention, 16384 tokens x (32 + 8) heads x 128 in bfloat16 with [B, T, 128] tables: 336 MB of q
-and k plus 8.4 MB of cos and sin each way, 0.69 GB in all, 0.16 ms at 4.25 TB/s. docs/swiglu-rope.md.
+and k plus 8.4 MB of cos and sin each way, 0.69 GB in all. docs/swiglu-rope.md.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ def _validate(q, k, cos, sin, unsqueeze_dim, *, interleaved=False) -> None:
     HQ, HK, D = qs[h], ks[h], qs[3]
     if HK == 0 or HQ % HK != 0:
         raise ValueError(f"{_NAME}: k's {HK} heads must divide q's {HQ} (grouped-query attention); q {qs}, k {ks}")
+    _validate_tables(cos, sin, qs, ks, h, layout)
+
+
+def _validate_tables(cos, sin, qs: tuple, ks: tuple, h: int, layout: str) -> None:
+    """cos and sin against q's shape ``qs`` (heads at dim ``h``) and k's ``ks``."""
+    D = qs[3]
     cs, ss = tuple(cos.shape), tuple(sin.shape)
     if cs != ss:
         what = " (their rotary widths R differ)" if cos.dim() == sin.dim() and cs[:-1] == ss[:-1] else ""
@@ -99,6 +105,12 @@ def _strides(x: torch.Tensor | None) -> tuple:
     return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
 
 
+def _named(name: str, strides: tuple) -> dict:
+    """A tensor's strides as the kernel's arguments ``stride_<name>_b/t/h/d`` (cos and sin: b, t, d)."""
+    dims = "btd" if len(strides) == 3 else "bthd"
+    return {f"stride_{name}_{d}": s for d, s in zip(dims, strides)}
+
+
 def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool) -> None:
     """y = rope(x) (forward) or its adjoint (backward) for q and k in one launch; yq or yk None: skipped.
     Every tensor is read and written through its strides, whatever they are (no view, no copy)."""
@@ -112,7 +124,7 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool)
     HQ, HK, D, R = int(HQ), int(HK), int(D), int(cos.shape[-1])
     # Heads left out (the backward of k alone) do not size the tile: k's blocks then take more tokens.
     p = P.plan(rt.hint(T), HQ if yq is not None else 0, HK if yk is not None else 0, D, R,
-               min(xq.element_size(), xk.element_size()))
+               min(xq.element_size(), xk.element_size()), P.table())
     q_blocks = rt.cdiv(HQ, p.BLOCK_HQ) if yq is not None else 0
     h_blocks = q_blocks + (rt.cdiv(HK, p.BLOCK_HK) if yk is not None else 0)
     if h_blocks == 0:
@@ -127,8 +139,9 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool)
                      *[int(s) for s in (*c_strides[:2], *s_strides[:2])])
     acc = torch.float64 if torch.float64 in (xq.dtype, xk.dtype, cos.dtype, sin.dtype) else torch.float32
     _kernel[(rt.cdiv(T, p.BLOCK_T) * h_blocks, B)](
-        xq, xk, yq, yk, cos, sin, T, HQ, HK, *q_strides, *k_strides, *qo_strides, *ko_strides,
-        *c_strides, *s_strides, q_blocks, h_blocks, HALF=R // 2, PASS=D - R, BLOCK_T=p.BLOCK_T,
+        xq, k_ptr=xk, qo_ptr=yq, ko_ptr=yk, cos_ptr=cos, sin_ptr=sin, T=T, HQ=HQ, HK=HK,
+        **_named("q", q_strides), **_named("k", k_strides), **_named("qo", qo_strides), **_named("ko", ko_strides),
+        **_named("c", c_strides), **_named("s", s_strides), Q_BLOCKS=q_blocks, H_BLOCKS=h_blocks, HALF=R // 2, PASS=D - R, BLOCK_T=p.BLOCK_T,
         BLOCK_HQ=p.BLOCK_HQ, BLOCK_HK=p.BLOCK_HK, BLOCK_HALF=p.BLOCK_HALF, BLOCK_PASS=p.BLOCK_PASS,
         INTERLEAVED=bool(interleaved), HAS_Q=yq is not None, HAS_K=yk is not None, BACKWARD=backward,
         ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=p.num_warps,

@@ -2,13 +2,15 @@
 
 The op is a stream over q and k with a small table (cos, sin) shared by all heads of a token: a program
 takes a block of tokens x a block of heads (of q, or of k), loads the tokens' cos and sin rows once for its
-heads and moves about TILE_BYTES of q or k. Plans depend on the head counts, the head and rotary widths and the element size, and
-on the sequence length only to cap the block (callers pass ``rt.hint(T)``); grids take T itself. Sweeps on
-an H200: docs/swiglu-rope.md.
+heads and moves about TILE_BYTES of q or k. The knobs are fields of a frozen ``RopeTable`` (``TABLE``, or
+another one inside ``using(table)``); ``plan`` is the pure function the launcher calls, of the head counts,
+the head and rotary widths, the element size and a table, and of the sequence length only to cap the block
+(callers pass ``rt.hint(T)``); grids take T itself. It reads no device property. Design: docs/swiglu-rope.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -24,13 +26,28 @@ class Plan(NamedTuple):
     num_warps: int
 
 
-# Bytes of q (or k) a program reads (2048 bfloat16 elements: one 16-byte vector per thread and half-head
-# load at 4 warps), and its warps. The fastest of 4, 8 and 16 KiB tiles at 2, 4 and 8 warps on an H200.
-TILE_BYTES = 4096
-NUM_WARPS = 4
-# At most this many heads per program: 16 (one token of 16 heads of 128) was 2-3% faster than 8 (two
-# tokens of 8 heads) at Llama-8B's 32/8 heads; 32 no better.
-MAX_BLOCK_H = 16
+@dataclasses.dataclass(frozen=True, eq=False)
+class RopeTable:
+    """The knobs, each with one line of why; tests and sweeps pass another (``dataclasses.replace(TABLE, ...)``)
+    through ``using``."""
+
+    # Bytes of q (or k) a program reads (2048 bfloat16 elements: one 16-byte vector per thread and half-head
+    # load at 4 warps), and its warps: the fastest of 4-16 KiB tiles at 2-8 warps.
+    TILE_BYTES: int = 4096
+    NUM_WARPS: int = 4
+    # At most this many heads per program: one token of 16 heads beats two tokens of 8 at Llama-8B's 32/8
+    # heads; 32 is no better.
+    MAX_BLOCK_H: int = 16
+
+
+TABLE = RopeTable()
+_table = rt.Scoped("the rotary embedding's tuning table", TABLE)
+using = _table.using  # with plans.using(dataclasses.replace(plans.TABLE, ...)): the launcher plans from that table
+
+
+def table() -> RopeTable:
+    """The table the launcher plans from now."""
+    return _table.value
 
 
 def _floor_pow2(n: int) -> int:
@@ -46,17 +63,16 @@ def _heads_block(H: int, widest: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def plan(T: int, HQ: int, HK: int, D: int, R: int, elem: int) -> Plan:
+def plan(T: int, HQ: int, HK: int, D: int, R: int, elem: int, t: RopeTable = TABLE) -> Plan:
     """The plan for q of HQ heads and k of HK heads (0: not processed) of D elements of ``elem`` bytes (the
     narrower of q and k, so that its loads stay 16-byte vectors), the first R of which rotate; T (tokens per
-    sequence) is a plan hint. A head's tile is its rotated pairs' two blocks and its passed features' block
-    (R = D: the plan sized for full rotary before partial rotary existed)."""
+    sequence) is a plan hint. A head's tile is its rotated pairs' two blocks and its passed features' block."""
     BLOCK_HALF = rt.next_pow2(max(R // 2, 1))
     BLOCK_PASS = rt.next_pow2(max(D - R, 1))
     width = 2 * BLOCK_HALF + (BLOCK_PASS if D > R else 0)
-    elems = TILE_BYTES // elem
+    elems = t.TILE_BYTES // elem
     # Powers of two (block shapes), rounded down: a head of passed features makes the width no power of two.
-    widest = _floor_pow2(min(MAX_BLOCK_H, elems // width))
+    widest = _floor_pow2(min(t.MAX_BLOCK_H, elems // width))
     BLOCK_HQ, BLOCK_HK = _heads_block(HQ, widest), _heads_block(HK, widest)
     BLOCK_T = min(_floor_pow2(elems // (max(BLOCK_HQ, BLOCK_HK) * width)), rt.next_pow2(T))
-    return Plan(BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, NUM_WARPS)
+    return Plan(BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, t.NUM_WARPS)

@@ -56,7 +56,7 @@ def _validate_geglu(gate, up, approximate, inplace_backward) -> None:
 
 def _plan(N, D: int, *tensors: torch.Tensor) -> P.Tile:
     # The narrowest element sets the tile, so that each of its loads is still a 16-byte vector.
-    return P.tile(rt.hint(N), D, min(t.element_size() for t in tensors))
+    return P.tile(rt.hint(N), D, min(t.element_size() for t in tensors), P.table())
 
 
 def _forward(gate, up, act: int, inplace_backward: bool) -> torch.Tensor:
@@ -72,8 +72,8 @@ def _forward(gate, up, act: int, inplace_backward: bool) -> torch.Tensor:
     t = _plan(N, D, gate, up)
     d_blocks = rt.cdiv(D, t.BLOCK_D)
     _fwd_kernel[(rt.cdiv(N, t.BLOCK_N) * d_blocks,)](
-        g2, u2, out, N, D, g2.stride(0), g2.stride(1), u2.stride(0), u2.stride(1), d_blocks,
-        BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACT=act, ACC=rt.tl_acc_dtype(out.dtype),
+        g2, u_ptr=u2, out_ptr=out, N=N, D=D, stride_g_row=g2.stride(0), stride_g_col=g2.stride(1),
+        stride_u_row=u2.stride(0), stride_u_col=u2.stride(1), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACT=act, ACC=rt.tl_acc_dtype(out.dtype),
         ALIGN=rt.align(D, int(g2.stride(0)), int(u2.stride(0))), num_warps=t.num_warps,
     )
     return out
@@ -98,8 +98,9 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
     t = _plan(N, D, gate, up, grad_out)
     d_blocks = rt.cdiv(D, t.BLOCK_D)
     _bwd_kernel[(rt.cdiv(N, t.BLOCK_N) * d_blocks,)](
-        g2, u2, do2, dg, du, N, D, g2.stride(0), g2.stride(1), u2.stride(0), u2.stride(1), do2.stride(0),
-        do2.stride(1), d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DG=need_g, HAS_DU=need_u, ACT=act,
+        g2, u_ptr=u2, dout_ptr=do2, dg_ptr=dg, du_ptr=du, N=N, D=D, stride_g_row=g2.stride(0),
+        stride_g_col=g2.stride(1), stride_u_row=u2.stride(0), stride_u_col=u2.stride(1),
+        stride_dout_row=do2.stride(0), stride_dout_col=do2.stride(1), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DG=need_g, HAS_DU=need_u, ACT=act,
         ACC=rt.tl_acc_dtype(torch.promote_types(gate.dtype, up.dtype)),
         ALIGN=rt.align(D, int(g2.stride(0)), int(u2.stride(0)), int(do2.stride(0))), num_warps=t.num_warps,
     )
