@@ -112,12 +112,13 @@ def _bad_calls():
 
 
 @pytest.fixture
-def small_path_on_cpu(monkeypatch):
+def small_path_on_cpu():
     # The small-input path runs before tritongrad's argument checks and leaves most of them to PyTorch's
     # ops (_pattern, ``native``). Opened to CPU tensors, every bad input of the other test modules must still
     # get tritongrad's error, not PyTorch's and not a result.
-    monkeypatch.setattr(_pattern, "_serve_cpu", [True])
-    tritongrad.set_small_input_threshold(DEFAULT)
+    with _pattern.SMALL.on_cpu():
+        tritongrad.set_small_input_threshold(DEFAULT)
+        yield
 
 
 def test_small_path_serves_cpu_tensors_when_opened(small_path_on_cpu):

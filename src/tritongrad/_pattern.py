@@ -54,6 +54,8 @@ checks in place; a new signature for the same name is refused with a message tha
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 import typing
@@ -73,11 +75,26 @@ _PLAIN = rt.PLAIN_TENSORS
 # Inputs with at most this many elements go to the op's ``native`` PyTorch version (see above; measured in
 # docs/host-path.md).
 SMALL_INPUT_THRESHOLD = 1 << 22
-_small = [SMALL_INPUT_THRESHOLD]
 
-# The small-input path serves CUDA tensors; tests set this to serve CPU tensors too, to check its handling of
-# bad arguments without a GPU.
-_serve_cpu = [False]
+
+@dataclasses.dataclass(slots=True)
+class SmallInputs:
+    """The small-input path's settings (module docstring); one instance, ``SMALL``."""
+
+    threshold: int = SMALL_INPUT_THRESHOLD  # inputs of at most this many elements (set_small_input_threshold)
+    serve_cpu: bool = False  # CPU tensors too, not only CUDA ones (tests: ``with SMALL.on_cpu():``)
+
+    @contextlib.contextmanager
+    def on_cpu(self):
+        """Serve CPU tensors too inside the block: tests check the path's handling of bad arguments there."""
+        prev, self.serve_cpu = self.serve_cpu, True
+        try:
+            yield self
+        finally:
+            self.serve_cpu = prev
+
+
+SMALL = SmallInputs()
 _is_compiling = torch.compiler.is_compiling
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -93,7 +110,7 @@ def set_small_input_threshold(numel: int) -> int:
     off (e.g. before capturing CUDA graphs). Returns the previous threshold."""
     if type(numel) is not int or numel < 0:
         raise ValueError(f"tritongrad.set_small_input_threshold: numel must be an int >= 0, got {numel!r}")
-    prev, _small[0] = _small[0], numel
+    prev, SMALL.threshold = SMALL.threshold, numel
     return prev
 
 
@@ -206,6 +223,103 @@ def _as_tuple(outs) -> tuple:
     return outs if isinstance(outs, tuple) else tuple(outs) if isinstance(outs, list) else (outs,)
 
 
+def _split_name(name) -> tuple[str, str]:
+    if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
+        raise ValueError(f"tritongrad.op: name must be 'namespace::name', e.g. 'mylib::softcap', got {name!r}")
+    namespace, short = name.split("::")
+    return namespace, short
+
+
+def _positions(label: str, what: str, names: Sequence[str], params: list, tensors: tuple) -> frozenset:
+    """Positions of the tensor arguments ``names`` (``index=``, ``nondiff=``); a ValueError for others."""
+    all_names = [p.name for p in params]
+    unknown = [n for n in names if n not in all_names or all_names.index(n) not in tensors]
+    if unknown:
+        raise ValueError(f"{label}: {what}={tuple(names)} names {unknown}, which are not tensor arguments")
+    return frozenset(all_names.index(n) for n in names)
+
+
+class _Params(typing.NamedTuple):
+    """The forward launcher's parameters, as the op binds and checks arguments (the Op's ``_<field>``
+    attributes, and ``tensor_positions``)."""
+
+    params: list
+    names: list
+    nargs: int
+    tensor_positions: tuple  # tensor arguments (optional ones included)
+    optional: frozenset  # tensor arguments that may be None
+    index: frozenset  # class indices: integer dtypes, no gradient
+    nondiff: frozenset  # floating, no gradient
+    no_grad: frozenset
+    diff_positions: tuple  # the tensors the op differentiates
+    nontensor: tuple
+    nontensor_names: tuple
+    defaults: list
+    first: int  # the first tensor argument: its device and size decide the path
+
+    @classmethod
+    def of(cls, label: str, signature: inspect.Signature, index: Sequence[str], nondiff: Sequence[str]) -> "_Params":
+        params = list(signature.parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in params):
+            raise TypeError(f"{label}: the forward launcher takes named arguments only (no *args, **kwargs "
+                            f"or positional-only ones): {signature}")
+        names = [p.name for p in params]
+        kinds = [_tensor_kind(p.annotation) for p in params]
+        tensors = tuple(i for i, k in enumerate(kinds) if k is not None)
+        if not tensors:
+            raise TypeError(f"{label}: the forward launcher takes no Tensor argument: {signature}")
+        index_pos = _positions(label, "index", index, params, tensors)
+        nondiff_pos = _positions(label, "nondiff", nondiff, params, tensors)
+        no_grad = index_pos | nondiff_pos
+        nontensor = tuple(i for i in range(len(params)) if i not in tensors)
+        return cls(params, names, len(params), tensors, frozenset(i for i, k in enumerate(kinds) if k == "optional"),
+                   index_pos, nondiff_pos, no_grad, tuple(i for i in tensors if i not in no_grad), nontensor,
+                   tuple(names[i] for i in nontensor), [p.default for p in params], tensors[0])
+
+
+class Saved(typing.NamedTuple):
+    """Where a saved tensor comes from: the argument at ``index``, or (``output``) the ``index``-th returned
+    tensor (outputs, then residuals)."""
+
+    name: str
+    output: bool
+    index: int
+
+
+class _Returns(typing.NamedTuple):
+    """What the forward launcher returns, and what the backward reads of it and of the arguments."""
+
+    residuals: tuple
+    n_outputs: int
+    outputs: tuple
+    save: tuple
+    sources: tuple  # a Saved per name in ``save``
+
+    @classmethod
+    def of(cls, label: str, signature: inspect.Signature, names: list, tensors: tuple, residuals, outputs,
+           save) -> "_Returns":
+        total = _count_returns(signature.return_annotation, label)
+        residuals = tuple(residuals)
+        n_outputs = total - len(residuals)
+        if n_outputs < 1:
+            raise ValueError(f"{label}: {total} returned tensors leave no output after residuals {residuals}")
+        outputs = tuple(outputs) if outputs is not None else (
+            ("out",) if n_outputs == 1 else tuple(f"out{i}" for i in range(n_outputs)))
+        if len(outputs) != n_outputs:
+            raise ValueError(f"{label}: outputs={outputs} names {len(outputs)} outputs; the launcher "
+                             f"returns {n_outputs} (and {len(residuals)} residuals)")
+        returned = outputs + residuals
+        tensor_names = [names[i] for i in tensors]
+        save = tuple(save) if save is not None else (*tensor_names, *residuals)
+        bad = [s for s in save if s not in tensor_names and s not in returned]
+        if bad:
+            raise ValueError(f"{label}: save={save} names {bad}: neither a tensor input "
+                             f"({', '.join(tensor_names)}) nor an output or residual ({', '.join(returned)})")
+        sources = tuple(Saved(s, False, names.index(s)) if s in tensor_names else Saved(s, True, returned.index(s))
+                        for s in save)
+        return cls(residuals, n_outputs, outputs, save, sources)
+
+
 class _Function(torch.autograd.Function):
     """Eager autograd wiring shared by all ops: launchers are called directly, no dispatcher."""
 
@@ -245,68 +359,28 @@ class Op:
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
                  index=(), nondiff=(), native=None, autocast=None, opaque=False):
-        if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
-            raise ValueError(f"tritongrad.op: name must be 'namespace::name', e.g. 'mylib::softcap', got {name!r}")
+        # Declaration: the name, the forward launcher's parameters (the schema) and what it returns.
         self.qualname = name
-        self.namespace, self.name = name.split("::")
+        self.namespace, self.name = _split_name(name)
         self.label = f"{self.namespace}.{self.name}"
         self.signature = inspect.signature(forward, eval_str=True)
-        params = list(self.signature.parameters.values())
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in params):
-            raise TypeError(f"{self.label}: the forward launcher takes named arguments only (no *args, **kwargs "
-                            f"or positional-only ones): {self.signature}")
-        self._params = params
-        self._names = [p.name for p in params]
-        self._nargs = len(params)
-        kinds = [_tensor_kind(p.annotation) for p in params]
-        self.tensor_positions = tuple(i for i, k in enumerate(kinds) if k is not None)
-        if not self.tensor_positions:
-            raise TypeError(f"{self.label}: the forward launcher takes no Tensor argument: {self.signature}")
-        self._optional = frozenset(i for i, k in enumerate(kinds) if k == "optional")
-        unknown = [n for n in index if n not in self._names or self._names.index(n) not in self.tensor_positions]
-        if unknown:
-            raise ValueError(f"{self.label}: index={tuple(index)} names {unknown}, which are not tensor arguments")
-        self._index = frozenset(self._names.index(n) for n in index)
-        unknown = [n for n in nondiff if n not in self._names or self._names.index(n) not in self.tensor_positions]
-        if unknown:
-            raise ValueError(f"{self.label}: nondiff={tuple(nondiff)} names {unknown}, which are not tensor arguments")
-        self._nondiff = frozenset(self._names.index(n) for n in nondiff)
-        self._no_grad = self._index | self._nondiff
-        self._diff_positions = tuple(i for i in self.tensor_positions if i not in self._no_grad)
-        total = _count_returns(self.signature.return_annotation, self.label)
-        self.residuals = tuple(residuals)
-        self.n_outputs = total - len(self.residuals)
-        if self.n_outputs < 1:
-            raise ValueError(f"{self.label}: {total} returned tensors leave no output after residuals "
-                             f"{self.residuals}")
-        self.outputs = tuple(outputs) if outputs is not None else (
-            ("out",) if self.n_outputs == 1 else tuple(f"out{i}" for i in range(self.n_outputs)))
-        if len(self.outputs) != self.n_outputs:
-            raise ValueError(f"{self.label}: outputs={self.outputs} names {len(self.outputs)} outputs; the launcher "
-                             f"returns {self.n_outputs} (and {len(self.residuals)} residuals)")
-        returned = self.outputs + self.residuals
-        tensor_names = [self._names[i] for i in self.tensor_positions]
-        self.save = tuple(save) if save is not None else (*tensor_names, *self.residuals)
-        bad = [s for s in self.save if s not in tensor_names and s not in returned]
-        if bad:
-            raise ValueError(f"{self.label}: save={self.save} names {bad}: neither a tensor input "
-                             f"({', '.join(tensor_names)}) nor an output or residual ({', '.join(returned)})")
-        # Where each saved tensor comes from: ("arg", position) or ("out", index into the returned tuple).
-        self._save_src = tuple(("arg", self._names.index(s)) if s in tensor_names else ("out", returned.index(s))
-                               for s in self.save)
-        self._nontensor = tuple(i for i in range(self._nargs) if i not in self.tensor_positions)
-        self._nontensor_names = tuple(self._names[i] for i in self._nontensor)
-        self._defaults = [p.default for p in params]
-        self._first = self.tensor_positions[0]
+        params = _Params.of(self.label, self.signature, index, nondiff)
+        self.tensor_positions = params.tensor_positions
+        self.__dict__.update({f"_{k}": v for k, v in params._asdict().items() if k != "tensor_positions"})
+        returns = _Returns.of(self.label, self.signature, self._names, self.tensor_positions, residuals, outputs, save)
+        self.residuals, self.n_outputs, self.outputs, self.save = (
+            returns.residuals, returns.n_outputs, returns.outputs, returns.save)
+        self._save_src = returns.sources
         self.autocast = autocast
         self.opaque = bool(opaque)
-        # The pattern passes every argument positionally; keyword-only parameters are then bound by name.
+        # Binding: the pattern passes every argument positionally; keyword-only parameters are then bound by name.
         self.forward, self.reference, self._validate, self.native = (
-            _positional(f, params) for f in (forward, reference, validate, native))
+            _positional(f, self._params) for f in (forward, reference, validate, native))
         self._backward_fn = None
         self.declared_inputs: DeclaredInputs | None = None
+        # Registration (torch.library) waits for the backward (``_register``); the autograd path is one
+        # Function subclass per op, so that y.grad_fn reads e.g. <SoftcapBackward>.
         self._fwd_def = None
-        # A Function subclass per op, so that y.grad_fn reads e.g. <SoftcapBackward>.
         self._function = type("".join(p.title() for p in self.name.split("_")), (_Function,), {})
         # Function.apply minus its Python preamble (default-argument binding, functorch unwrapping), which
         # costs several microseconds per call and does nothing when no functorch transform is active.
@@ -454,12 +528,17 @@ class Op:
             self.native is not None
             and type(x) in _PLAIN
             and not _is_compiling()  # before reading sizes: a traced size comparison would be a guard
-            and 0 < x.numel() <= _small[0]
-            and (x.is_cuda or _serve_cpu[0] and x.is_cpu)
+            and 0 < x.numel() <= SMALL.threshold
+            and (x.is_cuda or SMALL.serve_cpu and x.is_cpu)
         ):
             out = self._native_call(args, x)
             if out is not NotImplemented:
                 return out
+        return self._checked_call(args)
+
+    def _checked_call(self, args: tuple):
+        """The op on bound arguments, checked: autocast, then the PyTorch path, transforms, tracing, the
+        eager autograd.Function, or the forward launcher alone."""
         self.check(args)
         x = args[self._first]
         if self.autocast is not None and x.is_cuda and torch.is_autocast_enabled():
@@ -528,7 +607,7 @@ class Op:
             t = args[i]
             if t is not None and t is not x and (
                 type(t) not in _PLAIN or (i not in self._index and t.dtype is not dtype)
-                or not (t.is_cuda or _serve_cpu[0] and t.is_cpu)
+                or not (t.is_cuda or SMALL.serve_cpu and t.is_cpu)
             ):
                 return NotImplemented
         # torch.is_autocast_enabled() is CUDA's autocast, and half the host time of the device-type form.
@@ -546,7 +625,7 @@ class Op:
     def _save(self, ctx, args, outs) -> None:
         """Keep what the backward needs: the saved tensors, and the non-tensor arguments on ctx."""
         ctx.nontensor_args = [args[i] for i in self._nontensor]
-        ctx.save_for_backward(*[args[j] if src == "arg" else outs[j] for src, j in self._save_src])
+        ctx.save_for_backward(*[outs[s.index] if s.output else args[s.index] for s in self._save_src])
 
     def _grads(self, bctx: "BackwardContext", grads) -> list:
         """The backward launcher's result as one gradient (or None) per tensor input."""
