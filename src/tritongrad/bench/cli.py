@@ -79,42 +79,27 @@ def _list(ops, probes) -> int:
     return 0
 
 
-def run(args) -> int:
-    import dataclasses
-    from pathlib import Path
+def _user_ops(paths: list, device: str) -> list:
+    """The ops of ``--op`` paths, loaded and checked (ValueError saying why one cannot be benched)."""
+    from .ops import load, verify
 
-    import torch
-
-    from . import harness, plots, report, roofline
-    from .ops import OPS
-    from .providers import PROVIDERS, probe_all
-
-    from .ops import ALIASES, load, verify
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     user = []
-    for path in args.user_ops:
+    for path in paths:
         try:
             spec = load(path)
             verify(spec, device)
         except ValueError as e:
-            print(f"tritongrad bench --op {path}: {e}", file=sys.stderr)
-            return 2
+            raise ValueError(f"tritongrad bench --op {path}: {e}") from e
         user.append(spec)
-    OPS.update((spec.name, spec) for spec in user)
-    args.ops = [ALIASES.get(o, o) for o in args.ops]
-    unknown = [o for o in args.ops if o not in OPS] + [p for p in args.provider or () if p not in PROVIDERS]
-    if unknown:
-        print(f"tritongrad bench: unknown {', '.join(unknown)}; ops: {', '.join(OPS)}; "
-              f"providers: {', '.join(PROVIDERS)}", file=sys.stderr)
-        return 2
-    wanted = set(args.provider or PROVIDERS)
-    probes = probe_all([p for p in PROVIDERS if p in wanted])
-    if args.list:
-        return _list(OPS, probes)
+    return user
+
+
+def _config(args, device: str, ops: dict, user: list, probes: dict):
+    from . import harness
+
     default_dtypes = ["fp32"] if device != "cuda" else ["bf16"] if args.quick else list(_DTYPES)
-    cfg = harness.Config(
-        ops=args.ops + [spec.name for spec in user] if args.ops or user else list(OPS),
+    return harness.Config(
+        ops=args.ops + [spec.name for spec in user] if args.ops or user else list(ops),
         dtypes=list(dict.fromkeys(args.dtype or default_dtypes)),
         modes=[m for m in _MODES if m in args.mode],
         providers=list(probes),
@@ -125,26 +110,20 @@ def run(args) -> int:
         time_limit_s=args.time_limit,
     )
 
-    started = time.monotonic()
-    meta = report.environment(device)
+
+def _print_header(meta: dict, device: str, probes: dict) -> None:
     print(f"tritongrad bench on {meta['gpu']}: torch {meta['torch']}, triton {meta['triton']}, "
           f"tritongrad {meta['tritongrad']} ({meta['git_sha']}), {meta['date']}")
     if device != "cuda":
         print("no GPU: a smoke sweep through Triton's interpreter; it exercises the harness, its times say nothing")
     for name, (version, why) in probes.items():
         print(f"  provider {name:<14} {version if why is None else 'skipped: ' + why}")
-    timer = harness.Timer(device, cfg.warmup_ms, cfg.rep_ms)
-    copy = roofline.copy_bandwidth(device, timer)
-    print(f"copy bandwidth: {copy['GBps']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
-          f"in {copy['ms']:.3f} ms)")
 
-    out, name = Path(args.out), report.stem(meta)
-    doc = {
-        "meta": dict(meta, config=dataclasses.asdict(cfg)),
-        "copy": copy,
-        "providers": {p: {"version": v, "skipped": why} for p, (v, why) in probes.items()},
-        "results": [],
-    }
+
+def _measure(cfg, device: str, timer, copy: dict, probes: dict, out, name: str, doc: dict) -> None:
+    """The sweep's rows into ``doc``, printed as they come, checkpointed per op and dtype."""
+    from . import harness, report
+
     print(report.LEGEND)
     print(report.HEADER)
     said, block = set(), None
@@ -158,6 +137,12 @@ def run(args) -> int:
         if skip is None or skip not in said:
             print(report.line(row), flush=True)
         said.add(skip)
+
+
+def _finish(doc: dict, out, name: str, probes: dict, started: float) -> int:
+    """Write the results and plots, print the summary; 1 where tritongrad's own measurements failed."""
+    from . import plots, report
+
     doc["meta"]["elapsed_s"] = round(time.monotonic() - started, 1)
     written = report.write(out, name, doc)
     pictures = plots.plot(doc, out, name)
@@ -172,3 +157,51 @@ def run(args) -> int:
         print(f"tritongrad bench: tritongrad's measurements failed for {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def run(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+
+    from . import harness, report, roofline
+    from .ops import ALIASES, OPS
+    from .providers import PROVIDERS, probe_all
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        user = _user_ops(args.user_ops, device)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    OPS.update((spec.name, spec) for spec in user)
+    args.ops = [ALIASES.get(o, o) for o in args.ops]
+    unknown = [o for o in args.ops if o not in OPS] + [p for p in args.provider or () if p not in PROVIDERS]
+    if unknown:
+        print(f"tritongrad bench: unknown {', '.join(unknown)}; ops: {', '.join(OPS)}; "
+              f"providers: {', '.join(PROVIDERS)}", file=sys.stderr)
+        return 2
+    wanted = set(args.provider or PROVIDERS)
+    probes = probe_all([p for p in PROVIDERS if p in wanted])
+    if args.list:
+        return _list(OPS, probes)
+    cfg = _config(args, device, OPS, user, probes)
+
+    started = time.monotonic()
+    meta = report.environment(device)
+    _print_header(meta, device, probes)
+    timer = harness.Timer(device, cfg.warmup_ms, cfg.rep_ms)
+    copy = roofline.copy_bandwidth(device, timer)
+    print(f"copy bandwidth: {copy['GBps']:.1f} GB/s ({copy['bytes'] / 2**20:.0f} MiB read + written "
+          f"in {copy['ms']:.3f} ms)")
+
+    out, name = Path(args.out), report.stem(meta)
+    doc = {
+        "meta": dict(meta, config=dataclasses.asdict(cfg)),
+        "copy": copy,
+        "providers": {p: {"version": v, "skipped": why} for p, (v, why) in probes.items()},
+        "results": [],
+    }
+    _measure(cfg, device, timer, copy, probes, out, name, doc)
+    return _finish(doc, out, name, probes, started)

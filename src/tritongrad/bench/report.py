@@ -118,12 +118,16 @@ def _speedup_cell(here: list[dict], provider: str) -> str:
     return f"{_geomean(speedups):.3g}x" + (f" / {_geomean(dev):.3g}x" if dev else "")
 
 
-def summary(rows: list[dict], providers: list[str]) -> list[str]:
-    """Per op, dtype and mode: tritongrad's share of copy bandwidth at its largest measured size, and its
-    speedup over each provider (geometric mean over the shapes both ran), per call and on the device;
-    then the host time per fwd+bwd call at the smallest shape, the latency regime."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    others = [p for p in providers if p != "tritongrad"]
+def _share_cell(tg: list[dict]) -> str:
+    """tritongrad's % of copy at its largest measured size, "per call / device"."""
+    top = max(tg, key=lambda r: r["bytes"], default=None)
+    if not top:
+        return "-"
+    dev = f" / {top['dev_pct_copy']:.1f}%" if top.get("dev_pct_copy") else ""
+    return f"{top['pct_copy']:.1f}%{dev} at {top['shape']}"
+
+
+def _bandwidth_lines(rows: list[dict], ok: list[dict], others: list[str]) -> list[str]:
     keys = list(dict.fromkeys((r["op"], r["dtype"], r["mode"]) for r in rows))
     lines = [
         "== summary: tritongrad's % of copy bandwidth at its largest size, per call / device time; its speedup "
@@ -132,35 +136,45 @@ def summary(rows: list[dict], providers: list[str]) -> list[str]:
     ]
     for op, dtype, mode in keys:
         here = [r for r in ok if (r["op"], r["dtype"], r["mode"]) == (op, dtype, mode)]
-        tg = [r for r in here if r["provider"] == "tritongrad"]
-        top = max(tg, key=lambda r: r["bytes"], default=None)
-        share = "-"
-        if top:
-            dev = f" / {top['dev_pct_copy']:.1f}%" if top.get("dev_pct_copy") else ""
-            share = f"{top['pct_copy']:.1f}%{dev} at {top['shape']}"
+        share = _share_cell([r for r in here if r["provider"] == "tritongrad"])
         cells = [_speedup_cell(here, p) for p in others]
         lines.append(f"{op:<13} {dtype:<5} {mode:<6} {share:>30} " + " ".join(f"{c:>18}" for c in cells))
-
-    host = [r for r in ok if r.get("host_us") is not None]
-    if host:
-        lines.append("== latency regime: host us per fwd+bwd call at the smallest shape")
-        lines.append(f"{'op':<13} {'dtype':<5} {'shape':<13} " + " ".join(f"{p:>14}" for p in providers))
-        for op, dtype in dict.fromkeys((r["op"], r["dtype"]) for r in host):
-            mine = [r for r in host if (r["op"], r["dtype"]) == (op, dtype)]
-            small = min(mine, key=lambda r: r["N"] * r["D"])["shape"]
-            by = {r["provider"]: r["host_us"] for r in mine if r["shape"] == small}
-            cells = [f"{by[p]:.1f}" if p in by else "-" for p in providers]
-            lines.append(f"{op:<13} {dtype:<5} {small:<13} " + " ".join(f"{c:>14}" for c in cells))
-
-    no_dev = [r for r in ok if r.get("dev_reason") and r["mode"] != "bwd"]  # bwd rows are never captured
-    if no_dev:
-        lines.append(f"== {len(no_dev)} rows without a device time ('dev_reason' in the JSON/CSV), e.g.:")
-        for r in list({(r["provider"], r["dev_reason"]): r for r in no_dev}.values())[:5]:
-            lines.append(f"   {r['provider']} {r['op']} {r['dtype']} {r['shape']} {r['mode']}: {r['dev_reason']}")
-
-    failed = [r for r in rows if r["status"] == "error"]
-    if failed:
-        lines.append(f"== {len(failed)} measurements failed (status 'error' in the JSON/CSV), e.g.:")
-        for r in list({(r["provider"], r["reason"]): r for r in failed}.values())[:5]:
-            lines.append(f"   {r['provider']} {r['op']} {r['dtype']} {r['shape']} {r['mode']}: {r['reason']}")
     return lines
+
+
+def _latency_lines(ok: list[dict], providers: list[str]) -> list[str]:
+    host = [r for r in ok if r.get("host_us") is not None]
+    if not host:
+        return []
+    lines = ["== latency regime: host us per fwd+bwd call at the smallest shape",
+             f"{'op':<13} {'dtype':<5} {'shape':<13} " + " ".join(f"{p:>14}" for p in providers)]
+    for op, dtype in dict.fromkeys((r["op"], r["dtype"]) for r in host):
+        mine = [r for r in host if (r["op"], r["dtype"]) == (op, dtype)]
+        small = min(mine, key=lambda r: r["N"] * r["D"])["shape"]
+        by = {r["provider"]: r["host_us"] for r in mine if r["shape"] == small}
+        cells = [f"{by[p]:.1f}" if p in by else "-" for p in providers]
+        lines.append(f"{op:<13} {dtype:<5} {small:<13} " + " ".join(f"{c:>14}" for c in cells))
+    return lines
+
+
+def _examples(rows: list[dict], title: str, reason: str) -> list[str]:
+    """A title line, then up to five rows of distinct (provider, reason)."""
+    if not rows:
+        return []
+    lines = [title.format(n=len(rows))]
+    for r in list({(r["provider"], r[reason]): r for r in rows}.values())[:5]:
+        lines.append(f"   {r['provider']} {r['op']} {r['dtype']} {r['shape']} {r['mode']}: {r[reason]}")
+    return lines
+
+
+def summary(rows: list[dict], providers: list[str]) -> list[str]:
+    """Per op, dtype and mode: tritongrad's share of copy bandwidth at its largest measured size, and its
+    speedup over each provider (geometric mean over the shapes both ran), per call and on the device;
+    then the host time per fwd+bwd call at the smallest shape, the latency regime."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    others = [p for p in providers if p != "tritongrad"]
+    no_dev = [r for r in ok if r.get("dev_reason") and r["mode"] != "bwd"]  # bwd rows are never captured
+    failed = [r for r in rows if r["status"] == "error"]
+    return (_bandwidth_lines(rows, ok, others) + _latency_lines(ok, providers)
+            + _examples(no_dev, "== {n} rows without a device time ('dev_reason' in the JSON/CSV), e.g.:", "dev_reason")
+            + _examples(failed, "== {n} measurements failed (status 'error' in the JSON/CSV), e.g.:", "reason"))

@@ -161,41 +161,54 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
                    dy_dtype=dy.dtype, w_dtype=_dtype(w), acc=acc, needs=(need_x, need_w, need_b),
                    layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device), t=P.table())
     chunks = rt.cdiv(N, r.rows_per_prog)
-    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
-    part = None
-    stride_part = db_off = 0
-    if chunks != 1 and (need_w or need_b):
-        # The dw and db partials side by side in one float buffer: one column_sum launch reduces both. The
-        # kernel gets the buffer once, and db's half as an offset into it (kernels._db_base).
-        stride_part = D * (need_w + need_b)
-        part = torch.empty((chunks, stride_part), dtype=acc, device=x.device)
-        part_w, part_b = (part, None) if need_w else (None, part)
-        db_off = D if need_w and need_b else 0
-    stride_pw, stride_pb = (stride_part if need_w else 0), (stride_part if need_b else 0)
+    part, grads = _partials(dx, dw, db, chunks, D, acc)
+    grads.update(ROWS_PER_PROG=r.rows_per_prog)
     rows = dict(x_ptr=x2, w_ptr=w, dy_ptr=dy2, mean_ptr=mean, rstd_ptr=rstd)
     strides = dict(N=N, D=D, stride_x_row=x2.stride(0), stride_x_col=x2.stride(1), stride_w=_stride(w),
                    stride_dy_row=dy2.stride(0), stride_dy_col=dy2.stride(1))
-    grads = dict(dx_ptr=dx, dw_ptr=part_w, db_ptr=part_b, stride_dx_row=D, stride_dw_part=stride_pw,
-                 stride_db_part=stride_pb, db_off=db_off, ROWS_PER_PROG=r.rows_per_prog, DB_IN_DW=db_off != 0)
     if r.long is not None:
         _long_kernel[(chunks * r.long.SPLIT,)](**rows, **strides, **grads, COLS=r.long.COLS, **r.consts)
     else:
-        c = None
-        if r.rowsum:
-            # The row sums: c1 (and c2 for layer_norm), one row each; with column splits, a block of partial
-            # row sums per split, added by column_sum. c is 1-D, as column_sum writes it (no view to write through).
-            c = torch.empty((1 + layer_norm) * N, dtype=acc, device=x.device)
-            c_part = c if r.splits == 1 else torch.empty((r.splits, (1 + layer_norm) * N), dtype=acc, device=x.device)
-            _rowsum_kernel[(rt.cdiv(N, r.BLOCK_N), r.splits)](
-                **rows, c_ptr=c_part, **strides, stride_c=N, D_SPLIT=r.d_split,
-                stride_c_split=c_part.stride(0) if r.splits > 1 else 0, **r.rowsum_consts,
-            )
-            if r.splits > 1:
-                column_sum(c_part, c)
+        c = _row_sums(r, rows, strides, N, layer_norm, acc) if r.rowsum else None
         _bwd_kernel[(chunks, r.d_blocks)](**rows, c_ptr=c, **strides, stride_c=N, **grads, **r.consts)
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
     return dx, dw, db
+
+
+def _partials(dx, dw, db, chunks: int, D: int, acc: torch.dtype) -> tuple[torch.Tensor | None, dict]:
+    """Where the backward kernels write dx and the dw/db partial rows: ``(buffer or None, kernel arguments)``.
+    One row chunk writes dw and db themselves; more write the partials side by side in one float buffer, so
+    that one column_sum launch reduces both. The kernel gets the buffer once, and db's half as an offset into
+    it (kernels._db_base)."""
+    need_w, need_b = dw is not None, db is not None
+    part_w, part_b = (dw.view(-1) if need_w else None), (db.view(-1) if need_b else None)  # one chunk
+    part = None
+    stride_part = db_off = 0
+    if chunks != 1 and (need_w or need_b):
+        stride_part = D * (need_w + need_b)
+        part = torch.empty((chunks, stride_part), dtype=acc, device=(dw if need_w else db).device)
+        part_w, part_b = (part, None) if need_w else (None, part)
+        db_off = D if need_w and need_b else 0
+    return part, dict(dx_ptr=dx, dw_ptr=part_w, db_ptr=part_b, stride_dx_row=D,
+                      stride_dw_part=stride_part if need_w else 0, stride_db_part=stride_part if need_b else 0,
+                      db_off=db_off, DB_IN_DW=db_off != 0)
+
+
+def _row_sums(r: P.BwdPlan, rows: dict, strides: dict, N: int, layer_norm: bool, acc: torch.dtype) -> torch.Tensor:
+    """The row-sum pass of long rows: c1 (and c2 for layer_norm), one row each; with column splits, a block
+    of partial row sums per split, added by column_sum. c is 1-D, as column_sum writes it (no view to write
+    through)."""
+    device = rows["x_ptr"].device
+    c = torch.empty((1 + layer_norm) * N, dtype=acc, device=device)
+    c_part = c if r.splits == 1 else torch.empty((r.splits, (1 + layer_norm) * N), dtype=acc, device=device)
+    _rowsum_kernel[(rt.cdiv(N, r.BLOCK_N), r.splits)](
+        **rows, c_ptr=c_part, **strides, stride_c=N, D_SPLIT=r.d_split,
+        stride_c_split=c_part.stride(0) if r.splits > 1 else 0, **r.rowsum_consts,
+    )
+    if r.splits > 1:
+        column_sum(c_part, c)
+    return c
 
 
 # ---------------------------------------------------------------- rms_norm (torch.nn.functional semantics)
