@@ -24,7 +24,9 @@ pytest.importorskip("transformers")
 
 # Families the matrix finds exact in eager mode with the installed transformers (5.24): a regression guard.
 EXACT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
-         "cohere2", "gpt_neox", "phi3", "glm", "mixtral", "qwen3_moe", "stablelm", "helium")
+         "cohere2", "gpt_neox", "phi3", "glm", "mixtral", "qwen3_moe", "stablelm", "helium",
+         # built from zoo.FAMILY_CONFIG entries: MLA, GPT-J rotary, DBRX sub-configs, hybrid linear attention
+         "deepseek_v3", "gptj", "dbrx", "qwen3_5", "gemma4_text", "bamba", "granitemoehybrid")
 
 # Each reaches a code path of the patch the others do not.
 KERNEL_FAMILIES = {
