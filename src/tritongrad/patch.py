@@ -194,7 +194,27 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
                      cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                      causal_mask=causal_mask))
     report = PatchReport()
-    plan = []  # (module, new class)
+    plan, modeling_modules, attention = _plan_modules(hf, model, on, report)
+    rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
+    mask_plan = _plan_mask(hf, report) if attention and "causal_mask" in on else []
+    if any(_from_transformers(type(m)) for m in model.modules()):
+        _report_absent(on, report)
+    for op in sorted({e.op for e in report.replaced}):
+        _require(op)
+    for m, sub in plan:
+        m.__class__ = sub
+    for mod in rope_plan:
+        _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "instance")
+    for attr in mask_plan:
+        _apply_function(hf, sys.modules[_MASK_MODULE], attr, getattr(hf, _MASK_FNS[attr][1]), "instance")
+    _nothing(report, type(model).__name__, strict)
+    return report
+
+
+def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
+    """The class switches ``[(module, new class)]`` for ``model``'s modules, the modeling modules whose
+    attention applies the rotary embedding (by name), and whether any attention class was seen."""
+    plan = []
     modeling_modules = {}
     attention = False
     for name, m in model.named_modules():
@@ -219,25 +239,16 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
             plan.append((m, _subclass(base, {**_own_attrs(cls), **attrs})))
             for op in new:
                 report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
-    rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
-    hf_model = any(_from_transformers(type(m)) for m in model.modules())
-    mask_plan = _plan_mask(hf, report) if attention and "causal_mask" in on else []
-    if hf_model:
-        seen = {e.op for e in report.replaced + report.already + report.skipped}
-        if seen & {"swiglu", "geglu"}:  # one kind of candidate: gated MLPs
-            seen |= {"swiglu", "geglu"}
-        for op in sorted(on - seen - {"layer_norm", "causal_mask", "geglu"}):  # geglu: swiglu's candidates
-            report._add("skipped", op, "", _CANDIDATES[op])
-    for op in sorted({e.op for e in report.replaced}):
-        _require(op)
-    for m, sub in plan:
-        m.__class__ = sub
-    for mod in rope_plan:
-        _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "instance")
-    for attr in mask_plan:
-        _apply_function(hf, sys.modules[_MASK_MODULE], attr, getattr(hf, _MASK_FNS[attr][1]), "instance")
-    _nothing(report, type(model).__name__, strict)
-    return report
+    return plan, modeling_modules, attention
+
+
+def _report_absent(on, report) -> None:
+    """A Hugging Face model: each op asked for that found no candidate at all is reported skipped."""
+    seen = {e.op for e in report.replaced + report.already + report.skipped}
+    if seen & {"swiglu", "geglu"}:  # one kind of candidate: gated MLPs
+        seen |= {"swiglu", "geglu"}
+    for op in sorted(on - seen - {"layer_norm", "causal_mask", "geglu"}):  # geglu: swiglu's candidates
+        report._add("skipped", op, "", _CANDIDATES[op])
 
 
 def _patched_before(hf, cls: type, op: str, attr: str | None = None) -> bool:
