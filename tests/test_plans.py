@@ -7,7 +7,10 @@ import dataclasses
 
 import plan_grid
 
+from tritongrad.ops.cross_entropy import plans as ce_plans
 from tritongrad.ops.norm import plans as norm_plans
+from tritongrad.ops.rope import plans as rope_plans
+from tritongrad.ops.swiglu import plans as swiglu_plans
 from tritongrad.ops.weighted_sum import plans as ws_plans
 
 DIGEST = "074c6c35d00fb31206366a1cace8a255f792a284e30848a03255ecbcaaa42174"
@@ -24,3 +27,13 @@ def test_a_table_passed_in_plans_without_touching_the_module():
             norm_plans.using(dataclasses.replace(norm_plans.TABLE, BWD_MAX_BLOCK_D=16, LONG_BWD_CHUNK=8)):
         assert plan_grid.digest() != before
     assert plan_grid.digest() == before == DIGEST
+
+
+def test_every_family_plans_from_the_table_in_use():
+    # cross_entropy, rope and swiglu too: each family's table, passed in, changes the digest inside the block.
+    before = plan_grid.digest()
+    for plans, knobs in ((ce_plans, dict(WARPS_PER_SM=8)), (rope_plans, dict(MAX_BLOCK_H=4)),
+                         (swiglu_plans, dict(NUM_WARPS=4))):
+        with plans.using(dataclasses.replace(plans.TABLE, **knobs)):
+            assert plan_grid.digest() != before, plans.__name__
+    assert plan_grid.digest() == before
