@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE, KernelSpy, run_without_interpreter
+from conftest import DEVICE, run_without_interpreter
 
 from tritongrad.ops.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_reference
 from tritongrad.ops.rope import launch as rope_launch
