@@ -7,6 +7,7 @@ use_interpreter()
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import fnmatch  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -51,7 +52,37 @@ if importlib.util.find_spec("xdist") is not None:
         return Scheduling(config, log)
 
 
+# The extended tier beyond the kit's (OpSuite marks its own cases): tests, or a test's parameters, that repeat
+# what the quick tier checks on more specializations or shapes. `pytest -m extended` runs them, and the GPU
+# script runs everything (docs/measuring.md#the-test-suite). Each entry says what the quick tier keeps: a
+# reason, or (reason, the parameter ids kept in the quick tier, as fnmatch patterns).
+EXTENDED = {
+    "tests/test_cross_entropy.py::test_kernels_compile_for_sm90_without_spills[all]":
+        "every vocabulary and dtype; [quick] compiles every kernel and backward path at the target vocabulary",
+    "tests/test_zoo.py::test_family_with_kernels": (
+        "eager with the kernels; the quick tier keeps every family compiled (which runs the kernels too), Llama "
+        "eager, and every family eager on the references (test_every_family_eager)",
+        {"llama-eager", "*-compiled"}),
+    "tests/test_patch_models.py::test_all_ops_match_hf": (
+        "the families beyond Llama: the family matrix (test_zoo.py) checks every family, more closely", {"llama"}),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which reads the marks added here
 def pytest_collection_modifyitems(config, items):
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    unused = {k for k in EXTENDED if k.split("::", 1)[0] in files}
+    for item in items:
+        for key, entry in EXTENDED.items():
+            if item.nodeid == key or item.nodeid.startswith(key + "[") or item.nodeid.startswith(key + "::"):
+                unused.discard(key)
+                kept = entry[1] if isinstance(entry, tuple) else ()
+                callspec = getattr(item, "callspec", None)
+                if callspec is None or not any(fnmatch.fnmatchcase(callspec.id, k) for k in kept):
+                    item.add_marker(pytest.mark.extended)
+    whole_files = not config.option.keyword and not any("::" in a for a in config.args)
+    if unused and whole_files:  # a stale entry (a renamed test) would move that test into the quick tier
+        raise pytest.UsageError(f"tests/conftest.py EXTENDED names tests that do not exist: {sorted(unused)}")
     # Slow tests first: under pytest-xdist each then starts at once on a worker of its own, beside the many
     # short tests, instead of finishing alone at the end.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
