@@ -57,8 +57,6 @@ if importlib.util.find_spec("xdist") is not None:
 # script runs everything (docs/measuring.md#the-test-suite). Each entry says what the quick tier keeps: a
 # reason, or (reason, the parameter ids kept in the quick tier, as fnmatch patterns).
 EXTENDED = {
-    "tests/test_cross_entropy.py::test_kernels_compile_for_sm90_without_spills[all]":
-        "every vocabulary and dtype; [quick] compiles every kernel and backward path at the target vocabulary",
     "tests/test_zoo.py::test_family_with_kernels": (
         "eager with the kernels; the quick tier keeps every family compiled (which runs the kernels too), Llama "
         "eager, and every family eager on the references (test_every_family_eager)",
@@ -174,6 +172,13 @@ def import_example(name: str):
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+@pytest.fixture(params=["quick", pytest.param("all", marks=pytest.mark.extended)])
+def sm90_cases(request) -> list:
+    """Arguments of an offline sm_90 compile script (tests/sm90.py): in the quick tier each kernel with each
+    switch on and off (``--quick``), in the extended tier every specialization the launchers request."""
+    return ["--quick"] if request.param == "quick" else []
 
 
 def run_without_interpreter(args: list, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -23,6 +23,9 @@ TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", t
          torch.int64: "i64", torch.int32: "i32"}
 SPILL_STORE = re.compile(r"\bSTL(\.\w+)*\s")
 SHOW = "--resources" in sys.argv
+# The quick tier's check: each kernel with each of its switches (boolean constexprs) on and off, not every
+# combination at every block size, dtype and alignment: what fails to compile is usually a code path.
+QUICK = "--quick" in sys.argv
 
 
 def resources(cubin: bytes) -> tuple[str, int]:
@@ -46,6 +49,7 @@ class Compiler:
     def __init__(self, check=None):
         self.check = check
         self.seen: set = set()
+        self.covered: set = set()  # under QUICK: (kernel, switch, value) compiled at least once
         self.failures: list = []
 
     def install(self) -> None:
@@ -83,6 +87,11 @@ class Compiler:
         for name in names[len(args):]:
             signature[name], constants[name] = "constexpr", constexprs[name]
         key = (fn.__name__, tuple(signature.items()), repr(sorted(constants.items(), key=str)), repr(attrs), num_warps)
+        if QUICK:
+            switches = {(fn.__name__, k, v) for k, v in constants.items() if isinstance(v, bool)} | {fn.__name__}
+            if switches <= self.covered:
+                return
+            self.covered |= switches
         if key in self.seen:
             return
         self.seen.add(key)

@@ -605,10 +605,9 @@ def test_autocast_dtypes_match_functional():
 
 # ---------------------------------------------------------------- sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
-@pytest.mark.parametrize("cases", ["quick", "all"])  # all: extended (conftest.EXTENDED)
-def test_kernels_compile_for_sm90_without_spills(cases):
+def test_kernels_compile_for_sm90_without_spills(sm90_cases):
     script = os.path.join(os.path.dirname(__file__), "ce_sm90_compile.py")
-    out = run_without_interpreter([script, *(["--quick"] if cases == "quick" else [])], timeout=1200)
+    out = run_without_interpreter([script, *sm90_cases], timeout=1200)
     assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]
 
 

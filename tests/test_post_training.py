@@ -576,9 +576,9 @@ def test_plain_training_loop_with_accumulation():
 # ---------------------------------------------------------------- sm_90
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests compile and run the kernels themselves")
-def test_kernels_compile_for_sm90_without_spills():
-    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "post_training_sm90_compile.py")],
-                                  timeout=600)
+def test_kernels_compile_for_sm90_without_spills(sm90_cases):
+    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "post_training_sm90_compile.py"),
+                                   *sm90_cases], timeout=600)
     assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]
 
 

@@ -531,7 +531,7 @@ def test_cuda_graph_capture_and_replay():
 
 # ---------------------------------------------------------------- sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
-def test_kernels_compile_for_sm90_with_vector_access():
+def test_kernels_compile_for_sm90_with_vector_access(sm90_cases):
     script = os.path.join(os.path.dirname(__file__), "sm90_compile_llm_ops.py")
-    out = run_without_interpreter([script, "rope"], timeout=900)
+    out = run_without_interpreter([script, "rope", *sm90_cases], timeout=900)
     assert out.returncode == 0 and " 0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]

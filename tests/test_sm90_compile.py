@@ -10,6 +10,7 @@ from conftest import run_without_interpreter
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite compiles and runs the kernels itself")
-def test_kernels_compile_for_sm90():
-    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "sm90_compile.py")], timeout=600)
+def test_kernels_compile_for_sm90(sm90_cases):
+    out = run_without_interpreter([os.path.join(os.path.dirname(__file__), "sm90_compile.py"), *sm90_cases],
+                                  timeout=600)
     assert out.returncode == 0 and "0 failures" in out.stdout, (out.stdout + out.stderr)[-4000:]

@@ -54,6 +54,10 @@ TINY = dict(
 )
 # Per family: values its defaults need beyond TINY (e.g. a vocabulary its special tokens fit in).
 FAMILY_CONFIG: dict[str, dict] = {
+    # Mamba mixers at the tiny width (the defaults' 128 heads of 64 and 256 states cost seconds a step on CPU).
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8),
+    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=8),
     # Scales and caps away from 1 and None, so that a patch that drops them shows.
     "granite": dict(logits_scaling=4.0),
     "granitemoe": dict(logits_scaling=4.0),
