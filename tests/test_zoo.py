@@ -1,8 +1,8 @@
 """The family matrix (``tritongrad models``, :mod:`tritongrad.zoo`) in CI.
 
-- ``test_every_family_eager``: every causal-LM family of the installed transformers, eager, the training
-  checks, in subprocesses where the ops take their PyTorch references on the CPU (no interpreter): it checks
-  what ``patch`` puts in each family's place, for all of them. No family may be ``wrong``; the families
+- ``test_every_family_eager``: every causal-LM family of the installed transformers, eager, loss and
+  gradients (all the training checks in the extended tier), in subprocesses where the ops take their PyTorch
+  references on the CPU (no interpreter): it checks what ``patch`` puts in each family's place, for all. No family may be ``wrong``; the families
   listed in ``EXACT`` must stay ``exact``. The other checks (generation, padding, position ids) run with
   ``tritongrad models``.
 - ``test_family_with_kernels``: families that reach every patched code path (q/k norms, GeGLU, logit scales
@@ -58,11 +58,18 @@ def _run_matrix(names=None, modes=("eager",), only=None):
 CHUNKS = 4  # the families in four tests, which pytest-xdist spreads over the workers
 
 
+# The quick tier: loss and every gradient, what patch substitutes into each family; the extended tier adds
+# logits, gradient checkpointing and a second backward (the kernel families check those in the quick tier).
+CHECKS = [pytest.param(("loss", "grads"), id="loss-grads"),
+          pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("checks", CHECKS)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_every_family_eager(chunk):
+def test_every_family_eager(chunk, checks):
     names = zoo.families()[chunk::CHUNKS]
-    rows = _run_matrix(names, only=zoo.TRAINING_CHECKS)
+    rows = _run_matrix(names, only=checks)
     assert [r["family"] for r in rows] == names  # none left out
     wrong = {r["family"]: r["eager"] for r in rows if r["eager"].startswith("wrong")}
     assert not wrong, wrong
