@@ -50,7 +50,8 @@ TINY = dict(
     # No dropout: the two models draw random numbers in different orders.
     attention_dropout=0.0, hidden_dropout=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     dropout=0.0, activation_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, resid_dropout=0.0,
-    embed_dropout=0.0, mlp_dropout=0.0, classifier_dropout=0.0,
+    embed_dropout=0.0, mlp_dropout=0.0, classifier_dropout=0.0, local_attention_probs_dropout_prob=0.0,
+    lsh_attention_probs_dropout_prob=0.0,
 )
 # Per family: values its defaults need beyond TINY (e.g. a vocabulary its special tokens fit in).
 FAMILY_CONFIG: dict[str, dict] = {
