@@ -215,3 +215,23 @@ def test_autocast_dtypes_match_pytorch():
         for name, (ours, theirs) in zip(("layer_norm", "rms_norm", "weighted_sum"), pairs):
             assert ours.dtype == theirs.dtype, (name, ours.dtype, theirs.dtype)
             torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_launch_cache_keys_constexprs_by_name():
+    # Launchers pass constexprs by keyword, in any order: the eager launch cache must tell {A: 1, B: 2} from
+    # {B: 1, A: 2}, whose values are the same in the order given.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def write(out_ptr, A: tl.constexpr, B: tl.constexpr):
+        tl.store(out_ptr, A * 10 + B)
+
+    kern = tritongrad.kernel(write)
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(2):  # the second launch of a specialization takes the cached launcher
+        kern[(1,)](out, A=1, B=2)
+        assert out.item() == 12
+    for _ in range(2):
+        kern[(1,)](out, B=1, A=2)
+        assert out.item() == 21

@@ -371,9 +371,10 @@ class Kernel:
         if _hooks_active():
             return self.fn[grid](*args, num_warps=num_warps, **constexprs)
         # The key holds the properties Triton specializes on: tensors by dtype and 16-byte alignment, ints by
-        # width, equality to 1 and divisibility by 16, floats by type, bools and None by value. Written inline
-        # rather than as a call per argument: this line is most of a launch's Python.
-        key = (device, num_warps, *constexprs.values(), *[
+        # width, equality to 1 and divisibility by 16, floats by type, bools and None by value; constexprs by
+        # name and value (launchers pass them by keyword, in any order). Written inline rather than as a call
+        # per argument: this line is most of a launch's Python.
+        key = (device, num_warps, *constexprs.items(), *[
             (a.dtype, not a.data_ptr() & 15) if type(a) in PLAIN_TENSORS
             else (64 if not -_I32 <= a < _I32 else a == 1 or 16 * (not a & 15)) if type(a) is int
             else float if type(a) is float else a
