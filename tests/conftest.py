@@ -58,9 +58,15 @@ if importlib.util.find_spec("xdist") is not None:
 # reason, or (reason, the parameter ids kept in the quick tier, as fnmatch patterns).
 EXTENDED = {
     "tests/test_zoo.py::test_family_with_kernels": (
-        "eager with the kernels; the quick tier keeps every family compiled (which runs the kernels too), Llama "
-        "eager, and every family eager on the references (test_every_family_eager)",
-        {"llama-eager", "*-compiled"}),
+        "the kernel families beyond the five whose compiled paths differ most, and eager with the kernels but "
+        "for Llama: the quick tier runs those five compiled (the kernels in the interpreter), Llama eager, and "
+        "every family eager on the references (test_every_family_eager)",
+        {"llama-eager", "qwen3-compiled", "gemma3_text-compiled", "cohere-compiled", "gpt_neox-compiled",
+         "mixtral-compiled"}),
+    "tests/test_post_training.py::test_linear_distill_suite":
+        "the kit on the distillation op; the quick tier checks its formulas against TRL's and its gradients",
+    "tests/test_post_training.py::test_linear_grpo_suite":
+        "the kit on the fused GRPO op; the quick tier checks it against TRL's formula and the token-logprob op's kit",
     "tests/test_patch_models.py::test_all_ops_match_hf": (
         "the families beyond Llama: the family matrix (test_zoo.py) checks every family, more closely", {"llama"}),
 }
@@ -174,10 +180,12 @@ def import_example(name: str):
     return sys.modules[name]
 
 
-@pytest.fixture(params=["quick", pytest.param("all", marks=pytest.mark.extended)])
+@pytest.fixture(params=[pytest.param("quick", marks=pytest.mark.extended),
+                        pytest.param("all", marks=pytest.mark.extended)])
 def sm90_cases(request) -> list:
-    """Arguments of an offline sm_90 compile script (tests/sm90.py): in the quick tier each kernel with each
-    switch on and off (``--quick``), in the extended tier every specialization the launchers request."""
+    """Arguments of an offline sm_90 compile script (tests/sm90.py), in the extended tier (ptxas takes
+    seconds a kernel): ``quick``, each kernel with each switch on and off (``--quick``; ``-m extended -k
+    quick`` after a kernel change), ``all``, every specialization the launchers request."""
     return ["--quick"] if request.param == "quick" else []
 
 

@@ -55,7 +55,7 @@ def _run_matrix(names=None, modes=("eager",), only=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-CHUNKS = 4  # the families in four tests, which pytest-xdist spreads over the workers
+CHUNKS = 2  # the families in two tests (a subprocess each), which pytest-xdist spreads over the workers
 
 
 # The quick tier: loss and every gradient, what patch substitutes into each family; the extended tier adds
