@@ -439,10 +439,7 @@ class OpSuite:
         ref = self._run(op.reference, self._upcast(args), wanted, g)
         before = [a.clone() if isinstance(a, torch.Tensor) else None for a in args]
         got = self._run(op, args, wanted, g, guard=guard)
-        for i, (a, b) in enumerate(zip(args, before)):
-            if b is not None:
-                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (
-                    f"{op.label}: the input {op._names[i]} was overwritten")
+        self._assert_inputs_kept(args, before)
         base = self._run(self.baseline or op.reference, args, wanted, g)
         from . import _runtime as rt
 
@@ -453,36 +450,51 @@ class OpSuite:
                 f"{', mixed' if mixed else ''})"
         assert len(got.outs) == len(ref_low), f"{label}: {len(got.outs)} outputs, the reference returns {len(ref_low)}"
         for k, (o, r, b, lo) in enumerate(zip(got.outs, ref.outs, base.outs, ref_low)):
-            assert o.dtype == lo.dtype, f"{label}: output {k} is {o.dtype}, the reference's is {lo.dtype}"
-            assert o.shape == lo.shape, f"{label}: output {k} has shape {tuple(o.shape)}, the reference's " \
-                                        f"{tuple(lo.shape)}"
-            if wanted and o.requires_grad and torch.device(self.device).type in ("cuda", "cpu"):
-                fn_name = type(o.grad_fn).__name__
-                assert fn_name == op._function.__name__ + "Backward", (
-                    f"{label}: output {k} has grad_fn {fn_name}, not the op's own; its kernels did not run")
-            for i in op.tensor_positions:
-                a = args[i]
-                if isinstance(a, torch.Tensor) and a.numel() and o.numel() and _overlaps(o, a):
-                    raise AssertionError(f"{label}: output {k} shares memory with the input {op._names[i]}")
-            if o.is_floating_point():
-                atol = ulp_atol(o.dtype, r, self.ulps) + (ulp_atol(torch.bfloat16, r, 1.0) if trunc else 0.0)
-                assert_close_earned(f"{label} output {k}", o, r, b, self.factor, atol)
-                self._assert_precise(f"{label} output {k}", o, r, b, trunc)
-            else:
-                assert torch.equal(o, r), f"{label}: output {k} differs from the reference"
+            self._assert_output(f"{label} output {k}", o, r, b, lo, args, bool(wanted), trunc)
         for i in wanted:
-            name = op._names[i]
-            gi, ri, bi = got.grads[i], ref.grads[i], base.grads[i]
-            assert gi is not None, f"{label}: no gradient for {name}"
-            assert gi.dtype == args[i].dtype and gi.shape == args[i].shape, (
-                f"{label}: grad of {name} is {gi.dtype} {tuple(gi.shape)}, expected {args[i].dtype} "
-                f"{tuple(args[i].shape)}")
-            if ri is None:
-                ri = torch.zeros_like(gi, dtype=torch.float64)
-                bi = torch.zeros_like(gi) if bi is None else bi
-            atol = ulp_atol(gi.dtype, ri, self.ulps) + (ulp_atol(torch.bfloat16, ri, 1.0) if trunc else 0.0)
-            assert_close_earned(f"{label} grad {name}", gi, ri, bi, self.factor, atol)
-            self._assert_precise(f"{label} grad {name}", gi, ri, bi, trunc)
+            self._assert_grad(f"{label} grad {op._names[i]}", got.grads[i], ref.grads[i], base.grads[i], args[i],
+                              trunc)
+
+    def _assert_inputs_kept(self, args, before) -> None:
+        for i, (a, b) in enumerate(zip(args, before)):
+            if b is not None:
+                assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (
+                    f"{self.op.label}: the input {self.op._names[i]} was overwritten")
+
+    def _assert_output(self, what, o, r, b, lo, args, wanted: bool, trunc) -> None:
+        """One output ``o`` against the float64 reference's ``r``, the baseline's ``b`` and the reference's in
+        the inputs' dtypes ``lo``: dtype, shape, the op's own autograd node, no memory shared with an input,
+        the earned tolerance."""
+        op = self.op
+        assert o.dtype == lo.dtype, f"{what} is {o.dtype}, the reference's is {lo.dtype}"
+        assert o.shape == lo.shape, f"{what} has shape {tuple(o.shape)}, the reference's {tuple(lo.shape)}"
+        if wanted and o.requires_grad and torch.device(self.device).type in ("cuda", "cpu"):
+            fn_name = type(o.grad_fn).__name__
+            assert fn_name == op._function.__name__ + "Backward", (
+                f"{what} has grad_fn {fn_name}, not the op's own; its kernels did not run")
+        for i in op.tensor_positions:
+            a = args[i]
+            if isinstance(a, torch.Tensor) and a.numel() and o.numel() and _overlaps(o, a):
+                raise AssertionError(f"{what} shares memory with the input {op._names[i]}")
+        if o.is_floating_point():
+            atol = ulp_atol(o.dtype, r, self.ulps) + (ulp_atol(torch.bfloat16, r, 1.0) if trunc else 0.0)
+            assert_close_earned(what, o, r, b, self.factor, atol)
+            self._assert_precise(what, o, r, b, trunc)
+        else:
+            assert torch.equal(o, r), f"{what} differs from the reference"
+
+    def _assert_grad(self, what, gi, ri, bi, arg, trunc) -> None:
+        """One input's gradient against the float64 reference's (zeros where the reference has none) and the
+        baseline's, in the input's dtype and shape, within the earned tolerance."""
+        assert gi is not None, f"{what}: no gradient"
+        assert gi.dtype == arg.dtype and gi.shape == arg.shape, (
+            f"{what} is {gi.dtype} {tuple(gi.shape)}, expected {arg.dtype} {tuple(arg.shape)}")
+        if ri is None:
+            ri = torch.zeros_like(gi, dtype=torch.float64)
+            bi = torch.zeros_like(gi) if bi is None else bi
+        atol = ulp_atol(gi.dtype, ri, self.ulps) + (ulp_atol(torch.bfloat16, ri, 1.0) if trunc else 0.0)
+        assert_close_earned(what, gi, ri, bi, self.factor, atol)
+        self._assert_precise(what, gi, ri, bi, trunc)
 
     def _assert_precise(self, what, got, ref, base, trunc) -> None:
         """16-bit results without the few ulps of slack the value check allows: the error in eps of the
@@ -572,10 +584,7 @@ class OpSuite:
                                        allow_unused=True)
 
         def same(got, want, when):
-            for n, a, b in zip(names, got, want):
-                assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b))), (
-                    f"{op.label}: the gradient of {n} {when} differs from the first backward's"
-                    + ("" if a is None or b is None else f" (max difference {max_err(a, b):.3e})"))
+            _assert_same_grads(op.label, names, got, want, when)
 
         first = [None if g is None else g.clone() for g in backward()]
         kept = backward()
@@ -590,17 +599,22 @@ class OpSuite:
             if g is not None:
                 g.fill_(float("nan"))  # the caller's to overwrite
         same(backward(), first, "after the caller overwrote the previous backward's result")
+        self._check_accumulation(pairs, inputs, names)
+
+    def _check_accumulation(self, pairs, inputs, names) -> None:
+        """Two backwards into ``.grad`` zeroed in place (``zero_grad(set_to_none=False)``) give twice one."""
         for x in inputs:
             x.grad = None
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=True)
         one = [None if x.grad is None else x.grad.clone() for x in inputs]
         for x in inputs:
             if x.grad is not None:
-                x.grad.zero_()  # zero_grad(set_to_none=False)
+                x.grad.zero_()
         for _ in range(2):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=True)
-        same([x.grad for x in inputs], [None if g is None else 2 * g for g in one],
-             "accumulated twice into a zeroed .grad (expected twice one backward's)")
+        twice = [None if g is None else 2 * g for g in one]
+        _assert_same_grads(self.op.label, names, [x.grad for x in inputs], twice,
+                           "accumulated twice into a zeroed .grad (expected twice one backward's)")
 
     def check_transforms(self, sample) -> None:
         """torch.func ``jvp`` (forward-mode AD), ``vmap`` (a batch of 2 of the differentiable inputs) and
@@ -733,6 +747,14 @@ class OpSuite:
                     f"{op.label} compiled, grad of {op._names[i]} ({kind} upstream gradient): {m}"))
             if not wanted:
                 break
+
+
+def _assert_same_grads(label: str, names, got, want, when: str) -> None:
+    """Each gradient in ``got`` bitwise equal to ``want``'s (both None, or the same dtype and values)."""
+    for n, a, b in zip(names, got, want):
+        assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b))), (
+            f"{label}: the gradient of {n} {when} differs from the first backward's"
+            + ("" if a is None or b is None else f" (max difference {max_err(a, b):.3e})"))
 
 
 def _odd_upstream(outs, kind: str) -> list:
