@@ -170,45 +170,10 @@ def families() -> list[str]:
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """The family's tiny float32 causal LM, random-init with ``seed`` (eager attention, train mode)."""
     import transformers
-    from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
-    config_cls = CONFIG_MAPPING[family]
-    own = FAMILY_CONFIG.get(family, {})
-    # A composite (multimodal) family's causal LM takes its text config: build that one.
-    sub_cls = getattr(cls, "config_class", None)
-    if sub_cls is not None and sub_cls is not config_cls and any(
-            isinstance(v, type) and issubclass(v, sub_cls) for v in getattr(config_cls, "sub_configs", {}).values()):
-        config_cls = sub_cls
-    try:
-        default = config_cls()
-    except Exception:  # noqa: BLE001 - a default that does not validate by itself: with the family's values
-        default = config_cls(**own)
-    wanted = {**TINY, **own}
-    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    kwargs = {k: v for k, v in wanted.items() if k in known}
-    text = getattr(default, "text_config", None)
-    if isinstance(text, transformers.PretrainedConfig) and isinstance(own.get("text_config"), dict):
-        # A text config given as values of its own: built with the tiny sizes it has too.
-        tk = set(text.to_dict()) | set(getattr(text, "attribute_map", {}))
-        kwargs["text_config"] = {"model_type": text.model_type, **{k: v for k, v in TINY.items() if k in tk},
-                                 **own["text_config"]}
-        kwargs["text_config"]["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
-    if ("head_dim" in kwargs and "hidden_size" in kwargs and "num_attention_heads" in kwargs
-            and "head_dim" not in FAMILY_CONFIG.get(family, {})):
-        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    config = config_cls(**kwargs)
-    for sub in ("text_config",):  # multimodal configs: shrink the text model too
-        inner = getattr(config, sub, None)
-        if inner is not None and hasattr(inner, "hidden_size"):
-            for k, v in wanted.items():
-                try:
-                    present = hasattr(inner, k)
-                except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma4) that has no global value
-                    present = False
-                if present:
-                    setattr(inner, k, v)
+    config = _tiny_config(family, cls)
     with torch.device("meta"):  # sized first, on no memory
         size = sum(p.numel() for p in cls._from_config(config, attn_implementation="eager").parameters())
     if size > MAX_PARAMS:
@@ -223,6 +188,64 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
             if "norm" in type(m).__name__.lower() and isinstance(w, torch.Tensor) and w.dim() == 1:
                 w.add_(0.3 * torch.randn(w.shape, generator=g).to(w.dtype))
     return model.train()
+
+
+def _config_class(family: str, cls):
+    """The family's config class; a composite (multimodal) family's causal LM takes its text config."""
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[family]
+    sub_cls = getattr(cls, "config_class", None)
+    if sub_cls is not None and sub_cls is not config_cls and any(
+            isinstance(v, type) and issubclass(v, sub_cls) for v in getattr(config_cls, "sub_configs", {}).values()):
+        return sub_cls
+    return config_cls
+
+
+def _known(config) -> set:
+    return set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+
+
+def _tiny_config(family: str, cls):
+    """The family's default config with :data:`TINY`'s sizes where it has them, then :data:`FAMILY_CONFIG`'s
+    values; a text config inside it shrunk too."""
+    import transformers
+
+    config_cls = _config_class(family, cls)
+    own = FAMILY_CONFIG.get(family, {})
+    try:
+        default = config_cls()
+    except Exception:  # noqa: BLE001 - a default that does not validate by itself: with the family's values
+        default = config_cls(**own)
+    wanted = {**TINY, **own}
+    kwargs = {k: v for k, v in wanted.items() if k in _known(default)}
+    text = getattr(default, "text_config", None)
+    if isinstance(text, transformers.PretrainedConfig) and isinstance(own.get("text_config"), dict):
+        # A text config given as values of its own: built with the tiny sizes it has too.
+        tk = _known(text)
+        kwargs["text_config"] = {"model_type": text.model_type, **{k: v for k, v in TINY.items() if k in tk},
+                                 **own["text_config"]}
+        kwargs["text_config"]["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
+    if ("head_dim" in kwargs and "hidden_size" in kwargs and "num_attention_heads" in kwargs
+            and "head_dim" not in own):
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    config = config_cls(**kwargs)
+    _shrink_text_config(config, wanted)
+    return config
+
+
+def _shrink_text_config(config, wanted: dict) -> None:
+    """A multimodal config's text model: ``wanted``'s values where it has the attribute."""
+    inner = getattr(config, "text_config", None)
+    if inner is None or not hasattr(inner, "hidden_size"):
+        return
+    for k, v in wanted.items():
+        try:
+            present = hasattr(inner, k)
+        except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma4) that has no global value
+            present = False
+        if present:
+            setattr(inner, k, v)
 
 
 def _batch(vocab: int, device) -> dict:
