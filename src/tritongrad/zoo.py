@@ -451,28 +451,62 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
         model = build(family).to(device)
     except Exception as e:  # noqa: BLE001 - a family that cannot be built is reported, not dropped
         return Verdict(family, mode, "error", f"cannot build a tiny model: {type(e).__name__}: {_short(e)}")
+    batch, fns, ref = _check_plan(model, device, compiled, only)
+    want, failed = _checks(model, ref)
+    if "loss" in failed or "grads" in failed:
+        e = failed.get("loss") or failed["grads"]
+        return Verdict(family, mode, "error", f"the unpatched model fails a training step: {type(e).__name__}: "
+                                              f"{_short(e)}")
+    patched = _patched(family, model, device, mode)
+    if isinstance(patched, Verdict):
+        return patched
+    patched, ops = patched
+    got, errors = _checks(patched, fns, only=want)
+    tritongrad.unpatch(patched)
+    if errors:
+        return _error_verdict(family, mode, model, fns, errors, ops)
+    bad = _compare(got, want)
+    earned = ""
+    if bad:
+        held, earned = _earned(model, ref, got, want, bad)
+        bad = {k: v for k, v in bad.items() if k not in held}
+    if not compiled:
+        bad.update(_unpatch_problems(patched, model, batch, want))
+    if bad:
+        return Verdict(family, mode, "wrong", "; ".join(bad.values()), ops)
+    notes = []
+    if earned:
+        notes.append(f"within 2x the unpatched model's float32 error against float64 ({earned})")
+    if failed:
+        notes.append(f"not checked (the unpatched model fails them): {', '.join(sorted(failed))}")
+    return Verdict(family, mode, "exact", "; ".join(notes), ops)
+
+
+def _check_plan(model, device, compiled: bool, only) -> tuple:
+    """``(batch, the checks to run, the reference's checks)``. The reference is the unpatched model in eager
+    mode; compiled, the patched model's compiled step must reproduce it (the unpatched model is compiled only
+    to tell, when the patched one fails, whose failure it is)."""
     head = getattr(model.get_output_embeddings(), "weight", None)  # none, or a list of heads (MusicGen's)
     vocab = head.shape[0] if isinstance(head, torch.Tensor) else 256
     batch = _batch(min(vocab, 256), device)
     fns = _check_fns(batch, compiled)
     if only is not None:
         fns = {k: v for k, v in fns.items() if k in only}
-    # The reference is the unpatched model in eager mode; compiled, the patched model's compiled step must
-    # reproduce it (the unpatched model is compiled only to tell, when the patched one fails, whose failure
-    # it is).
     ref = {k: v for k, v in _check_fns(batch, False).items() if k in fns} if compiled else fns
-    want, failed = _checks(model, ref)
-    if "loss" in failed or "grads" in failed:
-        e = failed.get("loss") or failed["grads"]
-        return Verdict(family, mode, "error", f"the unpatched model fails a training step: {type(e).__name__}: "
-                                              f"{_short(e)}")
+    return batch, fns, ref
+
+
+def _patched(family: str, model, device, mode: str):
+    """``(a patched copy of model, the report's ops)``, or the Verdict when patch raises or replaces nothing."""
+    import warnings
+
+    import tritongrad
+
     try:
         patched = copy.deepcopy(model)
     except RuntimeError:  # non-leaf parameters (weight_norm): the same seed builds the same weights
         patched = build(family).to(device)
     try:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             report = tritongrad.patch(patched)
@@ -483,34 +517,27 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
     if not report.replaced:
         tritongrad.unpatch(patched)
         return Verdict(family, mode, "refused", "nothing replaced", ops)
-    got, errors = _checks(patched, fns, only=want)
-    tritongrad.unpatch(patched)
-    if errors:
-        name, e = next(iter(errors.items()))
-        if compiled:
-            own = _checks(model, fns, only=[name])[1].get(name)
-            if own is not None:
-                return Verdict(family, mode, "error", f"the unpatched model fails a compiled training step: "
-                                                      f"{type(own).__name__}: {_short(own)}", ops)
-        return Verdict(family, mode, "error", f"{name}: {type(e).__name__}: {_short(e)}\n{_where(e)}", ops)
-    bad = _compare(got, want)
-    earned = ""
-    if bad:
-        held, earned = _earned(model, ref, got, want, bad)
-        bad = {k: v for k, v in bad.items() if k not in held}
-    if not compiled:
-        if any(type(a) is not type(b) for a, b in zip(patched.modules(), model.modules())):
-            bad["unpatch"] = "unpatch: a module keeps a tritongrad class"
-        elif "logits" in want and not torch.equal(_logits(patched, batch), want["logits"]):
-            bad["unpatch"] = "unpatch: eval logits differ from the unpatched model's"
-    if bad:
-        return Verdict(family, mode, "wrong", "; ".join(bad.values()), ops)
-    notes = []
-    if earned:
-        notes.append(f"within 2x the unpatched model's float32 error against float64 ({earned})")
-    if failed:
-        notes.append(f"not checked (the unpatched model fails them): {', '.join(sorted(failed))}")
-    return Verdict(family, mode, "exact", "; ".join(notes), ops)
+    return patched, ops
+
+
+def _error_verdict(family: str, mode: str, model, fns: dict, errors: dict, ops) -> Verdict:
+    """The first check the patched model failed; compiled, the unpatched model's own failure where it has one."""
+    name, e = next(iter(errors.items()))
+    if mode == "compiled":
+        own = _checks(model, fns, only=[name])[1].get(name)
+        if own is not None:
+            return Verdict(family, mode, "error", f"the unpatched model fails a compiled training step: "
+                                                  f"{type(own).__name__}: {_short(own)}", ops)
+    return Verdict(family, mode, "error", f"{name}: {type(e).__name__}: {_short(e)}\n{_where(e)}", ops)
+
+
+def _unpatch_problems(patched, model, batch, want: dict) -> dict:
+    """``unpatch`` restores the model: every module's class, and the eval logits bit for bit."""
+    if any(type(a) is not type(b) for a, b in zip(patched.modules(), model.modules())):
+        return {"unpatch": "unpatch: a module keeps a tritongrad class"}
+    if "logits" in want and not torch.equal(_logits(patched, batch), want["logits"]):
+        return {"unpatch": "unpatch: eval logits differ from the unpatched model's"}
+    return {}
 
 
 def _short(e: BaseException, n: int = 300) -> str:
