@@ -651,31 +651,16 @@ def head_spec(model: torch.nn.Module) -> HeadSpec | str:
         original = original_forward_of(cls)
     except RuntimeError as e:
         return str(e)
-    prefix = getattr(model, "base_model_prefix", None) or "model"
-    base = model._modules.get(prefix)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_name = next((n for n, m in model._modules.items() if m is head and head is not None), None)
-    if not isinstance(base, torch.nn.Module):
-        return f"{cls.__name__} has no base model at .{prefix} (its base_model_prefix)"
-    if head_name is None or type(head) is not torch.nn.Linear:
-        return f"{cls.__name__}'s output embedding is a {type(head).__name__}, not a torch.nn.Linear attribute"
+    found = _base_and_head(model)
+    if isinstance(found, str):
+        return found
+    prefix, head_name, head = found
     config = copy.copy(model.config)
     router = getattr(config, "output_router_logits", None) is not None
     if router:
         config.output_router_logits = False  # the aux-loss path keeps the original forward (causal_lm_forward)
-    V, bias = head.out_features, head.bias is not None
-    g = _probe_rng()
-    h = torch.randn(2, 5, 4, generator=g) * 2
-    stand_in = torch.nn.Linear(4, V, bias=bias)
-    with torch.no_grad():
-        stand_in.weight.copy_(torch.randn(V, 4, generator=g))
-        if bias:
-            stand_in.bias.copy_(torch.randn(V, generator=g))
-    probe = copy.copy(model)
-    probe.__dict__["_modules"] = {**model._modules, prefix: _ProbeBase(h), head_name: stand_in}
-    probe.__dict__["config"] = config
-    labels = torch.randint(0, V, (2, 5), generator=g)
-    labels[0, 2] = -100
+    V = head.out_features
+    probe, stand_in, h, labels = _probe_model(model, config, prefix, head_name, head)
     params = inspect.signature(original).parameters
     call = {"input_ids": labels.clamp(min=0), "labels": labels}
     if "use_cache" in params:
@@ -690,24 +675,8 @@ def head_spec(model: torch.nn.Module) -> HeadSpec | str:
     if not isinstance(logits, torch.Tensor) or not isinstance(loss, torch.Tensor):
         return f"{cls.__name__}.forward returns no logits and loss"
     raw = stand_in(h).detach()
-    scales = [1.0]
-    for where, name, invert in ((config, "logits_scaling", True), (model, "logit_scale", False),
-                                (config, "logit_scale", False)):
-        v = _config_float(where, name)
-        if v is not None:
-            scales.append(1.0 / v if invert else v)
-    cap = _config_float(config, "final_logit_softcapping")
-    found = None
-    for s in scales:
-        for c in ((cap, None) if cap is not None else (None,)):
-            z = raw * s
-            if c is not None:
-                z = torch.tanh(z / c) * c
-            if logits.shape == z.shape and torch.allclose(logits.float(), z, rtol=1e-5, atol=1e-5):
-                found = (s, c)
-                break
-        if found:
-            break
+    scales = _named_scales(model, config)
+    found = _logit_form(logits, raw, scales, _config_float(config, "final_logit_softcapping"))
     if found is None:
         return (f"{cls.__name__}.forward computes logits other than softcap(scale * lm_head(h)) for the scales "
                 f"its config names ({', '.join(f'{s:g}' for s in scales)})")
@@ -723,6 +692,62 @@ def head_spec(model: torch.nn.Module) -> HeadSpec | str:
             return (f"{cls.__name__}.forward's loss is not Hugging Face's shifted cross-entropy of its logits "
                     "(mean over labelled tokens, or sum / num_items_in_batch)")
     return HeadSpec(prefix, head_name, s, c, router)
+
+
+def _base_and_head(model: torch.nn.Module):
+    """``(base model attribute, LM head attribute, the head)``, or why the model has no such pair."""
+    cls = type(model)
+    prefix = getattr(model, "base_model_prefix", None) or "model"
+    base = model._modules.get(prefix)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((n for n, m in model._modules.items() if m is head and head is not None), None)
+    if not isinstance(base, torch.nn.Module):
+        return f"{cls.__name__} has no base model at .{prefix} (its base_model_prefix)"
+    if head_name is None or type(head) is not torch.nn.Linear:
+        return f"{cls.__name__}'s output embedding is a {type(head).__name__}, not a torch.nn.Linear attribute"
+    return prefix, head_name, head
+
+
+def _probe_model(model, config, prefix: str, head_name: str, head: torch.nn.Linear) -> tuple:
+    """``(probe, stand-in head, h, labels)``: a shallow copy of ``model`` whose base model returns the fixed
+    random ``h`` and whose LM head is a small random stand-in with the real vocabulary (and bias)."""
+    V, bias = head.out_features, head.bias is not None
+    g = _probe_rng()
+    h = torch.randn(2, 5, 4, generator=g) * 2
+    stand_in = torch.nn.Linear(4, V, bias=bias)
+    with torch.no_grad():
+        stand_in.weight.copy_(torch.randn(V, 4, generator=g))
+        if bias:
+            stand_in.bias.copy_(torch.randn(V, generator=g))
+    probe = copy.copy(model)
+    probe.__dict__["_modules"] = {**model._modules, prefix: _ProbeBase(h), head_name: stand_in}
+    probe.__dict__["config"] = config
+    labels = torch.randint(0, V, (2, 5), generator=g)
+    labels[0, 2] = -100
+    return probe, stand_in, h, labels
+
+
+def _named_scales(model, config) -> list:
+    """1 and the logit scales the config or the model names (``1 / logits_scaling``, ``logit_scale``)."""
+    scales = [1.0]
+    for where, name, invert in ((config, "logits_scaling", True), (model, "logit_scale", False),
+                                (config, "logit_scale", False)):
+        v = _config_float(where, name)
+        if v is not None:
+            scales.append(1.0 / v if invert else v)
+    return scales
+
+
+def _logit_form(logits, raw, scales: list, cap):
+    """The first ``(scale, cap)`` with ``logits == softcap(scale * raw)`` (cap None: no soft cap), or None."""
+    for s in scales:
+        for c in ((cap, None) if cap is not None else (None,)):
+            z = raw * s
+            if c is not None:
+                z = torch.tanh(z / c) * c
+            if logits.shape == z.shape and torch.allclose(logits.float(), z, rtol=1e-5, atol=1e-5):
+                return s, c
+    return None
 
 
 def spec_detail(spec: HeadSpec) -> str:
