@@ -279,69 +279,74 @@ def _plan_torch_norm(m, name, on, plan, report) -> None:
 def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
     """The attributes to override on ``m``'s class (``{"forward": fn}``...), and ``{op: detail}``."""
     if hf.looks_like_rms_norm(m):
-        if "rms_norm" not in on:
-            return {}, {}
-        if _patched_before(hf, cls, "rms_norm"):
-            return {}, {"rms_norm": ""}
-        kind, eps_name = hf.instance_norm_kind(m, base)
-        if kind is None:
-            report._add("skipped", "rms_norm", name, eps_name)
-            return {}, {}
-        m.__dict__[hf.NORM_ATTR] = True
-        return {"forward": hf.norm_forward(kind, eps_name)}, {"rms_norm": hf.NORM_DETAIL[kind]}
+        return _norm_attrs(hf, m, cls, base, name, on, report)
     if hf.looks_like_gated_mlp(m):
-        kind, why = hf.gate_kind(m.act_fn)
-        op = hf.GATE_OPS.get(kind, "swiglu")
-        if op not in on:
-            return {}, {}
-        if kind is not None and _patched_before(hf, cls, op):
-            m.__dict__[hf.GATE_ATTR] = kind
-            return {}, {op: ""}
-        why = hf.gated_mlp_why_not(base) or why
-        if why is not None:
-            report._add("skipped", op, name, f"{base.__name__}: {why}")
-            return {}, {}
-        m.__dict__[hf.GATE_ATTR] = kind
-        return ({"forward": hf.swiglu_forward if op == "swiglu" else hf.geglu_forward},
-                {op: hf.GATE_DETAIL[kind]})
+        return _gate_attrs(hf, m, cls, base, name, on, report, experts=False)
     if hf.looks_like_experts(m):
-        kind, why = hf.gate_kind(m.act_fn)
-        op = hf.GATE_OPS.get(kind, "swiglu")
-        if op not in on:
-            return {}, {}
-        if kind is not None and _patched_before(hf, cls, op, "_apply_gate"):
-            m.__dict__[hf.GATE_ATTR] = kind
-            return {}, {op: ""}
-        why = hf.experts_why_not(m, base) or why
-        if why is not None:
-            report._add("skipped", op, name, f"{base.__name__}: {why}")
-            return {}, {}
-        m.__dict__[hf.GATE_ATTR] = kind
-        return {"_apply_gate": hf.experts_gate[op]}, {op: hf.EXPERTS_DETAIL[kind]}
+        return _gate_attrs(hf, m, cls, base, name, on, report, experts=True)
     if base.__name__.endswith("ForCausalLM") or hasattr(m, "lm_head") and hasattr(m, "model"):
-        wanted = on & {"cross_entropy", "linear_cross_entropy"}
-        if not wanted:
-            return {}, {}
-        why = hf.causal_lm_why_not(base)
-        if why is None and not isinstance(m.get_output_embeddings(), torch.nn.Linear):
-            why = f"the output embedding is a {type(m.get_output_embeddings()).__name__}, not a torch.nn.Linear"
-        spec = hf.head_spec(m) if why is None and "linear_cross_entropy" in wanted else None
-        if why is not None:
-            for op in sorted(wanted):
-                report._add("skipped", op, name, why)
-            return {}, {}
-        attrs, ops = {}, {}
-        if isinstance(spec, str):
-            report._add("skipped", "linear_cross_entropy", name, spec)
-        elif spec is not None:
-            m.__dict__[hf.SPEC_ATTR] = spec
-            attrs["forward"] = hf.causal_lm_forward(hf.original_forward_of(base))
-            ops["linear_cross_entropy"] = hf.spec_detail(spec)
-        if "cross_entropy" in wanted:
-            attrs["_loss_function"] = hf.LOSS_FUNCTION
-            ops["cross_entropy"] = "loss_function on the logits"
-        return attrs, ops
+        return _causal_lm_attrs(hf, m, base, name, on, report)
     return {}, {}
+
+
+def _norm_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
+    if "rms_norm" not in on:
+        return {}, {}
+    if _patched_before(hf, cls, "rms_norm"):
+        return {}, {"rms_norm": ""}
+    kind, eps_name = hf.instance_norm_kind(m, base)
+    if kind is None:
+        report._add("skipped", "rms_norm", name, eps_name)
+        return {}, {}
+    m.__dict__[hf.NORM_ATTR] = True
+    return {"forward": hf.norm_forward(kind, eps_name)}, {"rms_norm": hf.NORM_DETAIL[kind]}
+
+
+def _gate_attrs(hf, m, cls, base, name, on, report, *, experts: bool) -> tuple[dict, dict]:
+    """A gated MLP's forward, or a MoE experts module's ``_apply_gate``, through swiglu or geglu."""
+    kind, why = hf.gate_kind(m.act_fn)
+    op = hf.GATE_OPS.get(kind, "swiglu")
+    if op not in on:
+        return {}, {}
+    if kind is not None and _patched_before(hf, cls, op, *(("_apply_gate",) if experts else ())):
+        m.__dict__[hf.GATE_ATTR] = kind
+        return {}, {op: ""}
+    why = (hf.experts_why_not(m, base) if experts else hf.gated_mlp_why_not(base)) or why
+    if why is not None:
+        report._add("skipped", op, name, f"{base.__name__}: {why}")
+        return {}, {}
+    m.__dict__[hf.GATE_ATTR] = kind
+    if experts:
+        return {"_apply_gate": hf.experts_gate[op]}, {op: hf.EXPERTS_DETAIL[kind]}
+    return ({"forward": hf.swiglu_forward if op == "swiglu" else hf.geglu_forward},
+            {op: hf.GATE_DETAIL[kind]})
+
+
+def _causal_lm_attrs(hf, m, base, name, on, report) -> tuple[dict, dict]:
+    """The causal LM's training forward (the loss from the hidden states, where its head is established) and
+    its loss function on the logits."""
+    wanted = on & {"cross_entropy", "linear_cross_entropy"}
+    if not wanted:
+        return {}, {}
+    why = hf.causal_lm_why_not(base)
+    if why is None and not isinstance(m.get_output_embeddings(), torch.nn.Linear):
+        why = f"the output embedding is a {type(m.get_output_embeddings()).__name__}, not a torch.nn.Linear"
+    spec = hf.head_spec(m) if why is None and "linear_cross_entropy" in wanted else None
+    if why is not None:
+        for op in sorted(wanted):
+            report._add("skipped", op, name, why)
+        return {}, {}
+    attrs, ops = {}, {}
+    if isinstance(spec, str):
+        report._add("skipped", "linear_cross_entropy", name, spec)
+    elif spec is not None:
+        m.__dict__[hf.SPEC_ATTR] = spec
+        attrs["forward"] = hf.causal_lm_forward(hf.original_forward_of(base))
+        ops["linear_cross_entropy"] = hf.spec_detail(spec)
+    if "cross_entropy" in wanted:
+        attrs["_loss_function"] = hf.LOSS_FUNCTION
+        ops["cross_entropy"] = "loss_function on the logits"
+    return attrs, ops
 
 
 def _plan_function(mod, attr: str, op: str, why_not, detail: str, report) -> bool:
@@ -421,6 +426,40 @@ def unpatch(model: torch.nn.Module) -> int:
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2")
 
 
+def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
+    """patch_transformers for one class of the family's module: an RMSNorm, a gated MLP or a causal LM."""
+    name = cls.__name__
+    target = f"{mod.__name__}.{name}"
+    if name.lower().endswith("rmsnorm") and "rms_norm" in on:
+        kind, eps_name = hf.norm_kind(cls)
+        if kind is None:
+            report._add("skipped", "rms_norm", target, eps_name)
+        else:
+            _set(cls, "forward", hf.norm_forward(kind, eps_name), "rms_norm", report, hf.NORM_DETAIL[kind])
+    elif name.endswith("MLP") and on & {"swiglu", "geglu"}:
+        hf.silu_types()
+        kind, why = hf.config_gate_kind(cls, causal)
+        op = hf.GATE_OPS.get(kind, "swiglu")
+        why = hf.gated_mlp_why_not(cls) or why
+        if op not in on:
+            return
+        if why is not None:
+            report._add("skipped", op, target, why)
+        else:
+            _set(cls, "forward", hf.swiglu_forward if op == "swiglu" else hf.geglu_forward, op, report,
+                 f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
+    elif cls in causal:
+        why = hf.causal_lm_why_not(cls)
+        for op in sorted(on & {"cross_entropy", "linear_cross_entropy"}):
+            if why is not None:
+                report._add("skipped", op, target, why)
+            elif op == "linear_cross_entropy":
+                _set(cls, "forward", hf.causal_lm_forward(hf.original_forward_of(cls)), op, report,
+                     "training loss from hidden states and lm_head, no logits")
+            else:
+                _set(cls, "_loss_function", hf.LOSS_FUNCTION, op, report, "loss_function on the logits")
+
+
 def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = True, geglu: bool = True,
                        rope: bool = True,
                        cross_entropy: bool = False, linear_cross_entropy: bool = True, causal_mask: bool = True,
@@ -454,36 +493,7 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     classes = hf.classes_of(mod)
     causal = [c for c in classes if c.__name__.endswith("ForCausalLM")]
     for cls in classes:
-        name = cls.__name__
-        if name.lower().endswith("rmsnorm") and "rms_norm" in on:
-            kind, eps_name = hf.norm_kind(cls)
-            if kind is None:
-                report._add("skipped", "rms_norm", f"{mod.__name__}.{name}", eps_name)
-            else:
-                _set(cls, "forward", hf.norm_forward(kind, eps_name), "rms_norm", report, hf.NORM_DETAIL[kind])
-        elif name.endswith("MLP") and on & {"swiglu", "geglu"}:
-            hf.silu_types()
-            kind, why = hf.config_gate_kind(cls, causal)
-            op = hf.GATE_OPS.get(kind, "swiglu")
-            why = hf.gated_mlp_why_not(cls) or why
-            if op not in on:
-                continue
-            if why is not None:
-                report._add("skipped", op, f"{mod.__name__}.{name}", why)
-            else:
-                _set(cls, "forward", hf.swiglu_forward if op == "swiglu" else hf.geglu_forward, op, report,
-                     f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
-        elif cls in causal:
-            why = hf.causal_lm_why_not(cls)
-            for op in sorted(on & {"cross_entropy", "linear_cross_entropy"}):
-                if why is not None:
-                    report._add("skipped", op, f"{mod.__name__}.{name}", why)
-                elif op == "linear_cross_entropy":
-                    _set(cls, "forward", hf.causal_lm_forward(hf.original_forward_of(cls)), op, report,
-                         "training loss from hidden states and lm_head, no logits")
-                else:
-                    _set(cls, "_loss_function", hf.LOSS_FUNCTION, op, report,
-                         "loss_function on the logits")
+        _patch_class(hf, mod, cls, causal, on, report)
     if "rope" in on:
         if "apply_rotary_pos_emb" in vars(mod):
             if _plan_rope(hf, mod, report):
