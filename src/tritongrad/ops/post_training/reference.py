@@ -164,6 +164,37 @@ def linear_grpo_reference(
     return (token_weight.to(lp.dtype) * loss).sum(), lp, ent
 
 
+def _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs, beta, epsilon_low, eps_high, delta):
+    """GSPO's per-token loss: one importance weight per sequence, the mean log-ratio over its tokens."""
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+    log_w = (((logprobs - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    per_token_kl = None
+    if beta != 0.0:
+        ref = ref_logprobs.to(logprobs.dtype)
+        per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
+        per_token_loss = per_token_loss + beta * per_token_kl
+    return per_token_loss, coef_1, per_token_kl
+
+
+def _grpo_normalised(total, mask, loss_type, max_completion_length, num_items_in_batch, num_sequences_in_batch):
+    """The masked per-token losses ``total [B, T]`` reduced as TRL's ``loss_type`` does."""
+    B, T = mask.shape
+    if loss_type == "grpo":
+        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+        return (total.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / seqs
+    if loss_type == "dr_grpo":
+        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+        return total.sum() / (seqs * (T if max_completion_length is None else max_completion_length))
+    items = mask.sum() if num_items_in_batch is None else num_items_in_batch  # bnpo, dapo: over tokens
+    items = items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0)
+    return total.sum() / items
+
+
 def grpo_from_logprobs(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -203,32 +234,12 @@ def grpo_from_logprobs(
         per_token_loss, coef_1, per_token_kl = grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta,
                                                                epsilon_low, eps_high, delta)
     else:  # one importance weight per sequence (GSPO)
-        old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
-        log_w = (((logprobs - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        coef_1 = torch.exp(log_w)
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
-        if delta is not None:
-            coef_1 = torch.clamp(coef_1, max=delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-        per_token_kl = None
-        if beta != 0.0:
-            ref = ref_logprobs.to(logprobs.dtype)
-            per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
-            per_token_loss = per_token_loss + beta * per_token_kl
+        per_token_loss, coef_1, per_token_kl = _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs,
+                                                                   ref_logprobs, beta, epsilon_low, eps_high, delta)
     if per_token_kl is not None:
         metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
-    B, T = mask.shape
-    total = per_token_loss * mask
-    if loss_type == "grpo":
-        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
-        loss = (total.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / seqs
-    elif loss_type == "dr_grpo":
-        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
-        loss = total.sum() / (seqs * (T if max_completion_length is None else max_completion_length))
-    else:  # bnpo, dapo: over tokens
-        items = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        items = items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0)
-        loss = total.sum() / items
+    loss = _grpo_normalised(per_token_loss * mask, mask, loss_type, max_completion_length, num_items_in_batch,
+                            num_sequences_in_batch)
     if entropy is not None:
         metrics["entropy"] = _masked_mean(entropy.detach(), mask)
     c1 = coef_1.detach()
