@@ -635,9 +635,7 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
     N, V = s_in.shape[0], s_w.shape[0]
     acc = acc_dtype(s_in)
     want = any(need)
-    gi = torch.empty_like(s_in) if need[0] else None
-    gw = torch.empty_like(s_w) if need[1] else None
-    gb = torch.zeros(V, dtype=acc_dtype(s_b), device=s_in.device) if need[2] else None
+    grads = _HeadGrads(s_in, s_w, s_b, need)
     plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), max(s_in.element_size(), t_in.element_size()), heads=2)
     rows = min(plan.rows, N)
     sbuf = torch.empty((rows, V), dtype=s_in.dtype, device=s_in.device)
@@ -653,16 +651,9 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
             *rt.split_float(float(logit_scale)), *rt.split_float(float(beta)), MODE=mode, STORE_GRAD=want,
             BLOCK_V=plan.BLOCK_V, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
         )
-        if need[0]:
-            torch.mm(zs, s_w, out=gi[r0:r1])
-        if need[1]:
-            if r0 == 0:
-                torch.mm(zs.t(), h, out=gw)
-            else:
-                gw.addmm_(zs.t(), h)
-        if need[2]:
-            gb += zs.sum(0, dtype=gb.dtype)
-    return gi, gw, (gb.to(s_b.dtype) if need[2] else None)
+        if want:
+            grads.add(zs, h, s_w, r0, r1)
+    return grads.result()
 
 
 @op("tritongrad::linear_distill", reference=linear_distill_reference, validate=_distill_validate,
