@@ -282,9 +282,10 @@ def _tanhw_bwd(x_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, N, D, sxn, sxd, sg, sdn, sd
     # One program per column block, over all rows: dx = dy g (1 - t^2), dg = sum_rows dy a t.
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < D
-    f64 = x_ptr.dtype.element_ty == tl.float64
-    g = tl.load(g_ptr + cols * sg, mask=cm, other=0.0).to(tl.float64 if f64 else tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float64 if f64 else tl.float32)
+    # the comparison inline: assigned to a name, compiled Triton makes it a tensor, not a constexpr
+    g = tl.load(g_ptr + cols * sg, mask=cm, other=0.0).to(tl.float64 if x_ptr.dtype.element_ty == tl.float64
+                                                          else tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=g.dtype)
     other = 1.0 if BUG == 9 else 0.0  # masked_other: masked-off rows read as 1, not 0
     steps = 1 if BUG == 8 else tl.cdiv(N, BLOCK_N)  # first_chunk: only the first row tile is summed
     for i in range(0, steps):

@@ -915,6 +915,11 @@ for cap in ("fp64", "fp32"):  # Inductor's signature of a Python float; Triton's
                           target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}}).asm["ttir"]
     body = [line for line in ttir.splitlines() if "f64" in line and "tt.func" not in line]
     print(cap, "f64 lines:", body)
+# torch's mutation analysis compiles the kernel with its scalars as constants: the entry must compile so too
+sig = {{"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "cap": "constexpr", "BLOCK": "constexpr"}}
+triton.compile(ASTSource(entry, signature=sig, constexprs={{"cap": 0.5, "BLOCK": 1024}}),
+               target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+print("constant cap compiles")
 """
 
 
@@ -925,7 +930,7 @@ def test_float_arguments_reach_compiled_kernels_as_float32():
     float64 in the kernel is that one conversion, so the math is the float32 math of an eager launch."""
     out = run_without_interpreter(["-c", FLOAT32_ENTRY.format(root=str(ROOT))])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "cap = cap.to(tl.float32)" in out.stdout
+    assert "cap = tl.cast(cap, tl.float32)" in out.stdout and "constant cap compiles" in out.stdout
     fp64 = next(line for line in out.stdout.splitlines() if line.startswith("fp64 f64 lines:"))
     assert fp64.count("arith.truncf") == 1 and fp64.count("f64") == 2, fp64  # the argument, truncated once
     assert "fp32 f64 lines: []" in out.stdout

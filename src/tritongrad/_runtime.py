@@ -404,10 +404,12 @@ class Kernel:
 
 def float32_entry(jit_fn, names: tuple[str, ...]):
     """A copy of the ``@triton.jit`` function ``jit_fn`` whose body first converts the parameters ``names`` to
-    float32 (``cap = cap.to(tl.float32)``), so that a float argument is a float32 scalar in the kernel whatever
-    the launcher passes: Inductor's generated code passes a Python float as float64, Triton's launch as
-    float32 (where the conversion is a no-op). ``jit_fn`` itself where it is not a plain JITFunction (an
-    autotuner) or where its module binds ``tl`` to something other than ``triton.language``."""
+    float32 (``cap = tl.cast(cap, tl.float32)``), so that a float argument is a float32 scalar in the kernel
+    whatever the launcher passes: Inductor's generated code passes a Python float as float64, Triton's launch
+    as float32 (where the conversion is a no-op). ``tl.cast`` rather than ``.to``: torch's mutation analysis
+    compiles the kernel with its scalars as constants (Python floats), and a kernel it cannot compile is taken
+    to write every tensor argument, which breaks aliased arguments. ``jit_fn`` itself where it is not a plain
+    JITFunction (an autotuner) or where its module binds ``tl`` to something other than ``triton.language``."""
     import ast
     import linecache
 
@@ -424,7 +426,7 @@ def float32_entry(jit_fn, names: tuple[str, ...]):
     body = fdef.body
     first = 1 if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
         and isinstance(body[0].value.value, str) else 0  # after the docstring
-    casts = [ast.parse(f"{n} = {n}.to(tl.float32)").body[0] for n in names]
+    casts = [ast.parse(f"{n} = tl.cast({n}, tl.float32)").body[0] for n in names]
     fdef.body = body[:first] + casts + body[first:]
     src = ast.unparse(ast.fix_missing_locations(tree)) + "\n"
     filename = f"<tritongrad float32 entry of {jit_fn.fn.__module__}.{jit_fn.fn.__qualname__}{names}>"

@@ -39,6 +39,8 @@ leave them out with ``-m "not extended"`` and run them in a second one.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import pickle
@@ -739,7 +741,11 @@ class OpSuite:
         for kind in ("random", "expanded", "transposed"):
             g = _odd_upstream(outs, kind)
             want = self._run(op, args, wanted, g)
-            got = self._run(compiled, args, wanted, g)
+            with _mutation_analysis_failures() as failed:
+                got = self._run(compiled, args, wanted, g)
+            assert not failed, (
+                f"{op.label} compiled: torch's mutation analysis could not compile a kernel, so it takes every "
+                f"tensor argument as written (wrong where arguments alias): {failed[0]}")
             for o, w in zip(got.outs, want.outs):
                 torch.testing.assert_close(o, w, atol=1e-5, rtol=1e-5)
             for i in wanted:
@@ -747,6 +753,27 @@ class OpSuite:
                     f"{op.label} compiled, grad of {op._names[i]} ({kind} upstream gradient): {m}"))
             if not wanted:
                 break
+
+
+@contextlib.contextmanager
+def _mutation_analysis_failures():
+    """The warnings torch logs while tracing when it cannot compile a Triton kernel to find which arguments
+    it writes ("assuming every input is mutated"); collected into the yielded list."""
+    failed: list = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "assuming every input is mutated" in record.getMessage():
+                failed.append(record.getMessage().splitlines()[0] + (
+                    f" ({record.exc_info[1]!r})" if record.exc_info and record.exc_info[1] else ""))
+
+    log = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
+    handler = Catch(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield failed
+    finally:
+        log.removeHandler(handler)
 
 
 def _assert_same_grads(label: str, names, got, want, when: str) -> None:
