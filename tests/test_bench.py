@@ -124,7 +124,7 @@ def test_derived_numbers_follow_their_definitions(bench):
             assert r["dev_pct_copy"] == pytest.approx(100 * r["bytes"] / (r["dev_ms"] * 1e-3) / 1e9 / copy["GBps"]), r
         elif r["mode"] == "bwd":
             assert r["dev_reason"].startswith("not measured for bwd"), r
-        else:
+        elif r["dev_reason"] != "below what the flush subtraction resolves":  # a run of a few microseconds
             assert r["provider"] != "tritongrad" and r["dev_reason"], r
 
 

@@ -3,6 +3,7 @@ shapes made by its own input declaration, and through ``tritongrad bench --op`` 
 that works through the interpreter); then ``--op`` refusing what it cannot time right."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -105,7 +106,8 @@ def test_examples_run_as_scripts():
     import subprocess
 
     for name in ("softcap", "weighted_sum"):
-        env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+        env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin",  # PYTHONPATH: tritongrad from src/, not installed
+               **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
         out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py")], capture_output=True, text=True,
                              env=env, timeout=300, cwd=ROOT)
         assert out.returncode == 0 and "Backward object" in out.stdout, out.stderr[-2000:]

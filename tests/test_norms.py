@@ -241,7 +241,8 @@ def test_long_rows_path(norm, lead, ns, dtype, case, long_rows, launches):
 def test_long_rows_read_dy_through_its_strides(norm, long_rows, launches):
     # A transposed x and the stride-0 dy of y.sum().backward(), through the long-row kernel.
     x = make_rows((6, 21), f32, DEVICE, "transposed")
-    check_upstream_grad(OPS[norm], norm_args(norm, x, *params(norm, (21,), f32)), torch.ones(()).expand(6, 21))
+    dy = torch.ones((), device=DEVICE).expand(6, 21)
+    check_upstream_grad(OPS[norm], norm_args(norm, x, *params(norm, (21,), f32)), dy)
     assert row_kernels(launches) == [FWD[norm], LONG]
 
 

@@ -458,6 +458,10 @@ def test_isolated_case_reports_a_crash():
 
     op = tritongrad.op("kitbugs::aborts", reference=lambda x: x, save=())(forward)
     op.backward(lambda ctx, dy: dy)
+    if torch.device(DEVICE).type != "cpu":  # a forked child cannot use the GPU: refused, not run
+        with pytest.raises(ValueError, match=r"isolate=True runs each case in a forked child, which cannot use cuda"):
+            OpSuite(op, [lambda dtype, device: (torch.randn(3, dtype=dtype, device=device),)], isolate=True)
+        return
     suite = OpSuite(op, [lambda dtype, device: (torch.randn(3, dtype=dtype, device=device),)], isolate=True)
     case_id, check = suite.cases[0]
     with pytest.raises(AssertionError, match=rf"kitbugs.aborts {case_id}: the case crashed its process with SIGABRT"):

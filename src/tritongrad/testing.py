@@ -282,6 +282,9 @@ class OpSuite:
         bad = [n for n in self.leading if n not in op._names]
         if bad:
             raise ValueError(f"OpSuite({op.label}): leading={self.leading} names {bad}, not arguments of the op")
+        if isolate and torch.device(self.device).type != "cpu":
+            raise ValueError(f"OpSuite({op.label}): isolate=True runs each case in a forked child, which cannot "
+                             f"use {self.device}; isolate needs device='cpu' (Triton's interpreter)")
 
     # ------------------------------------------------------------ cases
     @property
