@@ -124,6 +124,12 @@ def softcap_blocks(dtype, device):
     return {"x": randn(3, 2, 500, dtype=dtype, device=device, scale=40.0)}
 
 
+def softcap_eager(x, cap=30.0):
+    """What Gemma 2's modeling code writes, in x's dtype: torch.tanh's backward, like the op's, works from the
+    saved output, so near saturation 1 - t^2 carries the output's rounding (the error baseline)."""
+    return cap * torch.tanh(x / cap)
+
+
 def softcap_saturated(dtype, device):
     # |x| / cap up to ~100: tanh saturates, and its exp must not overflow; gradients vanish
     return {"x": randn(4, 50, dtype=dtype, device=device, scale=50.0), "cap": 0.5}
@@ -134,7 +140,8 @@ SUITES = {
     "rms_norm": OpSuite(rms_norm_op, RMS_SAMPLES, leading=("input",), mixed=True),
     "layer_norm": OpSuite(layer_norm_op, LN_SAMPLES, leading=("input",), mixed=True),
     "llama_rms_norm": OpSuite(llama_rms_norm, LLAMA_SAMPLES, leading=("hidden_states",), mixed=True),
-    "softcap": OpSuite(softcap, [softcap_small, softcap_blocks, softcap_saturated], leading=("x",)),
+    "softcap": OpSuite(softcap, [softcap_small, softcap_blocks, softcap_saturated], baseline=softcap_eager,
+                       leading=("x",)),
 }
 
 test_weighted_sum = SUITES["weighted_sum"].pytest()
@@ -394,6 +401,11 @@ def first_failure(suite) -> str | None:
 
 
 # Every bug the kit catches, with the case that catches it first (the order of OpSuite.cases).
+# Where a compiled kernel runs (a GPU), two planted bugs change no checked value: an unmasked load whose lanes
+# are never stored reads memory inside the allocator's segment, and only the interpreter's bounds check sees
+# it; 16-bit intermediates rounded to nearest (the interpreter truncates, which biases the sums) stay within
+# the earned tolerance while the accumulator stays float32.
+ON_GPU_NOT_CAUGHT = ("load_mask", "bf16_math")
 CAUGHT_BY = {
     "scale": "values-tanhw_ragged-float32",
     "strides": "layout-transposed-tanhw_ragged",
@@ -415,7 +427,8 @@ CAUGHT_BY = {
 def test_kit_catches_planted_bugs(bug):
     suite = OpSuite(declare_tanhw(bug), TANHW_SAMPLES, leading=("x",))
     caught = first_failure(suite)
-    assert caught == CAUGHT_BY.get(bug), f"bug {bug}: first failing case {caught}, expected {CAUGHT_BY.get(bug)}"
+    expected = None if bug in ON_GPU_NOT_CAUGHT and torch.device(DEVICE).type == "cuda" else CAUGHT_BY.get(bug)
+    assert caught == expected, f"bug {bug}: first failing case {caught}, expected {expected}"
 
 
 def test_quick_tier_has_every_check_and_every_sample():
