@@ -262,3 +262,13 @@ def test_device_time_fields_follow_their_definitions():
     assert all(r["status"] == "ok" and "dev_ms" not in r for r in failed)
     reasons = [r["dev_reason"] for r in failed if r["mode"] != "bwd"]
     assert reasons == ["not capturable in a CUDA graph: RuntimeError: capture failed"] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_failed_capture_leaves_random_inputs_working():
+    # A provider that reads a value back mid-call cannot be captured; the next shape's inputs are still made.
+    x = torch.randn(1024, device="cuda")
+    timer = harness.Timer("cuda", warmup_ms=1, rep_ms=1)
+    with pytest.raises(Exception):
+        timer.device_ms(lambda: x.sum().item(), [], 0.01)
+    assert torch.randn(8, device="cuda").isfinite().all()

@@ -175,6 +175,10 @@ class Timer:
             end.synchronize()
             return start.elapsed_time(end)
 
+        # A capture that fails leaves the CUDA generator marked as capturing, and every later random call
+        # raises ("Offset increment outside graph capture"): a failed provider would fail the rest of the run.
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        fresh = generator.clone_state()
         try:
             with torch.cuda.stream(stream):
 
@@ -189,6 +193,9 @@ class Timer:
                 replay(flushes)
                 # each replay of the runs minus the replay of the flushes right after it: drift cancels
                 times = [(replay(runs) - replay(flushes)) / n for _ in range(GRAPH_REPLAYS)]
+        except BaseException:
+            generator.graphsafe_set_state(fresh)
+            raise
         finally:
             _clear_grads(leaves)  # they point into the graph's memory pool
             torch.cuda.current_stream().wait_stream(stream)
