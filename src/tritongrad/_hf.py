@@ -200,19 +200,25 @@ def norm_forward(kind: str, eps_name: str):
 
 
 # ---------------------------------------------------------------- gated MLP
-SILU_TYPES: tuple = (torch.nn.SiLU,)  # with transformers' SiLUActivation once silu_types() ran (at patch time)
+class _SiluTypes:
+    """The activation classes that are SiLU: torch's, and transformers' SiLUActivation once :func:`silu_types`
+    ran (at patch time: importing transformers here would make every import of tritongrad pay for it)."""
+
+    types: tuple = (torch.nn.SiLU,)
+
+
+SILU = _SiluTypes()
 
 
 def silu_types() -> tuple:
-    global SILU_TYPES
-    if len(SILU_TYPES) == 1:
+    if len(SILU.types) == 1:
         try:
             from transformers.activations import SiLUActivation
 
-            SILU_TYPES = (torch.nn.SiLU, SiLUActivation)
+            SILU.types = (torch.nn.SiLU, SiLUActivation)
         except ImportError:
             pass
-    return SILU_TYPES
+    return SILU.types
 
 
 def looks_like_gated_mlp(m: torch.nn.Module) -> bool:
@@ -270,7 +276,7 @@ def gate_kind(act) -> tuple[str | None, str | None]:
 
 def _gated_forward(self, x):
     kind = getattr(self, GATE_ATTR, None)
-    if kind is None and isinstance(self.act_fn, SILU_TYPES):  # a plain global read: no graph break
+    if kind is None and isinstance(self.act_fn, SILU.types):  # an attribute read: no graph break
         kind = "silu"
     if kind is None and not torch.compiler.is_compiling():  # a class patched by patch_transformers
         kind = gate_kind(self.act_fn)[0] or False
@@ -426,9 +432,15 @@ def rope_function(original):
 
 
 # ---------------------------------------------------------------- the causal mask under torch.compile
-# True while a patched causal-LM forward runs its base model on positions the model numbers itself. One flag
-# per process: forwards running concurrently in threads, one of them on packed sequences, need causal_mask=False.
-_UNPACKED = [False]
+class _Unpacked:
+    """``value``: True while a patched causal-LM forward runs its base model on positions the model numbers
+    itself. One flag per process: forwards running concurrently in threads, one of them on packed sequences,
+    need causal_mask=False."""
+
+    value: bool = False
+
+
+UNPACKED = _Unpacked()
 
 
 def packed_why_not(fn) -> str | None:
@@ -449,7 +461,7 @@ def packed_function(original):
     itself and nothing is packed: None, as the original finds in eager mode (without its host sync)."""
 
     def find_packed_sequence_indices(position_ids):
-        if _UNPACKED[0]:
+        if UNPACKED.value:
             return None
         return original(position_ids)
 
@@ -764,12 +776,12 @@ def spec_detail(spec: HeadSpec) -> str:
 def _linear_loss_forward(self, spec: HeadSpec, parts, labels, logits_to_keep=0, return_dict=None, **kwargs):
     out_cls, copied, slice_to_keep = parts
     # No position_ids and no attention_mask: the base model numbers each row 0, 1, ...: nothing is packed.
-    outer = _UNPACKED[0]
-    _UNPACKED[0] = kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None
+    outer = UNPACKED.value
+    UNPACKED.value = kwargs.get("position_ids") is None and kwargs.get("attention_mask") is None
     try:
         outputs = getattr(self, spec.base)(**kwargs)
     finally:
-        _UNPACKED[0] = outer
+        UNPACKED.value = outer
     hidden_states = slice_to_keep(outputs[0], logits_to_keep)
     head = getattr(self, spec.head)
     loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels, spec.softcap,
