@@ -54,6 +54,9 @@ def main(cases) -> int:
             llama_rms_norm(x, w, 1e-6),
         ):
             y.backward(torch.randn(y.shape, dtype=y.dtype))
+        r = torch.randn(N, D, dtype=xdt, requires_grad=True)
+        y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6)
+        torch.autograd.backward((y, s), (torch.randn(y.shape, dtype=y.dtype), torch.randn(s.shape, dtype=s.dtype)))
         # Large inputs take weighted_sum's backward in two launches (grad_x, then grad_w): compile those too.
         with ws_plans.using(dataclasses.replace(ws_plans.TABLE, SPLIT_BWD_BYTES=0, SPLIT_BWD_ROWS=0)):
             tritongrad.weighted_sum(x, w).backward(torch.randn(N, dtype=torch.promote_types(xdt, pdt)))

@@ -797,3 +797,47 @@ def test_backward_of_a_per_head_norm_traced_with_fake_tensors():
     tritongrad.rms_norm(xg, (16,), wg, 1e-6).backward(dy)
     torch.testing.assert_close(xg.grad, y_ref.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(wg.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- fused_add_rms_norm beyond the kit's cases
+def _decoder_add_norm(x, residual, weight, eps):
+    # What a Llama decoder layer writes: the stream's add in its dtype, then LlamaRMSNorm
+    s = residual + x
+    return llama_rms_norm_reference(s, weight, eps), s
+
+
+@pytest.mark.parametrize("D", [48, 8200])  # one tile; longer rows (the add, then llama_rms_norm's kernels)
+def test_fused_add_rms_norm_is_the_decoder_layers_add_and_norm(D):
+    # float16 (the interpreter rounds bfloat16 by truncation): the stream bitwise, y to its one rounding;
+    # a float32 weight gives a float32 y, as Hugging Face's product promotes.
+    x, r = torch.randn(2, 3, D, device=DEVICE).half(), torch.randn(2, 3, D, device=DEVICE).half()
+    for w in (torch.rand(D, device=DEVICE).half() + 0.5, torch.rand(D, device=DEVICE) + 0.5):
+        y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6)
+        want_y, want_s = _decoder_add_norm(x, r, w, 1e-6)
+        assert torch.equal(s, want_s) and y.dtype == want_y.dtype and s.is_contiguous()
+        # xhat is rounded to x's dtype before the product: a statistic's last bit may flip that rounding
+        torch.testing.assert_close(y, want_y, atol=0, rtol=2 * torch.finfo(x.dtype).eps)
+
+
+def test_fused_add_rms_norm_gives_each_input_its_own_gradient():
+    x, r = [torch.randn(6, 40, device=DEVICE, requires_grad=True) for _ in range(2)]
+    w = torch.rand(40, device=DEVICE, requires_grad=True)
+    y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6)
+    (y.square().sum() + s.sum()).backward()
+    assert x.grad.data_ptr() != r.grad.data_ptr() and torch.equal(x.grad, r.grad)
+    x.grad.add_(1.0)  # the caller owns it: r's gradient is untouched
+    assert not torch.equal(x.grad, r.grad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(residual=torch.zeros(4, 9)), r"x and residual must share a shape \[\.\.\., D\] and a dtype, got \(4, 8\) "
+                                       r"torch.float32 and \(4, 9\) torch.float32"),
+    (dict(residual=torch.zeros(4, 8, dtype=torch.float16)), r"and a dtype, got \(4, 8\) torch.float32 and \(4, 8\) "
+                                                            r"torch.float16"),
+    (dict(weight=torch.ones(9)), r"weight must be \[D\] = \[8\] for x of shape \(4, 8\), got \(9,\)"),
+])
+def test_fused_add_rms_norm_refuses_mismatched_inputs(bad, match):
+    args = dict(x=torch.zeros(4, 8), residual=torch.zeros(4, 8), weight=torch.ones(8))
+    args.update({k: v.to(DEVICE) for k, v in bad.items()})
+    with pytest.raises(ValueError, match=match):
+        tritongrad.fused_add_rms_norm(**{k: v.to(DEVICE) for k, v in args.items()})

@@ -135,11 +135,30 @@ def softcap_saturated(dtype, device):
     return {"x": randn(4, 50, dtype=dtype, device=device, scale=50.0), "cap": 0.5}
 
 
+# ---------------------------------------------------------------- fused_add_rms_norm: (norm(x + r), x + r)
+def add_norm_sample(lead, D, scale=1.0):
+    def make(dtype, device):
+        return (randn(*lead, D, dtype=dtype, device=device, scale=scale), randn(*lead, D, dtype=dtype, device=device),
+                weight(D, dtype=dtype, device=device), 1e-6)
+
+    make.__name__ = "x".join(map(str, (*lead, D)))
+    return make
+
+
+ADD_NORM_SAMPLES = [
+    add_norm_sample((5,), 37),      # one tile, ragged columns
+    add_norm_sample((70,), 24),     # rows over several tiles and backward programs (dw partials)
+    add_norm_sample((2, 3), 20, scale=4.0),    # 3-D
+    add_norm_sample((3,), 8200),    # longer than one tile: the add, then llama_rms_norm's kernels
+]
+
+
 SUITES = {
     "weighted_sum": OpSuite(weighted_sum, WS_SAMPLES, baseline=ws_eager, leading=("x",), mixed=True),
     "rms_norm": OpSuite(rms_norm_op, RMS_SAMPLES, leading=("input",), mixed=True),
     "layer_norm": OpSuite(layer_norm_op, LN_SAMPLES, leading=("input",), mixed=True),
     "llama_rms_norm": OpSuite(llama_rms_norm, LLAMA_SAMPLES, leading=("hidden_states",), mixed=True),
+    "fused_add_rms_norm": OpSuite(tritongrad.fused_add_rms_norm, ADD_NORM_SAMPLES, leading=("x", "residual")),
     "softcap": OpSuite(softcap, [softcap_small, softcap_blocks, softcap_saturated], baseline=softcap_eager,
                        leading=("x",)),
 }
@@ -148,6 +167,7 @@ test_weighted_sum = SUITES["weighted_sum"].pytest()
 test_rms_norm = SUITES["rms_norm"].pytest()
 test_layer_norm = SUITES["layer_norm"].pytest()
 test_llama_rms_norm = SUITES["llama_rms_norm"].pytest()
+test_fused_add_rms_norm = SUITES["fused_add_rms_norm"].pytest()
 test_softcap = SUITES["softcap"].pytest()
 
 
@@ -208,6 +228,7 @@ def test_double_backward_is_refused(op):
     args = _arguments(suite, suite.samples[0], DEVICE)
     x = args[suite.op.tensor_positions[0]].requires_grad_()
     out = suite.op(*args)
+    out = out[0] if isinstance(out, tuple) else out
     with pytest.raises(RuntimeError, match=f"{suite.op.label}: double backward"):
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
 

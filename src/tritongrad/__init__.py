@@ -31,6 +31,7 @@ _WHERE = {
     "rms_norm": ".ops.norm",
     "llama_rms_norm": ".ops.norm",
     "layer_norm": ".ops.norm",
+    "fused_add_rms_norm": ".ops.norm",
     "cross_entropy": ".ops.cross_entropy",
     "linear_cross_entropy": ".ops.cross_entropy",
     "swiglu": ".ops.swiglu",

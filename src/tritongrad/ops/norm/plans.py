@@ -344,3 +344,29 @@ def backward(*, N: int, D: int, stride_x: int, stride_dy: int, x_dtype: torch.dt
                          HAS_W=w_dtype is not None, CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc),
                          ALIGN=rt.align(align, d_split))
     return BwdPlan(None, rowsum, tile.BLOCK_N, d_blocks, rows_per_prog, splits, d_split, consts, rowsum_consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class AddNormPlan:
+    """The fused residual add + RMSNorm (``residual.py``): rows held whole in one register tile, forward and
+    backward; ``fused`` False where the row is longer than the backward's tile (the op then composes the add
+    with ``llama_rms_norm``)."""
+
+    fused: bool
+    out_dtype: torch.dtype
+    acc: torch.dtype
+    fwd: dict  # the forward kernel's constexprs and num_warps
+    bwd: dict  # the backward kernel's
+    BLOCK_N_BWD: int
+
+
+@functools.lru_cache(maxsize=1024)
+def add_norm(*, N: int, D: int, x_dtype: torch.dtype, w_dtype: torch.dtype, t: NormTable = TABLE) -> AddNormPlan:
+    """The fused add + norm's plan for rows ``[N, D]`` (N a hint): the norms' row tiles, one tile a row."""
+    out_dtype = torch.promote_types(x_dtype, w_dtype)
+    acc = rt.acc_dtype(out_dtype)
+    fwd = rt.row_tile(N, D, t.BWD_MAX_BLOCK_D, t.CHUNK_D, t.FWD_TILE)
+    bwd = rt.row_tile(N, D, t.BWD_MAX_BLOCK_D, t.CHUNK_D, t.BWD_TILE)
+    flags = dict(ACC=rt.tl_acc_dtype(acc), BLOCK_D=fwd.BLOCK_D)
+    return AddNormPlan(fwd.ONE_TILE, out_dtype, acc, dict(flags, BLOCK_N=fwd.BLOCK_N, num_warps=fwd.num_warps),
+                       dict(flags, BLOCK_N=bwd.BLOCK_N, num_warps=bwd.num_warps), bwd.BLOCK_N)
