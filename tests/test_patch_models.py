@@ -50,7 +50,8 @@ FAMILIES = {
     "gemma3": ("gemma3_text", 13, 2, "geglu"),
     "olmo2": ("olmo2", 9, 2, "swiglu"),
 }
-NORMS_ONLY = dict(swiglu=False, geglu=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+NORMS_ONLY = dict(swiglu=False, geglu=False, rope=False, linear_cross_entropy=False, causal_mask=False,
+                  fused_add_rms_norm=False)
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -268,7 +269,7 @@ def test_nothing_to_patch_warns_or_raises():
 def test_report_says_what_has_no_candidate():
     model = _model("llama").model  # the base model: no lm_head
     report = tritongrad.patch(model, swiglu=False, rope=False, causal_mask=False)
-    assert report.ops() == {"rms_norm": 5}
+    assert report.ops() == {"rms_norm": 5, "fused_add_rms_norm": 2}
     assert [(e.op, e.detail) for e in report.skipped] == [("linear_cross_entropy", "no *ForCausalLM module (or one with "
                                                           "lm_head and model)")]
 
@@ -352,7 +353,8 @@ def test_multimodal_wrapper_gets_its_text_stack():
     want = copy.deepcopy(model)(**batch).loss
     report = tritongrad.patch(model, swiglu=False, geglu=False, rope=False, causal_mask=False)
     assert report.ops() == {"rms_norm": 14, "layer_norm": 4}
-    assert [(e.op, e.target) for e in report.skipped] == [("linear_cross_entropy", "")]
+    assert [(e.op, e.target) for e in report.skipped] == [
+        ("linear_cross_entropy", ""), *[("fused_add_rms_norm", f"model.language_model.layers.{i}") for i in (0, 1)]]
     got = model(**batch).loss
     assert "RmsNormBackward" in _autograd_nodes(got)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -361,7 +363,7 @@ def test_multimodal_wrapper_gets_its_text_stack():
 # ---------------------------------------------------------------- with swiglu, rope and linear_cross_entropy
 @pytest.mark.parametrize("family", FAMILIES)
 def test_all_ops_match_hf(family, spy):
-    calls = spy("swiglu", "geglu", "apply_rotary_pos_emb", "linear_cross_entropy")
+    calls = spy("swiglu", "geglu", "apply_rotary_pos_emb", "linear_cross_entropy", "fused_add_rms_norm")
     model = _model(family)
     batch = _batch()
     refs = _references(model, batch)
@@ -371,12 +373,15 @@ def test_all_ops_match_hf(family, spy):
     model.train()
     report = tritongrad.patch(model)
     n_norms, n_mlps, gate = FAMILIES[family][1:]
+    llama_norms = FAMILIES[family][0] in ("llama", "mistral", "qwen2", "qwen3")  # decoder layers fused
     assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2,
-                            gate: n_mlps}
-    assert not report.skipped
+                            gate: n_mlps, **({"fused_add_rms_norm": 2} if llama_norms else {})}
+    assert all(e.op == "fused_add_rms_norm" and "is not Llama's RMSNorm" in e.detail or "does not compute" in e.detail
+               for e in report.skipped) and bool(report.skipped) != llama_norms
     out, grads = _run(model, batch)
     assert out.logits is None  # no logits in training with labels
-    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, gate: 2}
+    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, gate: 2,
+                     **({"fused_add_rms_norm": 2} if llama_norms else {})}
     _assert_matches(out, grads, refs)
     # No labels, or eval mode: the logits, as Hugging Face computes them.
     model.eval()
@@ -416,14 +421,15 @@ def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
 def test_patch_transformers_all_ops():
     modeling = _hf.modeling_module("qwen3")
     report = tritongrad.patch_transformers("qwen3")
-    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2}
+    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2,
+                            "fused_add_rms_norm": 1}
     model = _model("qwen3")
     assert tritongrad.patch(model).count == 0
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) == "rope"
     out = model(**_batch())
     assert out.logits is None
     out.loss.backward()
-    assert tritongrad.unpatch_transformers("qwen3") == 4
+    assert tritongrad.unpatch_transformers("qwen3") == 5
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
 

@@ -872,3 +872,84 @@ def config_gate_kind(mlp_cls: type, causal_lm_classes: list[type]) -> tuple[str 
         kind, why = gate_kind(mlp.act_fn)
         return kind, None if why is None else f"{why} (the default {config_cls.__name__})"
     return "silu", None
+
+
+# ---------------------------------------------------------------- the decoder layer's residual add and norm
+# The three statements of Llama's decoder layer (and the families that copy it) that fuse, as ast.unparse
+# writes them; the forward is recompiled with them replaced by one call of add_norm.
+ADD_NORM_STATEMENTS = ("hidden_states = residual + hidden_states", "residual = hidden_states",
+                       "hidden_states = self.post_attention_layernorm(hidden_states)")
+ADD_NORM_DETAIL = "residual + h and post_attention_layernorm -> fused_add_rms_norm (where the norm is Llama's)"
+
+
+def llama_norm_args(norm) -> tuple | None:
+    """``(weight, eps)`` where ``norm`` is an RMSNorm patched to llama_rms_norm (and established): the fused
+    op then computes what the norm would on the sum. Else None."""
+    forward = getattr(type(norm), "forward", None)
+    if getattr(forward, "__name__", None) != "llama_rms_norm_forward" or patched_op(forward) != "rms_norm":
+        return None
+    ok = norm.__dict__.get(NORM_ATTR)  # set by patch(); a class patched by patch_transformers: checked once
+    if ok is None and not torch.compiler.is_compiling():
+        ok = norm.__dict__[NORM_ATTR] = instance_norm_kind(norm)[0] == "llama"
+    return (_plain(norm.weight), getattr(norm, eps_attr(norm))) if ok else None
+
+
+def add_norm(norm, hidden_states, residual):
+    """``(norm(residual + hidden_states), residual + hidden_states)``, fused where the norm is Llama's."""
+    args = llama_norm_args(norm)
+    if args is None or type(args[1]) is not float or hidden_states.shape != residual.shape or (
+            hidden_states.dtype != residual.dtype) or hidden_states.dim() == 0:
+        s = residual + hidden_states
+        return norm(s), s
+    return tritongrad.fused_add_rms_norm(hidden_states, residual, *args)
+
+
+@functools.cache
+def add_norm_forward(cls: type) -> tuple:
+    """``(forward, None)``: ``cls``'s forward recompiled with :data:`ADD_NORM_STATEMENTS` (found once, in
+    order, in its body) replaced by ``hidden_states, residual = add_norm(self.post_attention_layernorm,
+    hidden_states, residual)``, its decorators kept; or ``(None, why not)``."""
+    import __future__
+    import ast
+    import linecache
+    import textwrap
+    import types
+
+    raw = inspect.unwrap(original_forward_of(cls))
+    try:
+        src = textwrap.dedent(inspect.getsource(raw))
+    except (OSError, TypeError):
+        return None, f"{cls.__name__}.forward has no readable source"
+    if raw.__code__.co_freevars:
+        return None, f"{cls.__name__}.forward reads closure variables ({', '.join(raw.__code__.co_freevars)})"
+    tree = ast.parse(src)
+    fdef = tree.body[0]
+    if not isinstance(fdef, ast.FunctionDef) or any(
+            isinstance(n, (ast.Attribute, ast.Name)) and (getattr(n, "attr", None) or getattr(n, "id", "")
+                                                         ).startswith("__") for n in ast.walk(fdef)):
+        return None, f"{cls.__name__}.forward is not a plain function (or uses private names)"
+    texts = [ast.unparse(s) for s in fdef.body]
+    hits = [i for i in range(len(texts) - 2) if tuple(texts[i:i + 3]) == ADD_NORM_STATEMENTS]
+    if len(hits) != 1:
+        return None, (f"{cls.__name__}.forward does not compute `{'; '.join(ADD_NORM_STATEMENTS)}` "
+                      f"{'more than once' if hits else 'in that order'}")
+    call = ast.parse("hidden_states, residual = _tritongrad_add_norm(self.post_attention_layernorm, "
+                     "hidden_states, residual)").body[0]
+    fdef.body[hits[0]:hits[0] + 3] = [call]
+    # Compiled inside a factory whose argument is add_norm (a closure, not a global), then rebuilt on the
+    # modeling module's live globals and given its decorators back: nothing is added to that module.
+    decorators, fdef.decorator_list = fdef.decorator_list, []
+    factory = ast.parse("def _factory(_tritongrad_add_norm):\n    pass").body[0]
+    factory.body = [fdef, ast.Return(ast.Name(fdef.name, ast.Load()))]
+    new_src = ast.unparse(ast.fix_missing_locations(ast.Module([factory], []))) + "\n"
+    filename = f"<tritongrad add_norm forward of {cls.__module__}.{cls.__qualname__}>"
+    linecache.cache[filename] = (len(new_src), None, new_src.splitlines(True), filename)
+    scratch = dict(raw.__globals__)
+    exec(compile(new_src, filename, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), scratch)
+    inner = scratch["_factory"](add_norm)
+    forward = types.FunctionType(inner.__code__, raw.__globals__, raw.__name__, inner.__defaults__, inner.__closure__)
+    forward.__kwdefaults__, forward.__annotations__ = inner.__kwdefaults__, dict(raw.__annotations__)
+    forward.__qualname__, forward.__module__, forward.__doc__ = raw.__qualname__, raw.__module__, raw.__doc__
+    for dec in reversed(decorators):
+        forward = eval(compile(ast.Expression(dec), filename, "eval"), raw.__globals__)(forward)
+    return marked(forward, "fused_add_rms_norm"), None

@@ -24,7 +24,7 @@ from . import nn as tg_nn
 # The public function each op needs (tritongrad.<name>), imported when a candidate for the op is found.
 _NEEDS = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "swiglu": "swiglu", "geglu": "geglu",
           "rope": "apply_rotary_pos_emb", "cross_entropy": "cross_entropy",
-          "linear_cross_entropy": "linear_cross_entropy"}
+          "linear_cross_entropy": "linear_cross_entropy", "fused_add_rms_norm": "fused_add_rms_norm"}
 
 # What patch() looks for in a Hugging Face model, per op (said in the report when none is found).
 _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps",
@@ -32,7 +32,8 @@ _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps
                "geglu": "no MLP with gate_proj, up_proj, down_proj and a GELU act_fn",
                "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
                "cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
-               "linear_cross_entropy": "no *ForCausalLM module (or one with lm_head and model)"}
+               "linear_cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
+               "fused_add_rms_norm": "no *DecoderLayer with a post_attention_layernorm"}
 _MASK_MODULE = "transformers.masking_utils"
 # causal_mask's module-wide replacements: function -> (why_not, replacement, detail), names in _hf.
 _MASK_FNS = {
@@ -136,7 +137,10 @@ def _from_transformers(cls: type) -> bool:
 
 
 def _flags(kw: dict) -> set:
-    return {op for op, on in kw.items() if on}
+    on = {op for op, flag in kw.items() if flag}
+    if "rms_norm" not in on:  # the fused op stands for the add and the patched norm
+        on.discard("fused_add_rms_norm")
+    return on
 
 
 def _nothing(report: PatchReport, what: str, strict: bool) -> None:
@@ -152,7 +156,7 @@ def _nothing(report: PatchReport, what: str, strict: bool) -> None:
 # ---------------------------------------------------------------- instances
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, swiglu: bool = True,
           geglu: bool = True, rope: bool = True, cross_entropy: bool = False, linear_cross_entropy: bool = True,
-          causal_mask: bool = True, strict: bool = False) -> PatchReport:
+          causal_mask: bool = True, fused_add_rms_norm: bool = True, strict: bool = False) -> PatchReport:
     """Make ``model`` (itself included) run tritongrad's Triton kernels, in place.
 
     Per op (each a flag):
@@ -172,7 +176,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
       explicit ``[B, 1, S, S]`` mask transformers builds there when it cannot rule out packed sequences or
       padding: ``transformers.masking_utils``' ``find_packed_sequence_indices`` (for the patched causal-LM
       training forward, called without position_ids and attention_mask) and ``_ignore_causal_mask_sdpa``
-      (torch < 2.14), module-wide, every model in the process.
+      (torch < 2.14), module-wide, every model in the process;
+    - ``fused_add_rms_norm``: a decoder layer whose forward computes Llama's ``hidden_states = residual +
+      hidden_states; residual = hidden_states; hidden_states = self.post_attention_layernorm(hidden_states)``
+      (found in its source, statement by statement) runs those three as one
+      :func:`tritongrad.fused_add_rms_norm` where that norm is Llama's RMSNorm, patched with ``rms_norm``.
 
     Each module stays the same object: its class is switched to a subclass that overrides ``forward`` (and
     the loss) only, so parameters, buffers, hooks, state_dict keys, reprs and ``isinstance`` are unchanged.
@@ -192,7 +200,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
 
     on = _flags(dict(rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu, geglu=geglu, rope=rope,
                      cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
-                     causal_mask=causal_mask))
+                     causal_mask=causal_mask, fused_add_rms_norm=fused_add_rms_norm))
     report = PatchReport()
     plan, modeling_modules, attention = _plan_modules(hf, model, on, report)
     rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
@@ -284,6 +292,8 @@ def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
         return _gate_attrs(hf, m, cls, base, name, on, report, experts=False)
     if hf.looks_like_experts(m):
         return _gate_attrs(hf, m, cls, base, name, on, report, experts=True)
+    if base.__name__.endswith("DecoderLayer") and hasattr(m, "post_attention_layernorm"):
+        return _add_norm_attrs(hf, m, cls, base, name, on, report)
     if base.__name__.endswith("ForCausalLM") or hasattr(m, "lm_head") and hasattr(m, "model"):
         return _causal_lm_attrs(hf, m, base, name, on, report)
     return {}, {}
@@ -300,6 +310,23 @@ def _norm_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
         return {}, {}
     m.__dict__[hf.NORM_ATTR] = True
     return {"forward": hf.norm_forward(kind, eps_name)}, {"rms_norm": hf.NORM_DETAIL[kind]}
+
+
+def _add_norm_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
+    """A decoder layer's forward with its residual add and post-attention norm fused (rms_norm on too: the
+    fused op stands for the add and the patched norm)."""
+    if not {"fused_add_rms_norm", "rms_norm"} <= on:
+        return {}, {}
+    if _patched_before(hf, cls, "fused_add_rms_norm"):
+        return {}, {"fused_add_rms_norm": ""}
+    norm = m.post_attention_layernorm
+    kind = hf.instance_norm_kind(norm)[0] if hf.looks_like_rms_norm(norm) else None
+    forward, why = hf.add_norm_forward(base) if kind == "llama" else (
+        None, f"its post_attention_layernorm ({type(norm).__name__}) is not Llama's RMSNorm")
+    if forward is None:
+        report._add("skipped", "fused_add_rms_norm", name, why)
+        return {}, {}
+    return {"forward": forward}, {"fused_add_rms_norm": hf.ADD_NORM_DETAIL}
 
 
 def _gate_attrs(hf, m, cls, base, name, on, report, *, experts: bool) -> tuple[dict, dict]:
@@ -427,7 +454,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "
 
 
 def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
-    """patch_transformers for one class of the family's module: an RMSNorm, a gated MLP or a causal LM."""
+    """patch_transformers for one class of the family's module: an RMSNorm, a gated MLP, a decoder layer or a
+    causal LM."""
     name = cls.__name__
     target = f"{mod.__name__}.{name}"
     if name.lower().endswith("rmsnorm") and "rms_norm" in on:
@@ -448,6 +476,12 @@ def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
         else:
             _set(cls, "forward", hf.swiglu_forward if op == "swiglu" else hf.geglu_forward, op, report,
                  f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
+    elif name.endswith("DecoderLayer") and {"fused_add_rms_norm", "rms_norm"} <= on:
+        forward, why = hf.add_norm_forward(cls)
+        if forward is None:
+            report._add("skipped", "fused_add_rms_norm", target, why)
+        else:
+            _set(cls, "forward", forward, "fused_add_rms_norm", report, hf.ADD_NORM_DETAIL)
     elif cls in causal:
         why = hf.causal_lm_why_not(cls)
         for op in sorted(on & {"cross_entropy", "linear_cross_entropy"}):
@@ -463,7 +497,7 @@ def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
 def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = True, geglu: bool = True,
                        rope: bool = True,
                        cross_entropy: bool = False, linear_cross_entropy: bool = True, causal_mask: bool = True,
-                       strict: bool = False) -> PatchReport:
+                       fused_add_rms_norm: bool = True, strict: bool = False) -> PatchReport:
     """Patch a Hugging Face ``transformers`` family at the class level: every model of it, built before or
     after (``from_pretrained``, ``from_config``), runs tritongrad's kernels.
 
@@ -483,7 +517,8 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     from . import _hf as hf
 
     on = _flags(dict(rms_norm=rms_norm, swiglu=swiglu, geglu=geglu, rope=rope, cross_entropy=cross_entropy,
-                     linear_cross_entropy=linear_cross_entropy, causal_mask=causal_mask))
+                     linear_cross_entropy=linear_cross_entropy, causal_mask=causal_mask,
+                     fused_add_rms_norm=fused_add_rms_norm))
     try:
         mod = hf.modeling_module(family)
     except ImportError as e:
