@@ -77,7 +77,8 @@ SIZES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, tied e
 }
 PROVIDERS = ("hf", "tritongrad", "liger")
 MODES = ("eager", "compile")
-TG_OPS = ("rms_norm", "swiglu", "geglu", "rope", "linear_cross_entropy", "cross_entropy", "causal_mask")
+TG_OPS = ("rms_norm", "swiglu", "geglu", "rope", "linear_cross_entropy", "cross_entropy", "causal_mask",
+          "fused_add_rms_norm")
 # Beyond the size fields, per family: values its defaults leave at a no-op, so the family differs from Llama
 # (Granite 3.0 2B's muP multipliers: the loss's logit scale, scaled embeddings and residuals).
 FAMILY_CONFIG: dict[str, dict] = {
@@ -127,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds for all runs: runs not started by then are recorded as skipped")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (any world size, 1 too)")
     p.add_argument("--world-sizes", default="1", help="world sizes to run, e.g. 1,2 (more than 1: torchrun + FSDP2)")
-    p.add_argument("--tg-ops", default="rms_norm,swiglu,geglu,rope,linear_cross_entropy,causal_mask",
+    p.add_argument("--tg-ops", default="rms_norm,swiglu,geglu,rope,linear_cross_entropy,causal_mask,"
+                                       "fused_add_rms_norm",
                    help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
                         "supersedes); an op this install lacks is dropped, and said so")
     p.add_argument("--profile-steps", type=int, default=0,

@@ -110,6 +110,20 @@ def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _add_norm_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """x and residual [N, D], the norm's weight [D]: a decoder layer's stream, all requiring grad."""
+    x, residual = _rows(2)(N, D, dtype, device)
+    return x, residual, _x_and_vectors(1)(1, D, dtype, device)[1]
+
+
+def _add_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS):
+    """What a Llama decoder layer writes: the stream's add, then LlamaRMSNorm of it."""
+    s = residual + x
+    h = s.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(s.dtype), s
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -252,6 +266,18 @@ OPS: dict[str, OpSpec] = {
             bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 12 * N,
             shapes=((4096, 4096), (8192, 4096)),
             size="one sequence of N completion tokens: hidden [N, D], weight [V, D] (as linear_token_logprobs)",
+        ),
+        OpSpec(
+            "fused_add_rms_norm",
+            _add_norm_inputs,
+            _add_norm_torch,
+            bind=lambda f: lambda x, r, w: f(x, r, w, EPS),
+            # read x + read residual + read w + write y + write the stream s
+            fwd_bytes=lambda N, D, s: 4 * N * D * s + D * s,
+            # read s + read w + read both upstream gradients + write dx + write dresidual + write dw
+            bwd_bytes=lambda N, D, s: 5 * N * D * s + 2 * D * s,
+            shapes=((4096, 4096), (16384, 4096), (8192, 8192)),
+            size="x, residual [N, D], weight [D]",
         ),
         OpSpec(
             "swiglu",

@@ -101,6 +101,11 @@ def _liger_build(op: OpSpec) -> Callable:
         # backward with one grad tensor, which in_place=True would overwrite with grad_x.
         return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
 
+    def fused_add_rms_norm():
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+        return lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
+
     def layer_norm():
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
@@ -126,7 +131,8 @@ def _liger_build(op: OpSpec) -> Callable:
 
         return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
 
-    fns = {f.__name__: f for f in (rms_norm, layer_norm, cross_entropy, linear_cross_entropy, swiglu, rotary)}
+    fns = {f.__name__: f for f in (rms_norm, fused_add_rms_norm, layer_norm, cross_entropy, linear_cross_entropy,
+                                   swiglu, rotary)}
     if op.name not in fns:
         raise Unavailable(f"liger-kernel has no {op.name}")
     try:
