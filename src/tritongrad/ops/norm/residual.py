@@ -65,7 +65,7 @@ def _add_rms_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, N, D, strid
 def _add_rms_bwd_kernel(s_ptr, w_ptr, rstd_ptr, dy_ptr, ds_ptr, dx_ptr, dr_ptr, part_ptr, N, D, stride_dy_row,
                         stride_dy_col, stride_ds_row, stride_ds_col, stride_w, ROWS, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, HAS_DX: tl.constexpr, HAS_DR: tl.constexpr,
-                        HAS_DW: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr):
+                        HAS_DW: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr):
     D, stride_dy_row, stride_ds_row = aligned(D, ALIGN), aligned(stride_dy_row, ALIGN), aligned(stride_ds_row, ALIGN)
     # Program p: rows [p * ROWS, (p + 1) * ROWS) (ROWS a multiple of BLOCK_N, partial_rows), whole rows in
     # one tile; its dw partial sums stay in registers until the one store into row p of the partial buffer.
@@ -74,7 +74,8 @@ def _add_rms_bwd_kernel(s_ptr, w_ptr, rstd_ptr, dy_ptr, ds_ptr, dx_ptr, dr_ptr, 
     b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
     acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     start = tl.program_id(0).to(tl.int64) * ROWS
-    for r0 in range(start, tl.minimum(start + ROWS, N), BLOCK_N):
+    # Software-pipelined (STAGES - 1 row tiles in flight): few programs per SM, each streaming its rows.
+    for r0 in tl.range(start, tl.minimum(start + ROWS, N), BLOCK_N, num_stages=STAGES):
         o_n = r0 + tl.arange(0, BLOCK_N)
         mask = (o_n < N)[:, None] & m_d[None, :]
         o = o_n[:, None] * D + o_d[None, :]
@@ -122,7 +123,7 @@ def _validate(x, residual, weight, eps) -> None:
 
 def _plan(x2: torch.Tensor, weight: torch.Tensor) -> P.AddNormPlan:
     return P.add_norm(N=rt.hint(x2.shape[0]), D=int(x2.shape[1]), x_dtype=x2.dtype, w_dtype=weight.dtype,
-                      t=P.table())
+                      props=rt.device_props(x2.device), t=P.table())
 
 
 @op("tritongrad::fused_add_rms_norm", reference=fused_add_rms_norm_reference, validate=_validate,
