@@ -36,6 +36,9 @@ def _calls(dtype, V: int, weight_dtype=None) -> None:
     for entropy, stats in ((False, False), (True, False), (True, True)):
         lp, ent, _ = linear_token_logprobs_op(h, W, t, None, -100, 1.25, entropy, stats)
         (lp.sum() + (ent.sum() if entropy else 0)).backward()
+    # with a final-logit soft cap (HAS_CAP)
+    lp, ent, _ = linear_token_logprobs_op(h, W, t, None, -100, 1.0, True, True, False, 30.0, 1.25)
+    (lp.sum() + ent.sum()).backward()
     if weight_dtype is not None:
         return
     # the fused GRPO op (its two kernels, the forward's gradient), distillation in its three modes

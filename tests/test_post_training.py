@@ -69,8 +69,17 @@ def tlp_logprobs_only(dtype, device):
             _targets(5, 24, device=device))
 
 
+def tlp_softcap(dtype, device):
+    # Gemma 2's final soft cap between two scales (TRL's order: the config's scale, the cap, the temperature),
+    # logits large enough to saturate it; entropy and its gradient
+    return {"input": torch.randn(6, 8, device=device).to(dtype),
+            "weight": (torch.randn(40, 8, device=device) * 2).to(dtype), "target": _targets(6, 40, (1,), device),
+            "logit_scale": 1.5, "return_entropy": True, "logit_softcap": 3.0, "post_scale": 1 / 0.8}
+
+
 # mixed: bfloat16 hidden states with a float32 head (autocast's case), grad_weight accumulated in float32
-TLP_SUITE = OpSuite(linear_token_logprobs_op, [tlp_entropy_bias, tlp_logprobs_only], mixed=True, device=DEVICE)
+TLP_SUITE = OpSuite(linear_token_logprobs_op, [tlp_entropy_bias, tlp_logprobs_only, tlp_softcap], mixed=True,
+                    device=DEVICE)
 test_linear_token_logprobs_suite = TLP_SUITE.pytest()
 
 
@@ -647,9 +656,11 @@ def _tiny_llama(seed=0):
 
 
 @pytest.mark.slow
-def test_trl_fused_head_patched_is_exact():
+@pytest.mark.parametrize("softcap, logit_scale", [(None, None), (2.0, 1.3)])
+def test_trl_fused_head_patched_is_exact(softcap, logit_scale):
     # TRL's fused LM head (every trainer's log-probabilities) served by tritongrad: the same log-probabilities,
-    # entropy, statistics, loss and parameter gradients as TRL's own kernel, float32; a field tritongrad does
+    # entropy, statistics, loss and parameter gradients as TRL's own kernel, float32, with a final-logit soft
+    # cap too (Gemma 2's; the config's logit scale before it, the temperature after it); a field tritongrad does
     # not compute is handed back to TRL's
     _trl()
     from trl.trainer.utils import add_fused_lm_head
@@ -657,6 +668,7 @@ def test_trl_fused_head_patched_is_exact():
     from tritongrad.ops.post_training.trl_integration import REPORT, patch_trl, unpatch_trl
     fields = ("log_probs", "entropy", "mean_logits", "is_top1")
     models = [_tiny_llama(), None]
+    models[0].config.final_logit_softcapping, models[0].config.logit_scale = softcap, logit_scale
     models[1] = copy.deepcopy(models[0])
     for m in models:
         add_fused_lm_head(m, temperature=0.7, outputs=fields)
@@ -785,3 +797,25 @@ def test_patch_refuses_uncovered_trl(monkeypatch):
     monkeypatch.setattr(trl_mod, "__version__", "0.19.1")
     with pytest.raises(RuntimeError, match="not covered"):
         ti.patch_trl()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_logprobs_with_gemma2_soft_cap(dtype):
+    # Gemma 2: logits = c tanh(logits / c), then the temperature divides them (GRPO's order)
+    h = torch.randn(6, 16, device=DEVICE, dtype=dtype, requires_grad=True)
+    W = (torch.randn(50, 16, device=DEVICE, dtype=dtype) * 2).requires_grad_()
+    t = torch.randint(0, 50, (6,), device=DEVICE)
+    t[2] = -100
+    lp, ent = linear_token_logprobs(h, W, t, temperature=0.7, logit_softcap=3.0, return_entropy=True)
+    h64, W64 = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    lsm = (3.0 * torch.tanh(F.linear(h64, W64) / 3.0) / 0.7).log_softmax(-1)
+    lp64 = lsm.gather(-1, t.clamp(min=0)[:, None])[:, 0] * (t != -100)
+    ent64 = -(lsm.exp() * lsm).sum(-1)
+    up = torch.arange(6, device=DEVICE, dtype=dtype)
+    got = torch.autograd.grad((lp * up).sum() + ent.sum(), (h, W))
+    want = torch.autograd.grad((lp64 * up).sum() + ent64.sum(), (h64, W64))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    for a, b in zip((lp, ent, *got), (lp64, ent64, *want)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    with pytest.raises(ValueError, match=r"logit_softcap must be a finite float > 0 or None, got 0.0"):
+        linear_token_logprobs(h, W, t, logit_softcap=0.0)

@@ -5,6 +5,10 @@ Token log-probabilities. For one row n of stored logits x [V] (a chunk's row of 
 its target t and logit scale k (``1 / temperature``):
 
     z_j = k x_j,   lse = log \sum_j exp(z_j),   log p_j = z_j - lse,   logprob_n = z_t - lse
+
+With a soft cap c (Gemma 2's final logits, HAS_CAP), between the scale a before it and k after it:
+z_j = k c tanh(a x_j / c), and every dL/dx_j below is multiplied by dz_j/dx_j = k a (1 - tanh^2(a x_j / c))
+in place of k.
     H_n = -\sum_j p_j log p_j = lse - \sum_j p_j z_j                      (the entropy)
 
 Gradients, for upstream gradients g_n of logprob_n and e_n of H_n (d lse / dz_j = p_j;
@@ -56,6 +60,29 @@ from .._tl import float_arg, round_to
 
 
 @triton.jit
+def _head_logit(x, scale, cap, post, HAS_CAP: tl.constexpr):
+    """A stored logit ``x`` (ACC) as the row's z: ``scale x``, or with HAS_CAP ``post cap tanh(scale x / cap)``
+    (the soft cap between two scales; module docstring)."""
+    z = x * scale
+    if HAS_CAP:
+        u = z / cap
+        e = tl.exp(-2.0 * tl.abs(u))  # tanh(|u|) = (1 - e) / (1 + e): no overflow
+        z = post * cap * tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+    return z
+
+
+@triton.jit
+def _head_slope(x, scale, cap, post, HAS_CAP: tl.constexpr):
+    """dz/dx of :func:`_head_logit`: ``scale``, or ``post scale (1 - tanh^2)`` with 1 - tanh^2 = 4 e / (1 + e)^2
+    (no cancellation near saturation)."""
+    slope = scale
+    if HAS_CAP:
+        e = tl.exp(-2.0 * tl.abs(x * scale / cap))
+        slope = post * scale * 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return slope
+
+
+@triton.jit
 def _online_step(z, m, s_vec, a_vec, mask, WITH_A: tl.constexpr):
     """One chunk ``z`` (masked lanes -inf) into the running max ``m`` and the per-lane sums
     ``s = sum exp(z - m)`` and ``a = sum exp(z - m) (z - m)`` (module docstring)."""
@@ -86,15 +113,21 @@ def _token_logprobs_fwd_kernel(
     ignore_index,
     scale_hi,  # the logit scale as float32 ...
     scale_lo,  # ... plus the rest of a float64 value (rt.split_float)
+    cap_hi,  # the soft cap and the scale after it, split as the scale; read with HAS_CAP only
+    cap_lo,
+    post_hi,
+    post_lo,
     BLOCK_V: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     HAS_STATS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     n = row0 + pid
     p_x = x_ptr + pid * stride_x_row
     scale = float_arg(scale_hi, scale_lo, ACC)
+    cap, post = float_arg(cap_hi, cap_lo, ACC), float_arg(post_hi, post_lo, ACC)
     t = tl.load(target_ptr + n * stride_t)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
@@ -107,7 +140,7 @@ def _token_logprobs_fwd_kernel(
     for k in range(0, V, BLOCK_V):
         o = k + o_v
         m_v = o < V
-        z = tl.load(p_x + o, mask=m_v, other=0.0).to(ACC) * scale
+        z = _head_logit(tl.load(p_x + o, mask=m_v, other=0.0).to(ACC), scale, cap, post, HAS_CAP)
         if HAS_STATS:
             zsum += z  # masked lanes loaded as 0
             before = tl.maximum(before, tl.where(m_v & (o < t), z, float("-inf")))
@@ -118,7 +151,8 @@ def _token_logprobs_fwd_kernel(
     ls = tl.log(s)
 
     tl.device_assert(in_range | (t == ignore_index), "linear_token_logprobs: target out of [0, V)")
-    z_t = tl.load(p_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0).to(ACC) * scale
+    z_t = _head_logit(tl.load(p_x + tl.where(in_range, t, 0), mask=valid & in_range, other=0.0).to(ACC), scale,
+                      cap, post, HAS_CAP)
     lp = (z_t - mx) - ls
     lp = tl.where(valid, tl.where(in_range, lp, float("nan")), 0.0)
     tl.store(logp_ptr + n, lp)
@@ -152,14 +186,20 @@ def _token_logprobs_bwd_kernel(
     ignore_index,
     scale_hi,
     scale_lo,
+    cap_hi,
+    cap_lo,
+    post_hi,
+    post_lo,
     BLOCK_V: tl.constexpr,
     HAS_DENT: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     n = row0 + pid
     p_x = x_ptr + pid * stride_x_row
     scale = float_arg(scale_hi, scale_lo, ACC)
+    cap, post = float_arg(cap_hi, cap_lo, ACC), float_arg(post_hi, post_lo, ACC)
     mx = tl.load(parts_ptr + n).to(ACC)
     ls = tl.load(parts_ptr + N + n).to(ACC)
     t = tl.load(target_ptr + n * stride_t)
@@ -177,13 +217,14 @@ def _token_logprobs_bwd_kernel(
     for k in range(0, V, BLOCK_V):
         o = k + o_v
         m_v = o < V
-        z = tl.load(p_x + o, mask=m_v, other=0.0).to(ACC) * scale
+        x = tl.load(p_x + o, mask=m_v, other=0.0).to(ACC)
+        z = _head_logit(x, scale, cap, post, HAS_CAP)
         lp = (z - mx) - ls  # the max out before ls: nothing large cancels
         p = tl.exp(lp)
         d = tl.where(o == t, g, 0.0) - g * p
         if HAS_DENT:
             d -= e * p * (lp + h)
-        tl.store(p_x + o, round_to(d * scale, x_ptr.dtype.element_ty), mask=m_v)
+        tl.store(p_x + o, round_to(d * _head_slope(x, scale, cap, post, HAS_CAP), x_ptr.dtype.element_ty), mask=m_v)
 
 
 @triton.jit

@@ -99,9 +99,24 @@ _MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")
 
 
 # ---------------------------------------------------------------- linear_token_logprobs
+_NO_CAP = (0.0, 0.0, 1.0, 0.0)  # the kernels' (cap, post) as split floats, unread without HAS_CAP
+
+
+def _head_transform(logit_scale, logit_softcap, post_scale) -> tuple:
+    """The kernels' ``(scale, cap, post, HAS_CAP)``: without a cap, one scale (the product of both)."""
+    if not logit_softcap:
+        return float(logit_scale) * float(post_scale), 0.0, 1.0, False
+    return float(logit_scale), float(logit_softcap), float(post_scale), True
+
+
 def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, return_stats,
-                  grad_weight_f32) -> None:
+                  grad_weight_f32, logit_softcap=0.0, post_scale=1.0) -> None:
     _check_scale("linear_token_logprobs", logit_scale)
+    _check_scale("linear_token_logprobs", post_scale)
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real) or not (
+            0 <= logit_softcap < math.inf):
+        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be a finite float > 0 (or 0: none), "
+                         f"got {logit_softcap!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"tritongrad.linear_token_logprobs: ignore_index must be an int, got {ignore_index!r}")
     _check_head("linear_token_logprobs", input, weight, bias, mixed=True)
@@ -120,7 +135,7 @@ def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return
 def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                              bias: Optional[torch.Tensor] = None, ignore_index: int = -100, logit_scale: float = 1.0,
                              return_entropy: bool = False, return_stats: bool = False,
-                             grad_weight_f32: bool = False,
+                             grad_weight_f32: bool = False, logit_softcap: float = 0.0, post_scale: float = 1.0,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered op over ``input [N, H]``, ``weight [V, H]``, ``target [N]``: ``(logprobs [N], entropy [N]
     (``[0]`` without ``return_entropy``), stats [2, N] (``[0]`` without ``return_stats``), parts)`` in float32
@@ -129,7 +144,9 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
     shifted sum (and its entropy), for the backward. float32 ``weight`` and ``bias`` with 16-bit ``input`` are
     cast to input's dtype for the products, and their gradients accumulate in float32; ``grad_weight_f32``
     accumulates a 16-bit weight's gradient in float32 too (rounded once, at the end: a float32 buffer of the
-    weight's shape, as TRL's fused head keeps). :func:`linear_token_logprobs` is the public function."""
+    weight's shape, as TRL's fused head keeps). The logits: ``post_scale * c tanh(logit_scale * x / c)`` with
+    ``c = logit_softcap`` (Gemma 2's final soft cap, TRL's order), or ``post_scale * logit_scale * x`` without
+    one (0). :func:`linear_token_logprobs` is the public function."""
     N, V = input.shape[0], weight.shape[0]
     acc = acc_dtype(input)
     lp = torch.empty(N, dtype=acc, device=input.device)
@@ -140,15 +157,18 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
         return lp, ent, stats, parts
     plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
     buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-    scale = rt.split_float(float(logit_scale))
+    pre, cap, post, has_cap = _head_transform(logit_scale, logit_softcap, post_scale)
+    scale = rt.split_float(pre)
     w, b = _low(weight, input.dtype), _low(bias, input.dtype)
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
         logits = _logits_into(buf[: r1 - r0], input[r0:r1], w, b)
         _fwd_kernel[(r1 - r0,)](
             logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None, V, N, r0,
-            logits.stride(0), target.stride(0), ignore_index, *scale, BLOCK_V=plan.BLOCK_V,
-            HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+            logits.stride(0), target.stride(0), ignore_index, *scale, *rt.split_float(cap), *rt.split_float(post),
+            BLOCK_V=plan.BLOCK_V,
+            HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(acc),
+            num_warps=plan.num_warps,
         )
     return lp, ent, stats, parts
 
@@ -196,7 +216,7 @@ class _HeadGrads:
 
 
 def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_entropy, ignore_index, logit_scale,
-                       need, f32: bool):
+                       need, f32: bool, logit_softcap: float = 0.0, post_scale: float = 1.0):
     """The gradients (input, weight, bias; None where not in ``need``) for upstream gradients of the
     log-probabilities ``[N]`` and, where not None, of the entropy ``[N]``: each chunk's logits made again and
     turned into their gradient in place (kernels.py), then its products."""
@@ -205,7 +225,8 @@ def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_e
     if N:
         plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
         buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-        scale = rt.split_float(float(logit_scale))
+        pre, cap, post, has_cap = _head_transform(logit_scale, logit_softcap, post_scale)
+        scale = rt.split_float(pre)
         has_dent = grad_entropy is not None
         w, b = _low(weight, input.dtype), _low(bias, input.dtype)
         for r0 in range(0, N, plan.rows):
@@ -215,7 +236,9 @@ def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_e
             _bwd_kernel[(r1 - r0,)](
                 g, target, parts, grad_logprobs, grad_entropy, V, N, r0, g.stride(0), target.stride(0),
                 grad_logprobs.stride(0), grad_entropy.stride(0) if has_dent else 0, ignore_index, *scale,
-                BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, ACC=rt.tl_acc_dtype(parts.dtype), num_warps=plan.num_warps,
+                *rt.split_float(cap), *rt.split_float(post),
+                BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(parts.dtype),
+                num_warps=plan.num_warps,
             )
             grads.add(g, h, w, r0, r1)
     return grads.result()
@@ -228,7 +251,7 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entro
     dent = grad_entropy if ctx.return_entropy and grad_entropy.numel() == ctx.input.shape[0] else None
     gi, gw, gb = _logprobs_backward(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts, grad_logprobs, dent,
                                     ctx.ignore_index, ctx.logit_scale, (need_x, need_w, need_b),
-                                    bool(ctx.grad_weight_f32))
+                                    bool(ctx.grad_weight_f32), ctx.logit_softcap, ctx.post_scale)
     return gi, gw, None, gb
 
 
@@ -256,6 +279,7 @@ def linear_token_logprobs(
     *,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    logit_softcap: float | None = None,
 ):
     """Per-token log-probabilities ``log_softmax(F.linear(input, weight, bias) / temperature)[..., target]``
     without the ``[..., V]`` logits in memory (and, with ``return_entropy``, each token's entropy).
@@ -269,6 +293,8 @@ def linear_token_logprobs(
         temperature: the logits are divided by it (TRL's GRPO ``temperature``), > 0.
         return_entropy: also return the entropy of each token's distribution (every token, ignored ones too),
             differentiable.
+        logit_softcap: Gemma 2's final soft cap ``c``: the logits are ``c * tanh(logits / c)`` before the
+            temperature divides them (``final_logit_softcapping``; None: no cap).
 
     Returns:
         ``logprobs`` of target's shape in float32 (float64 for float64 inputs); with ``return_entropy``,
@@ -284,9 +310,15 @@ def linear_token_logprobs(
         raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} must be input's "
                          f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
     scale = _scale_of(temperature, "linear_token_logprobs")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real)
+                                      or not 0 < logit_softcap < math.inf):
+        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be a finite float > 0 or None, got "
+                         f"{logit_softcap!r}")
     input, weight, bias = _autocast_head(input, weight, bias)
+    cap = float(logit_softcap) if logit_softcap is not None else 0.0
     lp, ent, _ = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
-                                          ignore_index, scale, bool(return_entropy))
+                                          ignore_index, 1.0 if cap else scale, bool(return_entropy), False, False,
+                                          cap, scale if cap else 1.0)
     lp = lp.reshape(target.shape)
     return (lp, ent.reshape(target.shape)) if return_entropy else lp
 
@@ -358,15 +390,16 @@ def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, 
         g = _logits_into(buf[: r1 - r0], h, w, b)
         _fwd_kernel[(r1 - r0,)](
             g, target, lp, ent, parts, None, V, N, r0, g.stride(0), target.stride(0), ignore_index, *scale,
-            BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=ent is not None, HAS_STATS=False, ACC=rt.tl_acc_dtype(acc),
-            num_warps=plan.num_warps,
+            *_NO_CAP, BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=ent is not None, HAS_STATS=False, HAS_CAP=False,
+            ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
         )
         rows[sl], dl[sl] = _grpo_terms(lp[sl], cast(advantages, sl), cast(old, sl), cast(ref, sl),
                                        cast(token_weight, sl), beta, eps_low, eps_high, delta)
         if any(grads.need):
             _bwd_kernel[(r1 - r0,)](
                 g, target, parts, dl, None, V, N, r0, g.stride(0), target.stride(0), dl.stride(0), 0, ignore_index,
-                *scale, BLOCK_V=plan.BLOCK_V, HAS_DENT=False, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+                *scale, *_NO_CAP, BLOCK_V=plan.BLOCK_V, HAS_DENT=False, HAS_CAP=False, ACC=rt.tl_acc_dtype(acc),
+                num_warps=plan.num_warps,
             )
             grads.add(g, h, w, r0, r1)
     return rows.sum(), grads.result()

@@ -9,9 +9,9 @@ loss code (``_compute_loss``: the GRPO and DPO formulas, their normalisations an
 receives tritongrad's log-probabilities, entropy and statistics.
 
 The rule. A call is served by tritongrad only where it computes what TRL's function computes, to float32
-rounding: the per-token fields asked for are among ``log_probs``, ``entropy``, ``mean_logits`` and ``is_top1``,
-there is no final-logit soft cap, the hidden states are already in the dtype of the products (autocast's, where
-it is on), and the head is in that dtype or float32. The products, the logits' dtype, and the float32
+rounding: the per-token fields asked for are among ``log_probs``, ``entropy``, ``mean_logits`` and ``is_top1``
+(with a final-logit soft cap too, Gemma 2's, in TRL's order: scale, cap, temperature), the hidden states are
+already in the dtype of the products (autocast's, where it is on), and the head is in that dtype or float32. The products, the logits' dtype, and the float32
 accumulation of the weight's gradient are then TRL's. Any other call goes to TRL's own function, and
 :data:`REPORT` counts it under its reason.
 :func:`patch_trl` itself refuses a TRL whose version is not in :data:`COVERED` or whose function's signature
@@ -50,8 +50,8 @@ def _refusal(hidden, weight, bias, final_logit_softcapping, outputs) -> str | No
     extra = set(outputs) - SERVED_FIELDS
     if extra:
         return f"fields {sorted(extra)} not computed by tritongrad"
-    if final_logit_softcapping is not None:
-        return "final logit soft cap"
+    if final_logit_softcapping is not None and not final_logit_softcapping > 0:
+        return f"final logit soft cap {final_logit_softcapping!r}"
     dtype = _compute_dtype(hidden)
     if hidden.dtype != dtype:
         # TRL accumulates the hidden states' gradient in float32 and returns it unrounded; tritongrad's
@@ -80,9 +80,14 @@ class TritongradLogProbFunction:
         # A float32 head with 16-bit products is cast per call, as TRL casts it per tile; the weight's gradient
         # accumulates in float32 and rounds once, as TRL's does (grad_weight_f32).
         with torch.autocast(hidden.device.type, enabled=False):
+            if final_logit_softcapping:  # TRL's order: the scale, the cap, then the temperature
+                scales = dict(logit_scale=float(logit_scale), logit_softcap=float(final_logit_softcapping),
+                              post_scale=1.0 / float(temperature))
+            else:
+                scales = dict(logit_scale=float(logit_scale) / float(temperature))
             lp, ent, st = linear_token_logprobs_op(hidden, weight, targets, bias, -100,
-                                                   float(logit_scale) / float(temperature), "entropy" in outputs,
-                                                   stats, True)
+                                                   return_entropy="entropy" in outputs, return_stats=stats,
+                                                   grad_weight_f32=True, **scales)
         return (lp, ent if "entropy" in outputs else None, None,
                 st[0].detach() if "mean_logits" in outputs else None,
                 st[1].detach() > 0.5 if "is_top1" in outputs else None)
