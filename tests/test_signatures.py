@@ -24,6 +24,7 @@ PUBLIC_DIFFERS = {
         "logit_scale": "from temperature",
         "return_stats": "for the GRPO and DPO losses built on the registered op",
         "grad_weight_f32": "for the losses built on the registered op",
+        "post_scale": "from temperature where there is a soft cap (the cap sits between the two scales)",
     },
 }
 
