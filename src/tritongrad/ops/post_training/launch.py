@@ -104,19 +104,19 @@ _NO_CAP = (0.0, 0.0, 1.0, 0.0)  # the kernels' (cap, post) as split floats, unre
 
 def _head_transform(logit_scale, logit_softcap, post_scale) -> tuple:
     """The kernels' ``(scale, cap, post, HAS_CAP)``: without a cap, one scale (the product of both)."""
-    if not logit_softcap:
+    if logit_softcap is None:
         return float(logit_scale) * float(post_scale), 0.0, 1.0, False
     return float(logit_scale), float(logit_softcap), float(post_scale), True
 
 
 def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, return_stats,
-                  grad_weight_f32, logit_softcap=0.0, post_scale=1.0) -> None:
+                  grad_weight_f32, logit_softcap=None, post_scale=1.0) -> None:
     _check_scale("linear_token_logprobs", logit_scale)
     _check_scale("linear_token_logprobs", post_scale)
-    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real) or not (
-            0 <= logit_softcap < math.inf):
-        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be a finite float > 0 (or 0: none), "
-                         f"got {logit_softcap!r}")
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real)
+                                      or not 0 < logit_softcap < math.inf):
+        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be a finite float > 0 or None, got "
+                         f"{logit_softcap!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"tritongrad.linear_token_logprobs: ignore_index must be an int, got {ignore_index!r}")
     _check_head("linear_token_logprobs", input, weight, bias, mixed=True)
@@ -135,7 +135,8 @@ def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return
 def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                              bias: Optional[torch.Tensor] = None, ignore_index: int = -100, logit_scale: float = 1.0,
                              return_entropy: bool = False, return_stats: bool = False,
-                             grad_weight_f32: bool = False, logit_softcap: float = 0.0, post_scale: float = 1.0,
+                             grad_weight_f32: bool = False, logit_softcap: Optional[float] = None,
+                             post_scale: float = 1.0,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered op over ``input [N, H]``, ``weight [V, H]``, ``target [N]``: ``(logprobs [N], entropy [N]
     (``[0]`` without ``return_entropy``), stats [2, N] (``[0]`` without ``return_stats``), parts)`` in float32
@@ -146,7 +147,7 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
     accumulates a 16-bit weight's gradient in float32 too (rounded once, at the end: a float32 buffer of the
     weight's shape, as TRL's fused head keeps). The logits: ``post_scale * c tanh(logit_scale * x / c)`` with
     ``c = logit_softcap`` (Gemma 2's final soft cap, TRL's order), or ``post_scale * logit_scale * x`` without
-    one (0). :func:`linear_token_logprobs` is the public function."""
+    one (None). :func:`linear_token_logprobs` is the public function."""
     N, V = input.shape[0], weight.shape[0]
     acc = acc_dtype(input)
     lp = torch.empty(N, dtype=acc, device=input.device)
@@ -310,15 +311,12 @@ def linear_token_logprobs(
         raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} must be input's "
                          f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
     scale = _scale_of(temperature, "linear_token_logprobs")
-    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real)
-                                      or not 0 < logit_softcap < math.inf):
-        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be a finite float > 0 or None, got "
-                         f"{logit_softcap!r}")
     input, weight, bias = _autocast_head(input, weight, bias)
-    cap = float(logit_softcap) if logit_softcap is not None else 0.0
+    real = isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
+    cap = float(logit_softcap) if real else logit_softcap  # anything else: the op's validation names it
     lp, ent, _ = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
-                                          ignore_index, 1.0 if cap else scale, bool(return_entropy), False, False,
-                                          cap, scale if cap else 1.0)
+                                          ignore_index, scale if cap is None else 1.0, bool(return_entropy), False,
+                                          False, cap, 1.0 if cap is None else scale)
     lp = lp.reshape(target.shape)
     return (lp, ent.reshape(target.shape)) if return_entropy else lp
 

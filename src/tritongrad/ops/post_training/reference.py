@@ -46,11 +46,11 @@ def linear_token_logprobs_reference(
     return_entropy: bool = False,
     return_stats: bool = False,
     grad_weight_f32: bool = False,
-    logit_softcap: float = 0.0,
+    logit_softcap: float | None = None,
     post_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs [N], entropy [N] or [0], stats [2, N] or [0])`` of ``post_scale * c tanh(logit_scale *
-    F.linear(input, weight, bias) / c)`` (``c = logit_softcap``; without one, 0: ``post_scale * logit_scale *
+    F.linear(input, weight, bias) / c)`` (``c = logit_softcap``; without one, None: ``post_scale * logit_scale *
     F.linear(...)``) for ``input [N, H]``, ``weight [V, H]``, targets ``[N]``: the product rounded to input's dtype as
     F.linear returns it, then everything in float32 (float64 for float64). Rows whose target is
     ``ignore_index`` have logprob 0 (no gradient); the entropy is every row's. ``stats``, without gradient: the
@@ -64,7 +64,7 @@ def linear_token_logprobs_reference(
     z = F.linear(input, low(weight), low(bias)).to(acc)
     if logit_scale != 1.0:
         z = z * logit_scale
-    if logit_softcap:
+    if logit_softcap is not None:
         z = logit_softcap * torch.tanh(z / logit_softcap)
     if post_scale != 1.0:
         z = z * post_scale
