@@ -421,15 +421,19 @@ def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
 def test_patch_transformers_all_ops():
     modeling = _hf.modeling_module("qwen3")
     report = tritongrad.patch_transformers("qwen3")
-    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2,
-                            "fused_add_rms_norm": 1}
+    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2}
+    # The decoder layer's class wraps its forward for gradient checkpointing when it is created: a forward set
+    # on the class itself would lose that wrapper, so patch_transformers leaves the layer to patch(model).
+    assert [(e.op, "a class-level patch would not keep" in e.detail) for e in report.skipped] == [
+        ("fused_add_rms_norm", True)]
     model = _model("qwen3")
-    assert tritongrad.patch(model).count == 0
+    again = tritongrad.patch(model)  # every op already patched through the classes; patch fuses the layers
+    assert {e.op for e in again.replaced} == {"fused_add_rms_norm"} and again.count == 2
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) == "rope"
     out = model(**_batch())
     assert out.logits is None
     out.loss.backward()
-    assert tritongrad.unpatch_transformers("qwen3") == 5
+    assert tritongrad.unpatch_transformers("qwen3") == 4
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
 
@@ -600,3 +604,23 @@ def test_dtensor_weight_gradient_is_averaged_over_ranks(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_fused_decoder_layers_keep_gradient_checkpointing():
+    # The layer's class wraps its forward for gradient checkpointing; the fused layer's subclass is wrapped the
+    # same way, so each layer still recomputes in the backward, and the gradients are the unfused model's.
+    model = _model("llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    batch = _batch()
+    _, want = _run(model, batch)
+    report = tritongrad.patch(model, swiglu=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.ops() == {"rms_norm": 5, "fused_add_rms_norm": 2}
+    calls = []
+    for layer in model.model.layers:
+        func = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, _f=func, **k: calls.append(1) or _f(*a, **k)
+    _, got = _run(model, batch)
+    assert len(calls) == 2
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -904,6 +904,27 @@ def add_norm(norm, hidden_states, residual):
     return tritongrad.fused_add_rms_norm(hidden_states, residual, *args)
 
 
+def wrappers(fn) -> tuple:
+    """The code of each ``functools.wraps`` layer around ``fn``'s innermost function, outermost first."""
+    out = []
+    while hasattr(fn, "__wrapped__"):
+        out.append(getattr(fn, "__code__", None))
+        fn = fn.__wrapped__
+    return tuple(out)
+
+
+def add_norm_wrapped_as(cls: type, forward, subclass: bool) -> str | None:
+    """None where ``forward``, set on a subclass of ``cls`` (``subclass``, as :func:`tritongrad.patch` does) or
+    on ``cls`` itself, runs inside the same wrappers as ``cls.forward`` (a class can wrap its forward when it is
+    created: transformers' GradientCheckpointingLayer checkpoints there); else why not."""
+    current = wrappers(cls.forward)
+    got = wrappers(type(cls.__name__, (cls,), {"forward": forward}).forward if subclass else forward)
+    if got == current:
+        return None
+    return (f"{cls.__name__}.forward runs inside wrappers its source does not write (its class adds them, e.g. "
+            f"gradient checkpointing), which {'the subclass' if subclass else 'a class-level patch'} would not keep")
+
+
 @functools.cache
 def add_norm_forward(cls: type) -> tuple:
     """``(forward, None)``: ``cls``'s forward recompiled with :data:`ADD_NORM_STATEMENTS` (found once, in

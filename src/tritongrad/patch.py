@@ -323,6 +323,9 @@ def _add_norm_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
     kind = hf.instance_norm_kind(norm)[0] if hf.looks_like_rms_norm(norm) else None
     forward, why = hf.add_norm_forward(base) if kind == "llama" else (
         None, f"its post_attention_layernorm ({type(norm).__name__}) is not Llama's RMSNorm")
+    if forward is not None:
+        why = hf.add_norm_wrapped_as(base, forward, subclass=True)
+        forward = forward if why is None else None
     if forward is None:
         report._add("skipped", "fused_add_rms_norm", name, why)
         return {}, {}
@@ -478,6 +481,9 @@ def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
                  f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
     elif name.endswith("DecoderLayer") and {"fused_add_rms_norm", "rms_norm"} <= on:
         forward, why = hf.add_norm_forward(cls)
+        if forward is not None:
+            why = hf.add_norm_wrapped_as(cls, forward, subclass=False)
+            forward = forward if why is None else None
         if forward is None:
             report._add("skipped", "fused_add_rms_norm", target, why)
         else:
