@@ -819,3 +819,47 @@ def test_token_logprobs_with_gemma2_soft_cap(dtype):
         torch.testing.assert_close(a.double(), b, **tol)
     with pytest.raises(ValueError, match=r"logit_softcap must be a finite float > 0 or None, got 0.0"):
         linear_token_logprobs(h, W, t, logit_softcap=0.0)
+
+
+def _capped_logprobs(input, weight, target, temperature, cap):
+    """The float64 reference's log-probabilities of Gemma 2's capped logits: c tanh(z / c), then 1 / temperature."""
+    lp, _, _ = linear_token_logprobs_reference(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), None,
+                                               -100, 1.0, False, False, False, cap, 1 / temperature)
+    return lp.reshape(target.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grpo_and_dpo_with_gemma2_soft_cap_against_float64(dtype):
+    case = GRPO_CASES["dapo-on-policy"]
+    kw = _grpo_kwargs(case)
+
+    def grpo(input, weight, completion_ids, advantages, completion_mask, old_logprobs, ref_logprobs):
+        loss, m = linear_grpo_loss(input, weight, completion_ids, advantages, completion_mask,
+                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, logit_softcap=2.0, **kw)
+        return loss, m["clip_ratio/low_mean"]
+
+    def grpo_ref(input, weight, completion_ids, advantages, completion_mask, old_logprobs, ref_logprobs):
+        lp = _capped_logprobs(input, weight, completion_ids, kw["temperature"], 2.0)
+        acc = lp.dtype
+        loss, _, low, _, _ = _trl_grpo(lp, advantages.to(acc), completion_mask.to(acc), None, ref_logprobs.to(acc),
+                                       beta=kw["beta"], epsilon_low=0.2, epsilon_high=0.28, loss_type=kw["loss_type"],
+                                       importance_sampling_level="token", max_completion_length=5,
+                                       num_items_in_batch=completion_mask.sum().to(acc))
+        return loss, low
+
+    _check(grpo, grpo_ref, lambda dt: _grpo_inputs(dt, case), dtype)
+
+    def dpo(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
+                                  ref_rejected_logps=ref_rejected_logps, logit_softcap=2.0)
+        return loss, m["chosen_rewards"]
+
+    def dpo_ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        lp = _capped_logprobs(input, weight, target, 1.0, 2.0)
+        mask = (target != -100).to(lp.dtype)
+        c, r = (lp * mask).sum(1).chunk(2)
+        loss, chosen, _ = _trl_dpo(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask,
+                                   beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
+        return loss, chosen
+
+    _check(dpo, dpo_ref, _dpo_inputs, dtype)

@@ -500,6 +500,7 @@ def linear_grpo_loss(
     num_items_in_batch=None,
     num_sequences_in_batch=None,
     ignore_index: int = -100,
+    logit_softcap: float | None = None,
 ):
     """TRL's GRPO loss (``GRPOTrainer._compute_loss``, TRL 1.16) from the policy's hidden states and LM head,
     without the logits in memory.
@@ -522,6 +523,8 @@ def linear_grpo_loss(
             micro-batch; under DDP, divided by the world size); None: this call's. Accumulating micro-batches
             with it gives the gradient of one big step.
         num_sequences_in_batch: for ``grpo`` and ``dr_grpo``, the sequences of the whole optimizer step; None: B.
+        logit_softcap: Gemma 2's final soft cap, before the temperature (:func:`linear_token_logprobs`); with
+            one, the loss is computed from the log-probabilities (four products instead of the fused three).
 
     Returns:
         ``(loss, metrics)``: the 0-d loss (float32; float64 for float64 inputs) and a dict of 0-d detached
@@ -535,11 +538,13 @@ def linear_grpo_loss(
     formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                    importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
                    num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch)
-    if importance_sampling_level != "token":
+    if importance_sampling_level != "token" or logit_softcap is not None:
         # one importance weight per sequence: each token's loss depends on its whole sequence, so the
-        # log-probabilities first, then the formula, whose gradient flows back through them
+        # log-probabilities first, then the formula, whose gradient flows back through them (the fused op
+        # takes no soft cap: that path too)
         logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature,
-                                                  return_entropy=True, ignore_index=ignore_index)
+                                                  return_entropy=True, ignore_index=ignore_index,
+                                                  logit_softcap=logit_softcap)
         mask = _mask_of(completion_ids, completion_mask, ignore_index, logprobs.dtype)
         return grpo_from_logprobs(logprobs, advantages, mask, old_logprobs, ref_logprobs, entropy=entropy.detach(),
                                   **formula)
@@ -594,6 +599,7 @@ def linear_dpo_loss(
     label_smoothing: float = 0.0,
     num_pairs_in_batch=None,
     ignore_index: int = -100,
+    logit_softcap: float | None = None,
 ):
     """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
     logits in memory.
@@ -613,6 +619,8 @@ def linear_dpo_loss(
             label smoothing: the two agree at 0).
         num_pairs_in_batch: the pairs of the whole optimizer step (None: B); the loss is the sum over pairs
             divided by it, so accumulated micro-batches give one big step's gradient.
+        logit_softcap: Gemma 2's final soft cap, for the policy and the reference head alike
+            (:func:`linear_token_logprobs`).
 
     Returns:
         ``(loss, metrics)``: the 0-d loss and a dict with ``chosen_rewards`` and ``rejected_rewards`` (``[B]``,
@@ -625,13 +633,15 @@ def linear_dpo_loss(
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
     mask = _mask_of(target, completion_mask, ignore_index, acc_dtype(input))
     tgt = torch.where(mask > 0, target, ignore_index)
-    logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index) * mask).sum(-1)
+    logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index, logit_softcap=logit_softcap)
+             * mask).sum(-1)
     if ref_chosen_logps is None or ref_rejected_logps is None:
         if ref_input is None or ref_weight is None:
             raise ValueError("tritongrad.linear_dpo_loss: give ref_chosen_logps and ref_rejected_logps, or ref_input "
                              "and ref_weight")
         with torch.no_grad():
-            ref = linear_token_logprobs(ref_input, ref_weight, tgt, ref_bias, ignore_index=ignore_index)
+            ref = linear_token_logprobs(ref_input, ref_weight, tgt, ref_bias, ignore_index=ignore_index,
+                                        logit_softcap=logit_softcap)
             ref = (ref * mask).sum(-1)
         ref_chosen_logps, ref_rejected_logps = ref.chunk(2)
     chosen, rejected = logps.chunk(2)
