@@ -817,6 +817,10 @@ def test_fused_add_rms_norm_is_the_decoder_layers_add_and_norm(D):
         assert torch.equal(s, want_s) and y.dtype == want_y.dtype and s.is_contiguous()
         # xhat is rounded to x's dtype before the product: a statistic's last bit may flip that rounding
         torch.testing.assert_close(y, want_y, atol=0, rtol=2 * torch.finfo(x.dtype).eps)
+    # transposed inputs (read in place): the stream still comes back contiguous, bitwise the add
+    xt, rt_ = torch.randn(D, 5, device=DEVICE).half().t(), torch.randn(D, 5, device=DEVICE).half().t()
+    y, s = tritongrad.fused_add_rms_norm(xt, rt_, torch.rand(D, device=DEVICE).half() + 0.5, 1e-6)
+    assert s.is_contiguous() and y.is_contiguous() and torch.equal(s, rt_ + xt)
 
 
 def test_fused_add_rms_norm_gives_each_input_its_own_gradient():

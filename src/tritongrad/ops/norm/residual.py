@@ -150,7 +150,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x2, r2 = rt.as_rows(x, 1), rt.as_rows(residual, 1)
     plan = _plan(x2, weight)
     if not plan.fused:  # a row longer than one tile: the add, then llama_rms_norm's kernels
-        s = x + residual
+        s = (x + residual).contiguous()  # the add follows its inputs' layout; the op returns contiguous s
         y, rstd = _forward(s, 1, weight, None, eps, layer_norm=False, llama=True)
         return y, s, rstd
     N, D = x2.shape
