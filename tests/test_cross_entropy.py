@@ -820,3 +820,29 @@ def test_mean_with_every_target_weight_zero_is_nan(smoothing):
     ref = tritongrad.ops.cross_entropy.cross_entropy_reference(xr, t, w, label_smoothing=smoothing)[0]
     assert torch.isnan(ref)
     torch.testing.assert_close(torch.autograd.grad(ref, xr)[0], torch.autograd.grad(want, xb)[0], equal_nan=True)
+
+
+# the forward's gradients; the backward's recomputation (extended tier: twice the interpreter's launches)
+@pytest.mark.parametrize("reduction", ["sum", pytest.param("none", marks=pytest.mark.extended)])
+def test_linear_grad_weight_in_float32(reduction):
+    # A bfloat16 weight over 20 chunks of 8 rows: grad_weight_f32 rounds once, after every chunk is added, so its
+    # error stays near one rounding where the default (one rounding a chunk) drifts; deterministic either way.
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(160, 32, generator=g).bfloat16().to(DEVICE).requires_grad_()
+    W = torch.randn(64, 32, generator=g).bfloat16().to(DEVICE).requires_grad_()
+    t = torch.randint(0, 64, (160,), generator=g).to(DEVICE)
+    h64, W64 = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    F.cross_entropy(F.linear(h64, W64), t, reduction="sum").backward()
+    err = {}
+    with P.using(dataclasses.replace(P.TABLE, LCE_CHUNK_BYTES=64 * 2 * 8, LCE_ROW_MULTIPLE=1, LCE_MIN_ROWS=1)):
+        for f32 in (False, True, True):
+            W.grad = None
+            loss = tritongrad.linear_cross_entropy(h, W, t, reduction=reduction, grad_weight_f32=f32)
+            (loss if reduction == "sum" else loss.sum()).backward()
+            assert W.grad.dtype == torch.bfloat16
+            if f32 in err:
+                assert torch.equal(W.grad, err[f32][1])
+            err[f32] = ((W.grad.double() - W64.grad).abs().max().item() / W64.grad.abs().max().item(), W.grad.clone())
+    assert err[True][0] <= 2.0 ** -7 < err[False][0], (err[True][0], err[False][0])
+    with pytest.raises(TypeError, match="grad_weight_f32 must be a bool, got 1"):
+        tritongrad.linear_cross_entropy(h, W, t, grad_weight_f32=1)

@@ -355,7 +355,9 @@ def cross_entropy(
 
 # ---------------------------------------------------------------- linear_cross_entropy
 def _lce_validate(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                  grads, out_dtype, logit_scale) -> None:
+                  grads, out_dtype, logit_scale, grad_weight_f32=False) -> None:
+    if type(grad_weight_f32) is not bool:
+        raise TypeError(f"tritongrad.linear_cross_entropy: grad_weight_f32 must be a bool, got {grad_weight_f32!r}")
     _check_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                    logit_scale)
     if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
@@ -382,13 +384,25 @@ def _lce_validate(input, weight, target, bias, ignore_index, reduction, label_sm
         check_targets(target, V, ignore_index, "linear_cross_entropy")
 
 
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into a float32 ``acc`` without rounding the product to a's 16-bit dtype first."""
+    if acc.is_cuda and _MM_OUT_DTYPE and a.dtype != acc.dtype:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+
+
 def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-              logit_scale, rows, need: tuple[bool, bool, bool], dloss=None):
+              logit_scale, rows, need: tuple[bool, bool, bool], dloss=None, f32: bool = False):
     """Chunks of rows: logits (one product; the loss kernel applies ``logit_scale``), the loss kernel writing the
     chunk's gradient (with respect to the product, so the scale's factor included) over its logits,
     then that chunk's share of the gradients asked for (``need``: input, weight, bias). ``rows``: the per-row
-    loss buffer, or None. ``dloss``: the upstream gradient (None: 1, the forward's case). Returns the
-    gradients (None where not asked)."""
+    loss buffer, or None. ``dloss``: the upstream gradient (None: 1, the forward's case). ``f32``: a 16-bit
+    weight's gradient accumulates over the chunks in float32 and rounds once. Returns the gradients (None
+    where not asked)."""
     N, H = input.shape
     V = weight.shape[0]
     acc = rt.acc_of(input)
@@ -396,7 +410,9 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     want_grad = any(need)
     stats = _stats(target, None, V, ignore_index, acc) if mean and want_grad else None
     gi = torch.empty_like(input) if need[0] else None
-    gw = torch.empty_like(weight) if need[1] else None
+    f32 = f32 and weight.element_size() == 2
+    gw = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if f32 else torch.empty_like(weight)
+          ) if need[1] else None
     gb = torch.zeros(V, dtype=rt.acc_of(bias), device=input.device) if need[2] else None  # float sums, one rounding
     chunk = P.lce_chunk_rows(rt.hint(N), int(V), input.element_size(), P.table())
     buf = torch.empty((min(chunk, N), V), dtype=input.dtype, device=input.device)
@@ -419,14 +435,16 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
             torch.mm(logits, weight, out=gi[r0:r1])
         if need[1]:
             # Chunks add into grad_weight in order: each product accumulates in float32 and rounds once to
-            # weight's dtype (a float32 accumulator would be 10x the memory budget: docs/cross-entropy.md).
-            if r0 == 0:
+            # weight's dtype, or, with f32, into a float32 buffer the size of the weight (docs/cross-entropy.md).
+            if f32:
+                _addmm_f32(gw, logits.t(), h)
+            elif r0 == 0:
                 torch.mm(logits.t(), h, out=gw)
             else:
                 gw.addmm_(logits.t(), h)
         if need[2]:
             gb += logits.sum(0, dtype=gb.dtype)
-    return gi, gw, (gb.to(bias.dtype) if need[2] else None)
+    return gi, (gw.to(weight.dtype) if f32 and need[1] else gw), (gb.to(bias.dtype) if need[2] else None)
 
 
 # Opaque under torch.compile: traced, the chunk loop's slice writes become chains of copies (docs/cross-entropy.md).
@@ -437,7 +455,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
                             label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
                             grads: Optional[list[bool]] = None, out_dtype: Optional[torch.dtype] = None,
-                            logit_scale: float = 1.0,
+                            logit_scale: float = 1.0, grad_weight_f32: bool = False,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered linear_cross_entropy over ``input [N, H]``, ``weight [V, H]``: ``(loss, grad_input,
     grad_weight, grad_bias)``; :func:`linear_cross_entropy` is the public function. ``grads`` (input, weight,
@@ -459,7 +477,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
     acc = rt.acc_of(input)
     rows = loss if reduction == "none" else torch.empty(N, dtype=acc, device=input.device)
     gi, gw, gb = _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap,
-                           z_loss, logit_scale, rows, need)
+                           z_loss, logit_scale, rows, need, f32=grad_weight_f32)
     if reduction != "none":
         stats = _stats(target, None, weight.shape[0], ignore_index, acc) if mean else None
         _finish(rows, stats, loss, mean)
@@ -484,7 +502,7 @@ def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
     # not asked for): recompute, in chunks.
     gi, gw, gb = _lce_pass(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.ignore_index, ctx.reduction,
                            ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, ctx.logit_scale, None, need,
-                           dloss=grad_loss)
+                           dloss=grad_loss, f32=ctx.grad_weight_f32)
     return gi, gw, None, gb
 
 
@@ -501,6 +519,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     out_dtype: torch.dtype | None = None,
     logit_scale: float = 1.0,
+    grad_weight_f32: bool = False,
 ):
     """``cross_entropy(logit_scale * F.linear(input, weight, bias), target, ...)`` without the ``[N, V]`` logits
     in memory.
@@ -519,6 +538,9 @@ def linear_cross_entropy(
             Default 1.0.
         out_dtype: the loss's dtype; None (F's semantics) is input's. ``torch.float32`` returns the float32
             accumulation unrounded, as Hugging Face's causal-LM loss (which upcasts the logits) does.
+        grad_weight_f32: a 16-bit weight's gradient accumulates over the chunks in a float32 buffer of the
+            weight's shape and rounds once at the end, instead of once a chunk (more memory: 4 bytes a weight
+            element during the loss).
 
     Returns:
         The loss in ``out_dtype`` (``[...]`` for reduction="none", else 0-d). The logits are made in chunks of
@@ -554,5 +576,5 @@ def linear_cross_entropy(
     if autocast and out_dtype is None:
         out_dtype = torch.float32  # the loss in float32, as F.cross_entropy under autocast
     loss = linear_cross_entropy_op(x, weight, t, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
-                                   grads, out_dtype, _as_float(logit_scale))
+                                   grads, out_dtype, _as_float(logit_scale), grad_weight_f32)
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -113,11 +113,12 @@ def linear_cross_entropy_reference(
     grads: list[bool] | None = None,
     out_dtype: torch.dtype | None = None,
     logit_scale: float = 1.0,
+    grad_weight_f32: bool = False,
 ) -> torch.Tensor:
     """``cross_entropy(logit_scale * F.linear(input, weight, bias), target, ...)`` for ``input [N, H]``,
     ``weight [V, H]``: the product rounded to input's dtype as F.linear returns it, then scaled, and the loss
     accumulated in float32 (float64 for float64) and returned in ``out_dtype`` (None: input's dtype).
-    ``grads`` is the registered op's hint (kernels only)."""
+    ``grads`` and ``grad_weight_f32`` are the registered op's hints (kernels only)."""
     logits = torch.nn.functional.linear(input, weight, bias)
     loss, _, denom = _rows(logits, target, None, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                            logit_scale)

@@ -27,7 +27,7 @@ import torch
 
 from ... import _runtime as rt
 from ..._pattern import kernel, op
-from ..cross_entropy.launch import _as_float, _host_checkable, _scale, _take_buffer
+from ..cross_entropy.launch import _addmm_f32, _as_float, _host_checkable, _scale, _take_buffer
 from . import kernels
 from . import plans as P
 from .reference import (
@@ -85,17 +85,6 @@ def _low(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A parameter in the product's dtype (float32 parameters with 16-bit hidden states: one cast per call, as
     autocast makes it)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
-def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into a float32 ``acc`` without rounding the product to a's 16-bit dtype first."""
-    if acc.is_cuda and _MM_OUT_DTYPE and a.dtype != acc.dtype:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-
-
-_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
 # ---------------------------------------------------------------- linear_token_logprobs
