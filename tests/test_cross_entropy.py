@@ -65,7 +65,7 @@ def _eager_ce(input, target, weight=None, ignore_index=-100, reduction="mean", l
 
 
 def _eager_lce(input, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-               logit_softcap=None, z_loss=0.0, grads=None, out_dtype=None, logit_scale=1.0):
+               logit_softcap=None, z_loss=0.0, grads=None, out_dtype=None, logit_scale=1.0, grad_weight_f32=False):
     loss = _eager_ce(F.linear(input, weight, bias), target, None, ignore_index, reduction, label_smoothing,
                      logit_softcap, z_loss, logit_scale=logit_scale)[0]
     return loss if out_dtype is None else loss.to(out_dtype)
