@@ -92,7 +92,9 @@ _NO_CAP = (0.0, 0.0, 1.0, 0.0)  # the kernels' (cap, post) as split floats, unre
 
 
 def _head_transform(logit_scale, logit_softcap, post_scale) -> tuple:
-    """The kernels' ``(scale, cap, post, HAS_CAP)``: without a cap, one scale (the product of both)."""
+    """The kernels' ``(scale, cap, post, HAS_CAP)``: without a cap (None), one scale (the product of both)."""
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be > 0 or None, got {logit_softcap!r}")
     if logit_softcap is None:
         return float(logit_scale) * float(post_scale), 0.0, 1.0, False
     return float(logit_scale), float(logit_softcap), float(post_scale), True
@@ -206,7 +208,7 @@ class _HeadGrads:
 
 
 def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_entropy, ignore_index, logit_scale,
-                       need, f32: bool, logit_softcap: float = 0.0, post_scale: float = 1.0):
+                       need, f32: bool, logit_softcap: float | None = None, post_scale: float = 1.0):
     """The gradients (input, weight, bias; None where not in ``need``) for upstream gradients of the
     log-probabilities ``[N]`` and, where not None, of the entropy ``[N]``: each chunk's logits made again and
     turned into their gradient in place (kernels.py), then its products."""
