@@ -63,10 +63,13 @@ EXTENDED = {
         "every family eager on the references (test_every_family_eager)",
         {"llama-eager", "qwen3-compiled", "gemma3_text-compiled", "cohere-compiled", "gpt_neox-compiled",
          "mixtral-compiled"}),
-    "tests/test_post_training.py::test_linear_distill_suite":
-        "the kit on the distillation op; the quick tier checks its formulas against TRL's and its gradients",
-    "tests/test_post_training.py::test_linear_grpo_suite":
-        "the kit on the fused GRPO op; the quick tier checks it against TRL's formula and the token-logprob op's kit",
+    "tests/test_post_training.py::test_linear_distill_suite": (
+        "the kit on the distillation op beyond its values; the quick tier checks its formulas against TRL's and "
+        "its gradients, and keeps the kit's values in every dtype", {"values-*"}),
+    "tests/test_post_training.py::test_linear_grpo_suite": (
+        "the kit on the fused GRPO op beyond its values; the quick tier checks it against TRL's formula and keeps "
+        "the kit's values in every dtype (the op called alone: its backward recomputes the gradients)",
+        {"values-*"}),
     "tests/test_patch_models.py::test_all_ops_match_hf": (
         "the families beyond Llama: the family matrix (test_zoo.py) checks every family, more closely", {"llama"}),
 }
