@@ -123,12 +123,11 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta: float, epsilon_low: float,
-                    epsilon_high: float, delta: float | None):
-    """TRL's per-token GRPO loss at token level (the clipped ratio, plus beta times the k3 KL estimate):
-    ``(loss_tok, coef_1, per_token_kl or None)``, all of logprobs' shape (advantages broadcast)."""
-    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
-    coef_1 = torch.exp(logprobs - old)
+def _clipped_loss(log_ratio, logprobs, advantages, ref_logprobs, beta: float, epsilon_low: float,
+                  epsilon_high: float, delta: float | None):
+    """TRL's clipped surrogate for importance weights ``exp(log_ratio)``, plus beta times the k3 KL estimate:
+    ``(loss, coef_1, kl or None)``."""
+    coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
     if delta is not None:
         coef_1 = torch.clamp(coef_1, max=delta)
@@ -139,6 +138,14 @@ def grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta: floa
         kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
         loss = loss + beta * kl
     return loss, coef_1, kl
+
+
+def grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta: float, epsilon_low: float,
+                    epsilon_high: float, delta: float | None):
+    """TRL's per-token GRPO loss at token level (the clipped ratio, plus beta times the k3 KL estimate):
+    ``(loss_tok, coef_1, per_token_kl or None)``, all of logprobs' shape (advantages broadcast)."""
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+    return _clipped_loss(logprobs - old, logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high, delta)
 
 
 def linear_grpo_reference(
@@ -175,17 +182,7 @@ def _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs, 
     """GSPO's per-token loss: one importance weight per sequence, the mean log-ratio over its tokens."""
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
     log_w = (((logprobs - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_w)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    per_token_kl = None
-    if beta != 0.0:
-        ref = ref_logprobs.to(logprobs.dtype)
-        per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1
-        per_token_loss = per_token_loss + beta * per_token_kl
-    return per_token_loss, coef_1, per_token_kl
+    return _clipped_loss(log_w, logprobs, advantages, ref_logprobs, beta, epsilon_low, eps_high, delta)
 
 
 def _grpo_normalised(total, mask, loss_type, max_completion_length, num_items_in_batch, num_sequences_in_batch):
