@@ -524,8 +524,8 @@ class OpSuite:
         (:func:`eps_err`): at most ``factor`` times the baseline's error plus one eps (two with the
         interpreter's truncation to bfloat16). Element by element (:func:`typical_eps_err`): the typical
         element's error in eps of itself at most ``factor`` times the baseline's plus a quarter (twice the
-        factor and three quarters with truncation). Math done in the 16-bit dtype instead of float32 fails here where the value
-        check's slack lets it pass."""
+        factor and three quarters with truncation). Math done in the 16-bit dtype instead of float32 fails
+        here where the value check's slack lets it pass."""
         if got.dtype not in (torch.float16, torch.bfloat16) or not got.numel():
             return
         err, b = eps_err(got, ref), eps_err(base, ref)
