@@ -118,6 +118,73 @@ def _grad_chunk(x, o, t, mx, ls, a, b_t, b_s, w_ptr, stride_w, mask, scale, cap,
 
 
 @triton.jit
+def _row_max_sum(p_x, o_c, o_last, m_last, K, r, weight_ptr, stride_w, scale, cap, BLOCK_C: tl.constexpr,
+                 STAGES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, SMOOTH_SUM: tl.constexpr, ACC: tl.constexpr):
+    """Pass 1 over a row of K chunks: ``(mx, ls, su, x_last)``, the shift mx (the row's max, 0 if all -inf),
+    ``ls = log sum_j exp(u_j - mx)``, with SMOOTH_SUM the smoothing sum ``su = sum_j w_j (u_j - r)`` (else 0),
+    and the last (ragged) chunk as loaded, kept in registers for pass 2."""
+    neg_inf = float("-inf")
+    m = tl.full([], neg_inf, dtype=ACC)
+    s_vec = tl.zeros([BLOCK_C], dtype=ACC)
+    su_vec = tl.zeros([BLOCK_C], dtype=ACC)
+    for k in tl.range(0, K - 1, num_stages=STAGES):
+        o = k * BLOCK_C + o_c
+        u, _ = _logits(tl.load(p_x + o).to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
+        m_new = tl.maximum(m, tl.max(u, 0))
+        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: no inf - inf
+        s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
+        m = m_new
+        if SMOOTH_SUM:
+            if HAS_WEIGHT:
+                su_vec += (u - r) * tl.load(weight_ptr + o * stride_w).to(ACC)
+            else:
+                su_vec += u - r
+    x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
+    u_c, _ = _logits(x_last.to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
+    u = tl.where(m_last, u_c, neg_inf)  # masked lanes after the cap (which maps -inf to -cap)
+    m_new = tl.maximum(m, tl.max(u, 0))
+    m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+    s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
+    mx = m_safe
+    ls = tl.log(tl.sum(s_vec, 0))
+    su = tl.zeros([], dtype=ACC)
+    if SMOOTH_SUM:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + o_last * stride_w, mask=m_last, other=0.0).to(ACC)
+            su_vec += tl.where(m_last, (u_c - r) * w, 0.0)
+        else:
+            su_vec += tl.where(m_last, u_c - r, 0.0)
+        su = tl.sum(su_vec, 0)
+    return mx, ls, su, x_last
+
+
+@triton.jit
+def _grad_row(p_x, p_g, x_last, o_c, o_last, m_last, K, C, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, scale,
+              cap, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
+    """Pass 2 over a row: dL/dx chunk by chunk (:func:`_grad_chunk`), the last chunk from registers first."""
+    g = _grad_chunk(x_last.to(ACC), o_last, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, m_last, scale,
+                    cap, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
+    tl.store(p_g + o_last, round_to(g, p_g.dtype.element_ty), mask=m_last)
+    for i in tl.range(0, K - 1, num_stages=STAGES):
+        o = (K - 2 - i) * BLOCK_C + o_c  # newest chunks first: they are likeliest still in L2
+        z = tl.load(p_x + o).to(ACC)
+        g = _grad_chunk(z, o, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, o < C, scale, cap,
+                        HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
+        tl.store(p_g + o, round_to(g, p_g.dtype.element_ty))
+
+
+@triton.jit
+def _zero_row(p_g, o_c, o_last, m_last, K, BLOCK_C: tl.constexpr):
+    """A row of K chunks of zeros (an ignored row's gradient)."""
+    zero = tl.zeros([BLOCK_C], dtype=p_g.dtype.element_ty)
+    for k in range(0, K - 1):
+        tl.store(p_g + k * BLOCK_C + o_c, zero)
+    tl.store(p_g + o_last, zero, mask=m_last)
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     x_ptr,  # [N, C] logits, unit column stride
     target_ptr,  # [N] class indices
@@ -205,7 +272,7 @@ def _cross_entropy_fwd_kernel(
         r = tl.zeros([], dtype=ACC)  # the smoothing sum's reference: u_t, or 0 where u_t is -inf
         if STORE_LOSS:
             x_t = tl.load(p_x + t_safe, mask=valid & in_range, other=0.0).to(ACC)
-            u_t, du_t = _logits(x_t, scale, cap, HAS_SCALE, HAS_SOFTCAP)  # not "_": the loops below reassign it
+            u_t, du_t = _logits(x_t, scale, cap, HAS_SCALE, HAS_SOFTCAP)  # not "_": pass 1 binds it
             r = tl.where(u_t == neg_inf, 0.0, u_t)
 
         # ---- pass 1: mx and ls (and the smoothing sum); the last chunk stays in registers
@@ -218,36 +285,9 @@ def _cross_entropy_fwd_kernel(
             ls = tl.load(parts_ptr + N + row64).to(ACC)
         else:
             if valid | LSE_ALL | (d_n != 0.0):  # an ignored row needs no read unless its lse is asked for
-                m = tl.full([], neg_inf, dtype=ACC)
-                s_vec = tl.zeros([BLOCK_C], dtype=ACC)
-                su_vec = tl.zeros([BLOCK_C], dtype=ACC)
-                for k in tl.range(0, K - 1, num_stages=STAGES):
-                    o = k * BLOCK_C + o_c
-                    u, _ = _logits(tl.load(p_x + o).to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
-                    m_new = tl.maximum(m, tl.max(u, 0))
-                    m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: no inf - inf
-                    s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
-                    m = m_new
-                    if HAS_SMOOTHING and STORE_LOSS:
-                        if HAS_WEIGHT:
-                            su_vec += (u - r) * tl.load(weight_ptr + o * stride_w).to(ACC)
-                        else:
-                            su_vec += u - r
-                x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
-                u_c, _ = _logits(x_last.to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
-                u = tl.where(m_last, u_c, neg_inf)  # masked lanes after the cap (which maps -inf to -cap)
-                m_new = tl.maximum(m, tl.max(u, 0))
-                m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
-                s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
-                mx = m_safe
-                ls = tl.log(tl.sum(s_vec, 0))
-                if HAS_SMOOTHING and STORE_LOSS:
-                    if HAS_WEIGHT:
-                        w = tl.load(weight_ptr + o_last * stride_w, mask=m_last, other=0.0).to(ACC)
-                        su_vec += tl.where(m_last, (u_c - r) * w, 0.0)
-                    else:
-                        su_vec += tl.where(m_last, u_c - r, 0.0)
-                    su = tl.sum(su_vec, 0)
+                mx, ls, su, x_last = _row_max_sum(p_x, o_c, o_last, m_last, K, r, weight_ptr, stride_w, scale, cap,
+                                                  BLOCK_C, STAGES, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP,
+                                                  HAS_SMOOTHING and STORE_LOSS, ACC)
         lse = mx + ls
 
         w_t = 1.0
@@ -277,20 +317,10 @@ def _cross_entropy_fwd_kernel(
             if valid | (d_n != 0.0):
                 if LSE_KNOWN:
                     x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
-                g = _grad_chunk(x_last.to(ACC), o_last, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, m_last, scale,
-                                cap, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
-                tl.store(p_g + o_last, round_to(g, grad_ptr.dtype.element_ty), mask=m_last)
-                for i in tl.range(0, K - 1, num_stages=STAGES):
-                    o = (K - 2 - i) * BLOCK_C + o_c  # newest chunks first: they are likeliest still in L2
-                    z = tl.load(p_x + o).to(ACC)
-                    g = _grad_chunk(z, o, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, o < C, scale, cap,
-                                    HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
-                    tl.store(p_g + o, round_to(g, grad_ptr.dtype.element_ty))
+                _grad_row(p_x, p_g, x_last, o_c, o_last, m_last, K, C, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w,
+                          scale, cap, BLOCK_C, STAGES, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, ACC)
             else:  # an ignored row: zeros, nothing read
-                zero = tl.zeros([BLOCK_C], dtype=grad_ptr.dtype.element_ty)
-                for k in range(0, K - 1):
-                    tl.store(p_g + k * BLOCK_C + o_c, zero)
-                tl.store(p_g + o_last, zero, mask=m_last)
+                _zero_row(p_g, o_c, o_last, m_last, K, BLOCK_C)
 
 
 @triton.jit

@@ -395,6 +395,23 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
+def _lce_chunk_grads(logits, h, weight, gi_rows, gw, gb, f32: bool, first: bool) -> None:
+    """One chunk's share of the gradients asked for (None: not asked), from the gradient of its logits."""
+    if gi_rows is not None:
+        torch.mm(logits, weight, out=gi_rows)
+    if gw is not None:
+        # Chunks add into grad_weight in order: each product accumulates in float32 and rounds once to
+        # weight's dtype, or, with f32, into a float32 buffer the size of the weight (docs/cross-entropy.md).
+        if f32:
+            _addmm_f32(gw, logits.t(), h)
+        elif first:
+            torch.mm(logits.t(), h, out=gw)
+        else:
+            gw.addmm_(logits.t(), h)
+    if gb is not None:
+        gb += logits.sum(0, dtype=gb.dtype)
+
+
 def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
               logit_scale, rows, need: tuple[bool, bool, bool], dloss=None, f32: bool = False):
     """Chunks of rows: logits (one product; the loss kernel applies ``logit_scale``), the loss kernel writing the
@@ -431,19 +448,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
                      logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
                      store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
                      softcap=logit_softcap is not None, scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
-        if need[0]:
-            torch.mm(logits, weight, out=gi[r0:r1])
-        if need[1]:
-            # Chunks add into grad_weight in order: each product accumulates in float32 and rounds once to
-            # weight's dtype, or, with f32, into a float32 buffer the size of the weight (docs/cross-entropy.md).
-            if f32:
-                _addmm_f32(gw, logits.t(), h)
-            elif r0 == 0:
-                torch.mm(logits.t(), h, out=gw)
-            else:
-                gw.addmm_(logits.t(), h)
-        if need[2]:
-            gb += logits.sum(0, dtype=gb.dtype)
+        _lce_chunk_grads(logits, h, weight, gi[r0:r1] if need[0] else None, gw, gb, f32, first=r0 == 0)
     return gi, (gw.to(weight.dtype) if f32 and need[1] else gw), (gb.to(bias.dtype) if need[2] else None)
 
 
