@@ -566,8 +566,8 @@ import os, sys, tempfile
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 
-def main(rank, path):
-    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+def dtensor_weight(rank):
+    # A patched norm called with a still-sharded weight: gathered, and its gradient averaged over the ranks.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     import tritongrad
@@ -585,7 +585,43 @@ def main(rank, path):
         (torch.nn.functional.rms_norm(x, [8], wr, 1e-6) * g).sum().backward()
         want = want + wr.grad / 2
     torch.testing.assert_close(got, want)
-    dist.destroy_process_group()
+
+
+def fsdp2_model(rank, head, tied):
+    # A patched tiny Llama under fully_shard at world size 2, each rank on its own sequence: its loss is the
+    # unpatched model's on that sequence, and every gradient the mean over ranks of the unpatched model's.
+    import test_patch_models as T
+    import tritongrad
+    from torch.distributed.fsdp import fully_shard
+    tritongrad.unpatch_transformers()  # rope is patched module-wide: the references run unpatched
+    model = T._model("llama", tie_word_embeddings=tied)
+    batch = T._batch()
+    mine = {k: v[rank:rank + 1] for k, v in batch.items()}
+    refs = [T._references(model, {k: v[r:r + 1] for k, v in batch.items()}) for r in range(2)]
+    (out32, grads32), (out64, grads64) = refs[rank][0], refs[rank][1]
+    mean32 = {n: (refs[0][0][1][n] + refs[1][0][1][n]) / 2 for n in grads32}
+    mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
+    report = tritongrad.patch(model)
+    assert {"rms_norm", "fused_add_rms_norm", "swiglu", "rope", "linear_cross_entropy"} <= set(report.ops()), report
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if head == "own":  # the LM head in a unit of its own, which the fused loss never enters
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    out, grads = T._run(model, mine)
+    T._assert_matches(out, grads, ((out32, mean32), (out64, mean64)))
+    tritongrad.unpatch_transformers()
+
+
+def main(rank, path):
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+    try:
+        dtensor_weight(rank)
+        for head, tied in (("root", False), ("own", False), ("root", True)):
+            fsdp2_model(rank, head, tied)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -594,14 +630,20 @@ if __name__ == "__main__":
 """
 
 
-def test_dtensor_weight_gradient_is_averaged_over_ranks(tmp_path):
-    # A weight still sharded when a patched module runs (called outside its FSDP unit) is gathered; its gradient,
-    # different on each rank, must come back averaged over the ranks, as FSDP2 averages: two gloo ranks on CPU.
+def test_two_ranks_dtensor_weight_and_fsdp2(tmp_path):
+    # Two gloo ranks on CPU. A weight still sharded when a patched module runs (called outside its FSDP unit)
+    # is gathered, and its gradient, different on each rank, comes back averaged, as FSDP2 averages. A tiny
+    # Llama patched with every op and fully_shard-ed (the LM head in the root's unit, in its own unit, and tied
+    # to the embedding) gives each rank the unpatched model's loss and the mean of its gradients over ranks.
     pytest.importorskip("torch.distributed.tensor")
+    pytest.importorskip("torch.distributed.fsdp").fully_shard
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(os.path.dirname(tests), "src")
+    # CPU ranks with the kernels in the interpreter, also on a GPU machine (gloo, CPU tensors).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), TESTS_DIR=tests,
+               CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
