@@ -587,6 +587,27 @@ def dtensor_weight(rank):
     torch.testing.assert_close(got, want)
 
 
+def ddp_model(rank):
+    # The same under DistributedDataParallel: its all-reduce averages the patched ops' gradients.
+    import test_patch_models as T
+    import tritongrad
+    tritongrad.unpatch_transformers()
+    model = T._model("llama")
+    batch = T._batch()
+    refs = [T._references(model, {k: v[r:r + 1] for k, v in batch.items()}) for r in range(2)]
+    (out32, grads32), (out64, grads64) = refs[rank][0], refs[rank][1]
+    mean32 = {n: (refs[0][0][1][n] + refs[1][0][1][n]) / 2 for n in grads32}
+    mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
+    tritongrad.patch(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.zero_grad(set_to_none=True)
+    out = ddp(**{k: v[rank:rank + 1] for k, v in batch.items()})
+    out.loss.backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    T._assert_matches(out, grads, ((out32, mean32), (out64, mean64)))
+    tritongrad.unpatch_transformers()
+
+
 def fsdp2_model(rank, head, tied):
     # A patched tiny Llama under fully_shard at world size 2, each rank on its own sequence: its loss is the
     # unpatched model's on that sequence, and every gradient the mean over ranks of the unpatched model's.
@@ -620,6 +641,7 @@ def main(rank, path):
         dtensor_weight(rank)
         for head, tied in (("root", False), ("own", False), ("root", True)):
             fsdp2_model(rank, head, tied)
+        ddp_model(rank)
     finally:
         dist.destroy_process_group()
 
@@ -630,11 +652,12 @@ if __name__ == "__main__":
 """
 
 
-def test_two_ranks_dtensor_weight_and_fsdp2(tmp_path):
+def test_two_ranks_dtensor_weight_fsdp2_and_ddp(tmp_path):
     # Two gloo ranks on CPU. A weight still sharded when a patched module runs (called outside its FSDP unit)
     # is gathered, and its gradient, different on each rank, comes back averaged, as FSDP2 averages. A tiny
     # Llama patched with every op and fully_shard-ed (the LM head in the root's unit, in its own unit, and tied
-    # to the embedding) gives each rank the unpatched model's loss and the mean of its gradients over ranks.
+    # to the embedding), and under DDP, gives each rank the unpatched model's loss and the mean of its gradients
+    # over ranks.
     pytest.importorskip("torch.distributed.tensor")
     pytest.importorskip("torch.distributed.fsdp").fully_shard
     script = tmp_path / "two_ranks.py"
