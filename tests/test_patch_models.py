@@ -39,7 +39,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 # family: (config model_type, RMSNorm modules, gated MLPs, their op). Why each: Llama, Mistral, Qwen2 copy
 # Llama's norm; Qwen3 adds per-head q_norm/k_norm; Gemma's norm is (1 + w) in float32 and its MLP GELU-gated
 # (geglu); Gemma2 and Gemma3 add sandwich norms (and q/k norms) and final-logit softcapping; Olmo2 multiplies
-# before the cast.
+# before the cast; Phi3 projects gate and up in one gate_up_proj.
 FAMILIES = {
     "llama": ("llama", 5, 2, "swiglu"),
     "mistral": ("mistral", 5, 2, "swiglu"),
@@ -49,6 +49,7 @@ FAMILIES = {
     "gemma2": ("gemma2", 9, 2, "geglu"),
     "gemma3": ("gemma3_text", 13, 2, "geglu"),
     "olmo2": ("olmo2", 9, 2, "swiglu"),
+    "phi3": ("phi3", 5, 2, "swiglu"),  # gate and up in one gate_up_proj
 }
 NORMS_ONLY = dict(swiglu=False, geglu=False, rope=False, linear_cross_entropy=False, causal_mask=False,
                   fused_add_rms_norm=False)
@@ -148,7 +149,7 @@ def _autograd_nodes(t: torch.Tensor) -> set:
 
 
 def _norm_node(family: str) -> str:
-    llama_kind = FAMILIES[family][0] in ("llama", "mistral", "qwen2", "qwen3")
+    llama_kind = FAMILIES[family][0] in ("llama", "mistral", "qwen2", "qwen3", "phi3")
     return "LlamaRmsNormBackward" if llama_kind else "RmsNormBackward"
 
 
@@ -250,6 +251,30 @@ def test_gemma_mlp_is_geglu_and_another_gate_is_left_alone():
     assert report.count == 0 and len(report.skipped) == 2
     assert all(e.op == "swiglu" and "ReLU" in e.detail and "neither SiLU nor GELU" in e.detail for e in report.skipped)
     assert "GemmaMLP" in str(report)
+
+
+def test_fused_gate_up_mlp_is_swiglu_and_swapped_halves_are_left_alone():
+    # Phi3's MLP: gate, up = gate_up_proj(x).chunk(2, -1); the halves in the other order compute another
+    # function, which the probe sees.
+    model = _model("phi3")
+    report = tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.ops() == {"swiglu": 2}
+    assert all("gate_up_proj(x).chunk(2, -1)" in e.detail for e in report.replaced)
+
+    def forward(self, x):
+        up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+    # As a transformers class would be: in its modeling module.
+    phi3 = importlib.import_module("transformers.models.phi3.modeling_phi3")
+    swapped = type("SwappedMLP", (phi3.Phi3MLP,), {"forward": forward, "__module__": phi3.__name__})
+    other = _model("phi3")
+    for layer in other.model.layers:
+        layer.mlp.__class__ = swapped
+    report = tritongrad.patch(other, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.count == 0 and len(report.skipped) == 2
+    assert all(e.op == "swiglu" and "SwappedMLP.forward is not down_proj(act(gate) * up)" in e.detail
+               for e in report.skipped), report
 
 
 def test_nothing_to_patch_warns_or_raises():

@@ -17,7 +17,8 @@ The replacements:
   ``olmo2``: ``(weight * xhat).to(x.dtype)`` (:func:`tritongrad.rms_norm`, which multiplies in float32 and
   rounds once).
 - The gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU ``act_fn``:
-  ``down_proj(tritongrad.swiglu(gate_proj(x), up_proj(x)))``.
+  ``down_proj(tritongrad.swiglu(gate_proj(x), up_proj(x)))`` (a GELU one: :func:`tritongrad.geglu`); with gate
+  and up in one projection (Phi3, GLM), ``down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))``.
 - ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``: :func:`tritongrad.apply_rotary_pos_emb`.
 - The causal-LM loss: ``loss_function`` (:func:`tritongrad.cross_entropy` on the logits), or the forward, whose
   training step with ``labels`` computes :func:`tritongrad.linear_cross_entropy` from the last hidden states
@@ -293,6 +294,65 @@ def _gated_forward(self, x):
 
 swiglu_forward = marked(_gated_forward, "swiglu")
 geglu_forward = marked(functools.wraps(_gated_forward)(lambda self, x: _gated_forward(self, x)), "geglu")
+
+
+# ---------------------------------------------------------------- gated MLP, gate and up in one projection
+def gate_act(m: torch.nn.Module):
+    """A gated MLP's activation: ``act_fn``, or ``activation_fn`` (Phi3's and GLM's name)."""
+    act = getattr(m, "act_fn", None)
+    return act if callable(act) else getattr(m, "activation_fn", None)
+
+
+def looks_like_fused_gated_mlp(m: torch.nn.Module) -> bool:
+    p = getattr(m, "gate_up_proj", None)
+    return isinstance(p, torch.nn.Linear) and p.out_features % 2 == 0 \
+        and isinstance(getattr(m, "down_proj", None), torch.nn.Linear) and callable(gate_act(m))
+
+
+@functools.cache
+def fused_gated_mlp_why_not(cls: type) -> str | None:
+    """None when ``cls.forward`` is ``down_proj(act(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2,
+    -1)``, else why not."""
+    probe = cls.__new__(cls)
+    torch.nn.Module.__init__(probe)
+    g = _probe_rng()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        probe.gate_up_proj = torch.nn.Linear(8, 24, bias=False)
+        probe.down_proj = torch.nn.Linear(12, 8, bias=False)
+    probe.act_fn = probe.activation_fn = torch.nn.SiLU()
+    x = torch.randn(2, 8, generator=g)
+    with torch.no_grad():
+        try:
+            got = cls.forward(probe, x)
+        except Exception as e:  # noqa: BLE001
+            return f"{cls.__name__}.forward is not the gate_up/down layout ({type(e).__name__}: {e})"
+        gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
+        want = probe.down_proj(F.silu(gate) * up)
+    return None if _equal(got, want) else \
+        f"{cls.__name__}.forward is not down_proj(act(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)"
+
+
+FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))",
+                     "tanh": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1), approximate='tanh'))",
+                     "none": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1)))"}
+
+
+def _fused_gated_forward(self, x):
+    kind = getattr(self, GATE_ATTR, None)  # set by patch on each instance it replaced
+    if kind in ("silu", "tanh", "none"):
+        # The halves are views of one projection (not reusable in place); the chunk's backward writes one
+        # [..., 2I] gradient from the two.
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        y = tritongrad.swiglu(gate, up) if kind == "silu" else tritongrad.geglu(gate, up, approximate=kind)
+        return self.down_proj(y)
+    return original_forward_of(type(self))(self, x)
+
+
+fused_swiglu_forward = marked(functools.wraps(_fused_gated_forward)(lambda self, x: _fused_gated_forward(self, x)),
+                              "swiglu")
+fused_geglu_forward = marked(functools.wraps(_fused_gated_forward)(lambda self, x: _fused_gated_forward(self, x)),
+                             "geglu")
 
 
 # ---------------------------------------------------------------- MoE experts

@@ -28,8 +28,8 @@ _NEEDS = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "swiglu": "swiglu"
 
 # What patch() looks for in a Hugging Face model, per op (said in the report when none is found).
 _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps",
-               "swiglu": "no MLP with gate_proj, up_proj, down_proj and act_fn",
-               "geglu": "no MLP with gate_proj, up_proj, down_proj and a GELU act_fn",
+               "swiglu": "no MLP with gate_proj and up_proj (or one gate_up_proj), down_proj and act_fn",
+               "geglu": "no MLP with gate_proj and up_proj (or one gate_up_proj), down_proj and a GELU act_fn",
                "rope": "no *Attention class whose module defines apply_rotary_pos_emb",
                "cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
                "linear_cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
@@ -289,9 +289,11 @@ def _hf_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
     if hf.looks_like_rms_norm(m):
         return _norm_attrs(hf, m, cls, base, name, on, report)
     if hf.looks_like_gated_mlp(m):
-        return _gate_attrs(hf, m, cls, base, name, on, report, experts=False)
+        return _gate_attrs(hf, m, cls, base, name, on, report, layout="mlp")
+    if hf.looks_like_fused_gated_mlp(m):
+        return _gate_attrs(hf, m, cls, base, name, on, report, layout="fused")
     if hf.looks_like_experts(m):
-        return _gate_attrs(hf, m, cls, base, name, on, report, experts=True)
+        return _gate_attrs(hf, m, cls, base, name, on, report, layout="experts")
     if base.__name__.endswith("DecoderLayer") and hasattr(m, "post_attention_layernorm"):
         return _add_norm_attrs(hf, m, cls, base, name, on, report)
     if base.__name__.endswith("ForCausalLM") or hasattr(m, "lm_head") and hasattr(m, "model"):
@@ -332,22 +334,27 @@ def _add_norm_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
     return {"forward": forward}, {"fused_add_rms_norm": hf.ADD_NORM_DETAIL}
 
 
-def _gate_attrs(hf, m, cls, base, name, on, report, *, experts: bool) -> tuple[dict, dict]:
-    """A gated MLP's forward, or a MoE experts module's ``_apply_gate``, through swiglu or geglu."""
-    kind, why = hf.gate_kind(m.act_fn)
+def _gate_attrs(hf, m, cls, base, name, on, report, *, layout: str) -> tuple[dict, dict]:
+    """A gated MLP's forward (``layout`` "mlp": gate_proj and up_proj; "fused": one gate_up_proj), or a MoE
+    experts module's ``_apply_gate`` ("experts"), through swiglu or geglu."""
+    kind, why = hf.gate_kind(hf.gate_act(m))
     op = hf.GATE_OPS.get(kind, "swiglu")
     if op not in on:
         return {}, {}
-    if kind is not None and _patched_before(hf, cls, op, *(("_apply_gate",) if experts else ())):
+    if kind is not None and _patched_before(hf, cls, op, *(("_apply_gate",) if layout == "experts" else ())):
         m.__dict__[hf.GATE_ATTR] = kind
         return {}, {op: ""}
-    why = (hf.experts_why_not(m, base) if experts else hf.gated_mlp_why_not(base)) or why
+    layout_why = {"mlp": hf.gated_mlp_why_not, "fused": hf.fused_gated_mlp_why_not}
+    why = (hf.experts_why_not(m, base) if layout == "experts" else layout_why[layout](base)) or why
     if why is not None:
         report._add("skipped", op, name, f"{base.__name__}: {why}")
         return {}, {}
     m.__dict__[hf.GATE_ATTR] = kind
-    if experts:
+    if layout == "experts":
         return {"_apply_gate": hf.experts_gate[op]}, {op: hf.EXPERTS_DETAIL[kind]}
+    if layout == "fused":
+        return ({"forward": hf.fused_swiglu_forward if op == "swiglu" else hf.fused_geglu_forward},
+                {op: hf.FUSED_GATE_DETAIL[kind]})
     return ({"forward": hf.swiglu_forward if op == "swiglu" else hf.geglu_forward},
             {op: hf.GATE_DETAIL[kind]})
 
