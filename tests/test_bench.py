@@ -272,3 +272,25 @@ def test_a_failed_capture_leaves_random_inputs_working():
     with pytest.raises(Exception):
         timer.device_ms(lambda: x.sum().item(), [], 0.01)
     assert torch.randn(8, device="cuda").isfinite().all()
+
+
+def test_liger_grpo_row_times_the_same_function():
+    """Liger's chunked GRPO loss is timed against tritongrad's only as the same function: on the bench's GRPO
+    inputs (three sequences, a small head) the same loss and gradients. On CPU, Liger's loss
+    uncompiled."""
+    pytest.importorskip("liger_kernel.chunked_loss")
+    from tritongrad.bench.ops import grpo_layout
+    from tritongrad.bench.providers import liger_grpo_loss
+
+    op = OPS["linear_grpo_loss"]
+    N, D = 3 * 16, 16  # sequences of gcd(N, 1024) = 16 tokens
+    assert grpo_layout(N) == (3, 16)
+    inputs = op.inputs(N, D, torch.float32, "cpu")
+    h, W = (inputs[0].detach().requires_grad_(), inputs[1].detach().requires_grad_())
+    ours, _ = op.bind(tritongrad.linear_grpo_loss)(h, W, *inputs[2:])  # (loss, metrics)
+    want = torch.autograd.grad(ours, (h, W))
+    theirs = liger_grpo_loss(compiled=False)(h, W, *inputs[2:])
+    got = torch.autograd.grad(theirs, (h, W))
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -19,6 +19,7 @@ choice of the implementation, not something the op must move.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -144,10 +145,29 @@ def _token_logprobs_torch(input, weight, target):
     return torch.log_softmax(F.linear(input, weight).float(), -1).gather(-1, target[..., None])[..., 0]
 
 
+GRPO_SEQ = 1024  # completion tokens a sequence: the N tokens are N / gcd(N, GRPO_SEQ) sequences
+GRPO_BETA = 0.04  # the KL coefficient of the bench's GRPO (TRL's former default), for every provider
+
+
+def grpo_layout(N: int) -> tuple[int, int]:
+    """(sequences, tokens each) of the bench's GRPO batch of N completion tokens."""
+    T = math.gcd(N, GRPO_SEQ)
+    return N // T, T
+
+
 def _grpo_inputs(N: int, D: int, dtype: torch.dtype, device):
-    """One sequence of N completion tokens: hidden, head, ids, its advantage and the reference's log-probs."""
+    """N completion tokens in sequences of up to GRPO_SEQ: hidden, head, ids (flat), one advantage a sequence
+    and the reference's log-probs."""
     h, W, t = _hidden_weight_targets(N, D, dtype, device)
-    return h, W, t, torch.randn(1, device=device), -10 * torch.rand(N, device=device)
+    return h, W, t, torch.randn(grpo_layout(N)[0], device=device), -10 * torch.rand(N, device=device)
+
+
+def _grpo_bind(f):
+    """The flat bench inputs as [sequences, tokens, ...] for a GRPO loss with the public signature."""
+    def run(h, W, t, a, ref):
+        B, T = grpo_layout(h.shape[0])
+        return f(h.view(B, T, -1), W, t.view(B, T), a, ref_logprobs=ref.view(B, T), beta=GRPO_BETA)
+    return run
 
 
 def _grpo_torch(input, weight, completion_ids, advantages, completion_mask=None, bias=None, *, ref_logprobs=None,
@@ -259,13 +279,14 @@ OPS: dict[str, OpSpec] = {
             "linear_grpo_loss",
             _grpo_inputs,
             _grpo_torch,
-            bind=lambda f: lambda h, W, t, a, ref: f(h[None], W, t[None], a, ref_logprobs=ref[None], beta=0.04),
+            bind=_grpo_bind,
             # linear_token_logprobs' bytes, plus the reference's log-probabilities (float32); tritongrad's op
             # writes the gradients in the forward, moving those bytes there: fwdbwd is the figure to compare
             fwd_bytes=lambda N, D, s: N * D * s + lce_vocab(D) * D * s + 12 * N,
             bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 12 * N,
             shapes=((4096, 4096), (8192, 4096)),
-            size="one sequence of N completion tokens: hidden [N, D], weight [V, D] (as linear_token_logprobs)",
+            size="N completion tokens in sequences of gcd(N, 1024): hidden [N, D], weight [V, D] (as "
+                 "linear_token_logprobs), dapo loss, beta 0.04",
         ),
         OpSpec(
             "fused_add_rms_norm",

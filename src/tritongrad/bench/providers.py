@@ -121,6 +121,9 @@ def _liger_build(op: OpSpec) -> Callable:
 
         return lambda h, W, t: liger_fused_linear_cross_entropy(h, W, t)
 
+    def linear_grpo_loss():
+        return liger_grpo_loss(compiled=True)
+
     def swiglu():
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -132,13 +135,30 @@ def _liger_build(op: OpSpec) -> Callable:
         return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
 
     fns = {f.__name__: f for f in (rms_norm, fused_add_rms_norm, layer_norm, cross_entropy, linear_cross_entropy,
-                                   swiglu, rotary)}
+                                   linear_grpo_loss, swiglu, rotary)}
     if op.name not in fns:
         raise Unavailable(f"liger-kernel has no {op.name}")
     try:
         return fns[op.name]()
     except ImportError as e:
         raise Unavailable(f"liger-kernel {op.name} is not importable ({e})") from None
+
+
+def liger_grpo_loss(compiled: bool) -> Callable:
+    """Liger's chunked GRPO loss on the bench's GRPO inputs, configured as tritongrad's row (dapo, beta
+    ``GRPO_BETA``, old log-probabilities the detached current ones, every token in the mask): the same
+    function, which tests/test_bench.py checks on CPU."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    from .ops import GRPO_BETA, grpo_layout
+
+    loss = LigerFusedLinearGRPOLoss(beta=GRPO_BETA, loss_type="dapo", use_ref_model=True, compiled=compiled)
+
+    def run(h, W, t, a, ref):
+        B, T = grpo_layout(h.shape[0])
+        mask = torch.ones(B, T, device=h.device)
+        return loss(h.view(B, T, -1), W, t.view(B, T), mask, a, ref_per_token_logps=ref.view(B, T))[0]
+    return run
 
 
 def _quack_probe() -> str:
