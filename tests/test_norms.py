@@ -823,6 +823,16 @@ def test_fused_add_rms_norm_is_the_decoder_layers_add_and_norm(D):
     assert s.is_contiguous() and y.is_contiguous() and torch.equal(s, rt_ + xt)
 
 
+def test_fused_add_rms_norm_reference_keeps_the_layout_contract():
+    # The reference is what CPU tensors run without the interpreter: the same contiguous outputs as the
+    # kernels, also for a strided x beside a contiguous residual (Inkling's decoder views the stream after).
+    from tritongrad.ops.norm.residual import fused_add_rms_norm_reference
+
+    x, r = torch.randn(8, 5, dtype=torch.float64).t(), torch.randn(5, 8, dtype=torch.float64)
+    y, s = fused_add_rms_norm_reference(x, r, torch.rand(8, dtype=torch.float64) + 0.5, 1e-6)
+    assert s.is_contiguous() and y.is_contiguous() and torch.equal(s, r + x)
+
+
 def test_fused_add_rms_norm_gives_each_input_its_own_gradient():
     x, r = [torch.randn(6, 40, device=DEVICE, requires_grad=True) for _ in range(2)]
     w = torch.rand(40, device=DEVICE, requires_grad=True)

@@ -105,8 +105,10 @@ _bwd = kernel(_add_rms_bwd_kernel)
 
 def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + residual`` in their dtype, then Hugging Face's LlamaRMSNorm of s: ``(y, s)``."""
-    s = x + residual
+    """``s = x + residual`` in their dtype, then Hugging Face's LlamaRMSNorm of s: ``(y, s)``, contiguous as
+    the op's are (where x is strided, ``x + residual`` would follow x's layout, and a decoder's later ``view``
+    of the stream can fail)."""
+    s = (residual + x).contiguous()
     return llama_rms_norm_reference(s, weight, eps), s
 
 
