@@ -198,3 +198,18 @@ def test_matrix_says_why_a_forward_it_cannot_establish_is_left_alone():
     assert why and "logits other than" in why[0], report
     tritongrad.unpatch(model)
     assert torch.is_tensor(model.lm_head.weight)
+
+
+def test_models_json_is_all_that_stdout_holds(monkeypatch, capsys):
+    # Some families print while they run; `tritongrad models --json | jq` must still get JSON alone.
+    from tritongrad.cli import main
+
+    def run(names, modes, progress=None):
+        print("Warning: position_ids is not a recognized input.")
+        return [{"family": n, "eager": "exact", "ops": {}} for n in names]
+
+    monkeypatch.setattr(zoo, "run", run)
+    assert main(["models", "llama", "--json", "--mode", "eager"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == [{"family": "llama", "eager": "exact", "ops": {}}]
+    assert "not a recognized input" in err

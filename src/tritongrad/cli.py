@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -68,7 +69,9 @@ def models(args) -> int:
         if not args.json:
             print(f"{v.family:28} {v.mode:9} {v.line()}", flush=True)
 
-    rows = zoo.run(names, modes, progress=progress if not args.markdown else None)
+    # With --json, stdout holds the JSON alone: what the models print while they run goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        rows = zoo.run(names, modes, progress=progress if not args.markdown else None)
     if args.json:
         print(json.dumps(rows, indent=1))
     elif args.markdown:
