@@ -26,9 +26,10 @@ pytestmark = pytest.mark.slow
 # interpreter one shape (every row of the sweep is a torch.compile and an interpreted kernel).
 SHAPES = ["4x64", "16x256"] if torch.cuda.is_available() else ["4x64"]
 ARGS = ["--shapes", ",".join(SHAPES), "--dtype", "fp32", "--rep", "5", "--warmup", "0"]
-# The full sweep (every provider, shape and mode) on the row ops; the others, slower through the interpreter,
-# at one shape and mode in test_every_built_in_op_runs.
-ROW_OPS = ["weighted_sum", "rms_norm", "layer_norm"]
+# The full sweep (every provider, shape and mode) on two row ops, one with a weight and one with a weight and a
+# bias: the bench runs every op through the same code; the others, rms_norm among them, at one shape and mode
+# in test_every_built_in_op_runs.
+ROW_OPS = ["weighted_sum", "layer_norm"]
 
 # Bytes at x: [4, 64] float32 (s = 4), worked by hand from each op's formula in bench/ops.py:
 # N*D*s = 1024, D*s = 256, N*s = 16.
@@ -151,17 +152,18 @@ def test_one_plot_per_op(bench):
 
 
 def test_every_built_in_op_runs(tmp_path):
-    """The ops past the row ops (cross_entropy, linear_cross_entropy, swiglu, rotary), by name or alias, each
-    timed on its inputs by tritongrad and eager PyTorch, with its bytes formula."""
+    """The ops past the full sweep's (rms_norm, cross_entropy, linear_cross_entropy, swiglu, rotary), by name or
+    alias, each timed on its inputs by tritongrad and eager PyTorch, with its bytes formula."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["bench", "cross_entropy", "linear_cross_entropy", "swiglu", "apply_rotary_pos_emb", "--shapes",
-                     "4x64", "--dtype", "fp32", "--mode", "fwdbwd", "--rep", "1", "--warmup", "0", "--provider",
-                     "tritongrad", "eager", "--out", str(tmp_path)])
+        code = main(["bench", "rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "apply_rotary_pos_emb",
+                     "--shapes", "4x64", "--dtype", "fp32", "--mode", "fwdbwd", "--rep", "1", "--warmup", "0",
+                     "--provider", "tritongrad", "eager", "--out", str(tmp_path)])
     assert code == 0
     rows = json.loads(_one(tmp_path.glob("*.json")).read_text())["results"]
     assert {(r["op"], r["provider"]) for r in rows} == {
-        (op, p) for op in ("cross_entropy", "linear_cross_entropy", "swiglu", "rotary") for p in ("tritongrad", "eager")}
+        (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rotary")
+        for p in ("tritongrad", "eager")}
     for r in rows:
         assert r["status"] == "ok", r
         assert r["bytes"] == sum(BYTES_4x64_FP32[r["op"]].values()), r
