@@ -2,9 +2,9 @@
 
 - ``test_every_family_eager``: every causal-LM family of the installed transformers, eager, loss and
   gradients (all the training checks in the extended tier), in subprocesses where the ops take their PyTorch
-  references on the CPU (no interpreter): it checks what ``patch`` puts in each family's place, for all. No family may be ``wrong``; the families
-  listed in ``EXACT`` must stay ``exact``. The other checks (generation, padding, position ids) run with
-  ``tritongrad models``.
+  references on the CPU (no interpreter): it checks what ``patch`` puts in each family's place, for all. No
+  family may be ``wrong``; the families listed in ``EXACT``, and those the committed record calls exact, must
+  stay ``exact``. The other checks (generation, padding, position ids) run with ``tritongrad models``.
 - ``test_family_with_kernels``: families that reach every patched code path (q/k norms, GeGLU, logit scales
   and soft caps, partial and interleaved rotary, router logits), eager and compiled (``aot_eager``, which
   traces the backward with fake tensors), with the kernels in Triton's interpreter: the training checks
@@ -31,8 +31,9 @@ EXACT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "deepseek_v3", "gptj", "dbrx", "qwen3_5", "gemma4_text", "bamba", "granitemoehybrid")
 
 
-
 def _record_exact() -> set:
+    """The families the committed record of the installed transformers' minor version calls exact in eager
+    mode (none without a record for that version)."""
     import glob
 
     import transformers
