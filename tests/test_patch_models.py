@@ -273,8 +273,16 @@ def test_fused_gate_up_mlp_is_swiglu_and_swapped_halves_are_left_alone():
         layer.mlp.__class__ = swapped
     report = tritongrad.patch(other, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
     assert report.count == 0 and len(report.skipped) == 2
-    assert all(e.op == "swiglu" and "SwappedMLP.forward is not down_proj(act(gate) * up)" in e.detail
+    assert all(e.op == "swiglu" and "SwappedMLP.forward is not down_proj(activation_fn(gate) * up)" in e.detail
                for e in report.skipped), report
+    # An instance with an act_fn beside the activation_fn its forward reads: the GELU act_fn must not make
+    # its SiLU MLP a geglu.
+    third = _model("phi3")
+    for layer in third.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    report = tritongrad.patch(third, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.count == 0 and len(report.skipped) == 2
+    assert all(e.op == "geglu" and "is not down_proj(act_fn(gate) * up)" in e.detail for e in report.skipped), report
 
 
 def test_nothing_to_patch_warns_or_raises():

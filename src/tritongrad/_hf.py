@@ -227,25 +227,49 @@ def looks_like_gated_mlp(m: torch.nn.Module) -> bool:
         and callable(getattr(m, "act_fn", None))
 
 
-@functools.cache
-def gated_mlp_why_not(cls: type) -> str | None:
-    """None when ``cls.forward`` is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, else why not."""
+# The names a gated MLP's activation goes by (Phi3's and GLM's is activation_fn).
+ACT_NAMES = ("act_fn", "activation_fn")
+
+
+def gate_act_name(m: torch.nn.Module) -> str:
+    """The attribute holding ``m``'s activation: ``act_fn`` where callable, else ``activation_fn``."""
+    return "act_fn" if callable(getattr(m, "act_fn", None)) else "activation_fn"
+
+
+def gate_act(m: torch.nn.Module):
+    return getattr(m, gate_act_name(m), None)
+
+
+def _gated_why_not(cls: type, layers: dict, act_name: str, want, layout: str, formula: str) -> str | None:
+    """Run ``cls.forward`` on a probe holding the bias-free Linear ``layers`` (name: (in, out)) and a SiLU
+    under ``act_name``, every other activation name the identity (a forward reading another shows); None when it
+    equals ``want(probe, x)`` bit for bit, else why not."""
     probe = cls.__new__(cls)
     torch.nn.Module.__init__(probe)
     g = _probe_rng()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        probe.gate_proj, probe.up_proj = torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(8, 12, bias=False)
-        probe.down_proj = torch.nn.Linear(12, 8, bias=False)
-    probe.act_fn = torch.nn.SiLU()
+        for name, (n_in, n_out) in layers.items():
+            setattr(probe, name, torch.nn.Linear(n_in, n_out, bias=False))
+    for name in ACT_NAMES:
+        setattr(probe, name, torch.nn.SiLU() if name == act_name else torch.nn.Identity())
     x = torch.randn(2, 8, generator=g)
     with torch.no_grad():
         try:
             got = cls.forward(probe, x)
         except Exception as e:  # noqa: BLE001
-            return f"{cls.__name__}.forward is not the gate/up/down layout ({type(e).__name__}: {e})"
-        want = probe.down_proj(F.silu(probe.gate_proj(x)) * probe.up_proj(x))
-    return None if _equal(got, want) else f"{cls.__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+            return f"{cls.__name__}.forward is not the {layout} layout ({type(e).__name__}: {e})"
+        expected = want(probe, x)
+    return None if _equal(got, expected) else f"{cls.__name__}.forward is not {formula}"
+
+
+@functools.cache
+def gated_mlp_why_not(cls: type) -> str | None:
+    """None when ``cls.forward`` is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, else why not."""
+    return _gated_why_not(
+        cls, {"gate_proj": (8, 12), "up_proj": (8, 12), "down_proj": (12, 8)}, "act_fn",
+        lambda p, x: p.down_proj(F.silu(p.gate_proj(x)) * p.up_proj(x)), "gate/up/down",
+        "down_proj(act_fn(gate_proj(x)) * up_proj(x))")
 
 
 GATE_OPS = {"silu": "swiglu", "tanh": "geglu", "none": "geglu"}
@@ -297,40 +321,23 @@ geglu_forward = marked(functools.wraps(_gated_forward)(lambda self, x: _gated_fo
 
 
 # ---------------------------------------------------------------- gated MLP, gate and up in one projection
-def gate_act(m: torch.nn.Module):
-    """A gated MLP's activation: ``act_fn``, or ``activation_fn`` (Phi3's and GLM's name)."""
-    act = getattr(m, "act_fn", None)
-    return act if callable(act) else getattr(m, "activation_fn", None)
-
-
 def looks_like_fused_gated_mlp(m: torch.nn.Module) -> bool:
     p = getattr(m, "gate_up_proj", None)
     return isinstance(p, torch.nn.Linear) and p.out_features % 2 == 0 \
         and isinstance(getattr(m, "down_proj", None), torch.nn.Linear) and callable(gate_act(m))
 
 
+def _fused_want(p, x):
+    gate, up = p.gate_up_proj(x).chunk(2, dim=-1)
+    return p.down_proj(F.silu(gate) * up)
+
+
 @functools.cache
-def fused_gated_mlp_why_not(cls: type) -> str | None:
+def fused_gated_mlp_why_not(cls: type, act_name: str) -> str | None:
     """None when ``cls.forward`` is ``down_proj(act(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2,
-    -1)``, else why not."""
-    probe = cls.__new__(cls)
-    torch.nn.Module.__init__(probe)
-    g = _probe_rng()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        probe.gate_up_proj = torch.nn.Linear(8, 24, bias=False)
-        probe.down_proj = torch.nn.Linear(12, 8, bias=False)
-    probe.act_fn = probe.activation_fn = torch.nn.SiLU()
-    x = torch.randn(2, 8, generator=g)
-    with torch.no_grad():
-        try:
-            got = cls.forward(probe, x)
-        except Exception as e:  # noqa: BLE001
-            return f"{cls.__name__}.forward is not the gate_up/down layout ({type(e).__name__}: {e})"
-        gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
-        want = probe.down_proj(F.silu(gate) * up)
-    return None if _equal(got, want) else \
-        f"{cls.__name__}.forward is not down_proj(act(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)"
+    -1)`` and ``act`` the module's ``act_name`` attribute, else why not."""
+    return _gated_why_not(cls, {"gate_up_proj": (8, 24), "down_proj": (12, 8)}, act_name, _fused_want, "gate_up/down",
+                          f"down_proj({act_name}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
 
 
 FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))",
