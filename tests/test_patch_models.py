@@ -470,6 +470,34 @@ def test_patch_transformers_all_ops():
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
 
+class _HubWrapped(torch.nn.Module):
+    """What transformers with the ``kernels`` package makes of a module's ``apply_rotary_pos_emb``: a module
+    instance whose forward, with the function's signature, calls the function."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return self.fn(q, k, cos, sin, unsqueeze_dim)
+
+
+def test_rope_wrapped_in_a_module_is_established_replaced_and_restored(monkeypatch):
+    modeling = _hf.modeling_module("llama")
+    plain = modeling.apply_rotary_pos_emb
+    plain = plain.forward if isinstance(plain, torch.nn.Module) else plain
+    wrapped = _HubWrapped(plain)
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", wrapped)
+    model = _model("llama")
+    batch = _batch()
+    refs = _references(model, batch)
+    report = tritongrad.patch(model, **{**NORMS_ONLY, "rms_norm": False, "rope": True})
+    assert report.ops() == {"rope": 1}, report
+    _assert_matches(*_run(model, batch), refs)
+    tritongrad.unpatch(model)
+    assert modeling.apply_rotary_pos_emb is wrapped
+
+
 # ---------------------------------------------------------------- with cross_entropy
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_cross_entropy_loss_function(family, spy):

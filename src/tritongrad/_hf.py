@@ -450,17 +450,24 @@ def _rope_matches(fn, kind: str, r: int) -> bool:
     return True
 
 
+def signature(fn) -> inspect.Signature:
+    """``fn``'s signature; for a module called as a function (transformers with the ``kernels`` package wraps
+    each ``@use_kernel_forward_from_hub`` function in one, whose forward calls the function), its forward's."""
+    return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+
+
 @functools.cache
 def rope_kind(fn) -> tuple[str | None, str | None]:
     """``(kind, None)`` when ``fn`` is one of Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin,
     unsqueeze_dim=1)`` (see :func:`_rope_formula`), checked bit for bit on probes; else ``(None, why not)``.
     ``llama`` is established for full-width cos/sin only (the replacement leaves other widths to ``fn``)."""
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        sig = signature(fn)
     except (TypeError, ValueError):
         return None, "apply_rotary_pos_emb has no readable signature"
+    params = list(sig.parameters.values())
     if [p.name for p in params] != ["q", "k", "cos", "sin", "unsqueeze_dim"] or params[4].default != 1:
-        return None, f"apply_rotary_pos_emb{inspect.signature(fn)} is not (q, k, cos, sin, unsqueeze_dim=1)"
+        return None, f"apply_rotary_pos_emb{sig} is not (q, k, cos, sin, unsqueeze_dim=1)"
     if _rope_matches(fn, "llama", 8):
         return ("partial" if _rope_matches(fn, "partial", 4) else "llama"), None
     if _rope_matches(fn, "glm", 8) and _rope_matches(fn, "glm", 4):
