@@ -453,20 +453,24 @@ def test_linear_cross_entropy_keeps_hf_loss_semantics(family, spy):
 
 def test_patch_transformers_all_ops():
     modeling = _hf.modeling_module("qwen3")
+    # Where the decoder layer's class wraps its forward when it is created (transformers' checkpointing layer,
+    # since 5.x), a forward set on the class itself would lose that wrapper: patch_transformers then leaves the
+    # layer to patch(model). Where it does not, the class's forward is replaced.
+    wrapped = bool(_hf.wrappers(modeling.Qwen3DecoderLayer.forward))
     report = tritongrad.patch_transformers("qwen3")
-    assert report.ops() == {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2}
-    # The decoder layer's class wraps its forward for gradient checkpointing when it is created: a forward set
-    # on the class itself would lose that wrapper, so patch_transformers leaves the layer to patch(model).
-    assert [(e.op, "a class-level patch would not keep" in e.detail) for e in report.skipped] == [
-        ("fused_add_rms_norm", True)]
+    ops = {"rms_norm": 1, "swiglu": 1, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2}
+    assert report.ops() == (ops if wrapped else {**ops, "fused_add_rms_norm": 1})
+    assert [(e.op, "a class-level patch would not keep" in e.detail) for e in report.skipped] == (
+        [("fused_add_rms_norm", True)] if wrapped else [])
     model = _model("qwen3")
     again = tritongrad.patch(model)  # every op already patched through the classes; patch fuses the layers
-    assert {e.op for e in again.replaced} == {"fused_add_rms_norm"} and again.count == 2
+    assert {e.op for e in again.replaced} == ({"fused_add_rms_norm"} if wrapped else set())
+    assert again.count == (2 if wrapped else 0)
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) == "rope"
     out = model(**_batch())
     assert out.logits is None
     out.loss.backward()
-    assert tritongrad.unpatch_transformers("qwen3") == 4
+    assert tritongrad.unpatch_transformers("qwen3") == (4 if wrapped else 5)
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
 

@@ -938,3 +938,35 @@ def test_float_arguments_reach_compiled_kernels_as_float32():
     assert fp64.count("arith.truncf") == 1 and fp64.count("f64") == 2, fp64  # the argument, truncated once
     assert "fp32 f64 lines: []" in out.stdout
 
+
+
+# ---------------------------------------------------------------- the interpreter across Triton versions
+@triton.jit
+def _program_bounded_loop_kernel(o_ptr, N, R: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = 0
+    for r in tl.range(pid * R, tl.minimum(N, pid * R + R)):  # loop bounds from the program id
+        acc += r
+    tl.store(o_ptr + pid, acc)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_loops_bounded_by_the_program_id(monkeypatch):
+    """Triton 3.6's interpreter converts a loop bound with ``int(array)``, which numpy >= 2.4 refuses for the
+    one-element arrays ``tl.program_id`` gives: tritongrad puts the later conversion on top of such an
+    interpreter. Here the installed interpreter is given 3.6's conversion, and the shim must undo it."""
+    from triton.runtime import interpreter
+
+    from tritongrad import _runtime as rt
+
+    later = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):  # Triton 3.6's conversion of a scalar
+        later(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", _patch_lang_tensor)
+    rt._interpreter_scalar_index()
+    out = torch.zeros(4, dtype=torch.int64)
+    _program_bounded_loop_kernel[(4,)](out, 10, R=3)
+    assert out.tolist() == [0 + 1 + 2, 3 + 4 + 5, 6 + 7 + 8, 9]

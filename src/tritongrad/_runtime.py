@@ -42,6 +42,32 @@ def _probe_kernel():
 INTERPRET: bool = type(_probe_kernel).__name__ == "InterpretedFunction"
 
 
+def _interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter reads a scalar as a loop bound with ``int(array)``, which numpy 2.4 refuses for
+    its one-element arrays (every ``tl.range`` bound derived from ``tl.program_id``); later Triton squeezes
+    the array first. Where the installed interpreter has the old conversion, its per-launch patch of
+    ``tl.tensor`` gets the later one on top."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        old = "int(self.handle.data)" in inspect.getsource(patch_tensor)
+    except (TypeError, OSError):
+        return
+    if not old:
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+if INTERPRET:
+    _interpreter_scalar_index()
+
+
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
