@@ -84,6 +84,11 @@ FAMILY_CONFIG: dict[str, dict] = {
     "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=2, mamba_d_state=8, chunk_size=8,
                    adapter_rank=8),
     "zaya": dict(num_experts_per_tok=1),
+    # Ergo's dense first block and shared experts have sizes of their own; Kolibri's indexer heads must fit the
+    # tiny model's query heads.
+    "ergo": dict(first_dense_intermediate_size=128, shared_intermediate_size=64, moe_intermediate_size=32,
+                 num_experts=4, num_experts_per_tok=2),
+    "kolibri1_1": dict(index_num_heads=2, index_topk=8),
     # Local attention only: LSH attention hashes into buckets, and a rounding-level change moves a token.
     "reformer": dict(is_decoder=True, axial_pos_shape=[3, 4], axial_pos_embds_dim=[32, 32],
                      attn_layers=["local", "local"], chunk_size_lm_hd=0),
