@@ -970,3 +970,43 @@ def test_interpreter_loops_bounded_by_the_program_id(monkeypatch):
     out = torch.zeros(4, dtype=torch.int64)
     _program_bounded_loop_kernel[(4,)](out, 10, R=3)
     assert out.tolist() == [0 + 1 + 2, 3 + 4 + 5, 6 + 7 + 8, 9]
+
+
+@triton.jit
+def _twice(v):
+    return v * 2
+
+
+@triton.jit
+def _helper_loop_kernel(o_ptr, n):
+    acc = tl.zeros([4], dtype=tl.float32)
+    for _ in tl.range(0, n):
+        acc = _twice(acc + 1)
+    tl.store(o_ptr + tl.arange(0, 4), acc)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
+    """The interpreter patches ``triton.language`` when a kernel starts and at every call of a jit helper;
+    tritongrad skips the helpers' repeats (most of the interpreter's time in kernels written with helpers). The
+    language is walked as often for 8 helper calls as for 1, the results are right, and the language is
+    restored when the kernel ends."""
+    from triton.runtime import interpreter
+
+    walks = []
+    walk = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (walks.append(1), walk(*a))[1])
+    load = tl.load
+    counts = {}
+    _helper_loop_kernel[(1,)](torch.zeros(4), 1)  # the first launch rewrites the functions (their globals too)
+    for n in (1, 8):
+        walks.clear()
+        out = torch.zeros(4)
+        _helper_loop_kernel[(1,)](out, n)
+        want = 0.0
+        for _ in range(n):
+            want = 2 * (want + 1)
+        assert out.tolist() == [want] * 4
+        counts[n] = len(walks)
+    assert counts[1] == counts[8] > 0
+    assert tl.load is load

@@ -64,8 +64,46 @@ def _interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
+def _interpreter_patches_once_a_launch() -> None:
+    """Triton's interpreter patches ``triton.language`` for the interpreter when a kernel starts (and restores
+    it when the kernel ends), and again at every call of a ``@triton.jit`` helper inside it, each time by
+    walking every member of the language's modules: in kernels written with helpers that walk is most of the
+    interpreter's time. A helper whose modules the running kernel has patched already skips it; one that sees
+    a module the kernel does not is patched as before."""
+    from triton.runtime import interpreter
+
+    patch_lang, scope_cls = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope_cls is None or getattr(patch_lang, "_once_a_launch", False):
+        return
+    running: list = []  # the module ids the running kernel has patched (the interpreter runs one at a time)
+
+    def _patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if running and langs <= running[0]:
+            return scope_cls()  # a helper inside the kernel: already patched; nothing to restore
+        scope = patch_lang(fn)
+        if running:  # a helper that sees another module: patched now, until the kernel restores the language
+            running[0] |= langs
+            return scope
+        running.append(langs)
+        restore = scope.restore
+
+        def restore_and_end():
+            try:
+                restore()
+            finally:
+                running.clear()
+
+        scope.restore = restore_and_end
+        return scope
+
+    _patch_lang._once_a_launch = True
+    interpreter._patch_lang = _patch_lang
+
+
 if INTERPRET:
     _interpreter_scalar_index()
+    _interpreter_patches_once_a_launch()
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
