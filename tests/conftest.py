@@ -52,17 +52,42 @@ if importlib.util.find_spec("xdist") is not None:
         return Scheduling(config, log)
 
 
+@dataclasses.dataclass(frozen=True)
+class OneAtATime:
+    """Keeps, of a test's parameter product, the cases that differ from the first value of every parameter list
+    in at most one list (``crossed``: argument names whose values are all kept with every other case, e.g. both
+    norms): each value is tried once, with the others at the representative; the product is the extended tier's."""
+
+    crossed: tuple = ()
+
+    def keeps(self, item) -> bool:
+        params, moved = item.callspec.params, 0
+        for mark in item.iter_markers("parametrize"):
+            names = mark.args[0]
+            names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+            if names[0] in self.crossed:
+                continue
+            first = mark.args[1][0]
+            first = first.values if isinstance(first, type(pytest.param(0))) else first
+            first = tuple(first) if len(names) > 1 else (first,)
+            moved += any(params[n] is not v and params[n] != v for n, v in zip(names, first))
+        return moved <= 1
+
+
 # The extended tier beyond the kit's (OpSuite marks its own cases): tests, or a test's parameters, that repeat
 # what the quick tier checks on more specializations or shapes. `pytest -m extended` runs them, and the GPU
 # script runs everything (docs/measuring.md#the-test-suite). Each entry says what the quick tier keeps: a
-# reason, or (reason, the parameter ids kept in the quick tier, as fnmatch patterns).
+# reason, or (reason, the parameter ids kept in the quick tier, as fnmatch patterns, or a OneAtATime).
+ONE_PARAMETER_AT_A_TIME = ("each parameter's values once, the others at their first (tests/conftest.py "
+                           "OneAtATime): the product repeats the paths each value reaches")
+NORMS = OneAtATime(crossed=("norm",))
 EXTENDED = {
     "tests/test_zoo.py::test_family_with_kernels": (
-        "the kernel families beyond the five whose compiled paths differ most, and eager with the kernels but "
-        "for Llama: the quick tier runs those five compiled (the kernels in the interpreter), Llama eager, and "
-        "every family eager on the references (test_every_family_eager)",
-        {"llama-eager", "qwen3-compiled", "gemma3_text-compiled", "cohere-compiled", "gpt_neox-compiled",
-         "mixtral-compiled"}),
+        "the kernel families beyond the three whose compiled paths differ most, and eager with the kernels: the "
+        "quick tier runs Qwen3 (per-head q/k norms), Gemma 3 (GeGLU, (1 + w) norms) and Cohere (logit scale, "
+        "interleaved rotary, LayerNorm) compiled with the kernels in the interpreter, every family eager on the "
+        "references (test_every_family_eager), and Llama eager with the kernels (test_patch_models)",
+        {"qwen3-compiled", "gemma3_text-compiled", "cohere-compiled"}),
     "tests/test_post_training.py::test_linear_distill_suite": (
         "the kit on the distillation op beyond its values; the quick tier checks its formulas against TRL's and "
         "its gradients, and keeps the kit's values in every dtype", {"values-*"}),
@@ -70,8 +95,19 @@ EXTENDED = {
         "the kit on the fused GRPO op beyond its values; the quick tier checks it against TRL's formula and keeps "
         "the kit's values in every dtype (the op called alone: its backward recomputes the gradients)",
         {"values-*"}),
+    "tests/test_bench.py::test_every_built_in_op_runs": (
+        "the bench's rows of the ops past the sweep's: the quick tier sweeps layer_norm through every provider, "
+        "shape and mode, and times the examples' ops (test_examples); each op's bytes formula is checked here"),
     "tests/test_patch_models.py::test_all_ops_match_hf": (
         "the families beyond Llama: the family matrix (test_zoo.py) checks every family, more closely", {"llama"}),
+    **{f"tests/test_norms.py::{t}": (ONE_PARAMETER_AT_A_TIME, NORMS) for t in (
+        "test_long_rows_path", "test_long_rows_split", "test_chunked_path", "test_backward_writes_only_what_is_asked",
+        "test_forward_in_parts", "test_rows_aligned_below_16", "test_zero_variance_rows",
+        "test_param_grads_bitwise_deterministic")},
+    **{t: (ONE_PARAMETER_AT_A_TIME, OneAtATime()) for t in (
+        "tests/test_rope.py::test_upstream_gradients_of_any_layout",
+        "tests/test_cross_entropy.py::test_equals_torch_functional",
+        "tests/test_cross_entropy.py::test_large_common_offset_costs_no_precision")},
 }
 
 
@@ -85,7 +121,13 @@ def pytest_collection_modifyitems(config, items):
                 unused.discard(key)
                 kept = entry[1] if isinstance(entry, tuple) else ()
                 callspec = getattr(item, "callspec", None)
-                if callspec is None or not any(fnmatch.fnmatchcase(callspec.id, k) for k in kept):
+                if callspec is None:
+                    keep = False
+                elif isinstance(kept, OneAtATime):
+                    keep = kept.keeps(item)
+                else:
+                    keep = any(fnmatch.fnmatchcase(callspec.id, k) for k in kept)
+                if not keep:
                     item.add_marker(pytest.mark.extended)
     whole_files = not config.option.keyword and not any("::" in a for a in config.args)
     if unused and whole_files:  # a stale entry (a renamed test) would move that test into the quick tier

@@ -29,12 +29,15 @@ would read another allocation or abort the process, fails its case with an Index
 ``OpSuite(isolate=True)`` (or ``TRITONGRAD_KIT_FORK=1``) runs each case in a forked child as well, for crashes
 of other kinds, at some tenths of a second per case.
 
-Two tiers. The quick cases (:attr:`OpSuite.quick_cases`) are the values in every dtype on every sample (each
-sample is there for a mask or a path, each dtype for its casts) and every other kind of check once: on the first
-sample, the representative (make it the one where every mask is active), or, for a layout that does not apply
-to it, on the first sample it applies to. ``OpSuite.pytest`` marks the rest ``extended``: those checks again
-on the other samples, the representative's code paths at other sizes. A project's default test command can
-leave them out with ``-m "not extended"`` and run them in a second one.
+Two tiers. The quick cases (:attr:`OpSuite.quick_cases`) are the values on every sample (each sample is there
+for a mask or a path): in every dtype on the first sample, the representative (make it the one where every
+mask is active), and in float32 and one other dtype, the others in turn, on each other sample (each dtype is
+there for its casts, and meets the samples' masks and paths as they come round, not as the whole product);
+and every other kind of check once, but the static compile (which opcheck and the dynamic trace cover): on the
+representative, or, for a layout that does not apply to it, on the first sample it applies to.
+``OpSuite.pytest`` marks the rest ``extended``: the other dtypes' values, the static compile, and the other
+checks again on the other samples. A project's default test command can leave them out with
+``-m "not extended"`` and run them in a second one.
 """
 
 from __future__ import annotations
@@ -317,21 +320,33 @@ class OpSuite:
         """``(id, check)`` pairs, every check on every sample; each raises AssertionError on failure."""
         return [(case_id, check) for case_id, check, _ in self._generate()]
 
+    def _quick_dtypes(self, i: int) -> set:
+        """The dtypes whose values are quick cases on sample ``i``: every dtype on the representative; on each
+        other sample float32 (or the first dtype) and one other, the others in turn: every sample meets a second
+        dtype's casts, and the dtypes meet the samples as they come round, without the whole product."""
+        base = torch.float32 if torch.float32 in self.dtypes else self.dtypes[0]
+        rest = [d for d in self.dtypes if d != base]
+        if i == 0 or not rest:
+            return set(self.dtypes)
+        return {base, rest[(i - 1) % len(rest)]}
+
     def _generate(self) -> list[tuple[str, Callable[[], None], bool]]:
-        """``(id, check, quick)``: a case is quick when it checks values, or when no earlier sample has its
-        kind of check (the first sample has them all but the layouts that do not apply to it)."""
+        """``(id, check, quick)``: a case is quick when it checks values in one of the sample's quick dtypes
+        (:meth:`_quick_dtypes`), or when no earlier sample has its kind of check (the first sample has them
+        all but the layouts that do not apply to it)."""
         out, kinds = [], set()
 
-        def add(kind, name, fn, *args, **kwargs):
+        def add(kind, name, fn, *args, quick=None, **kwargs):
             case_id = f"{kind}-{name}" if not kind.startswith("values-") else f"values-{name}-{kind[7:]}"
             check = _bind(fn, *args, _isolate=self._isolated(), _what=f"{self.op.label} {case_id}", **kwargs)
-            out.append((case_id, check, kind.startswith("values-") or kind not in kinds))
+            out.append((case_id, check, kind not in kinds if quick is None else quick))
             kinds.add(kind)
 
-        for name, sample in zip(self._names(), self.samples):
-            first = sample is self.samples[0]
+        for i, (name, sample) in enumerate(zip(self._names(), self.samples)):
+            first = i == 0
+            quick_dtypes = self._quick_dtypes(i)
             for dtype in self.dtypes:
-                add(f"values-{str(dtype)[6:]}", name, self.check_values, sample, dtype)
+                add(f"values-{str(dtype)[6:]}", name, self.check_values, sample, dtype, quick=dtype in quick_dtypes)
             shapes = self._shapes(sample)
             for layout in LAYOUTS:
                 if shapes is None or any(_applies(t, layout) for t in shapes):
@@ -350,9 +365,10 @@ class OpSuite:
             add("opcheck", name, self.check_opcheck, sample, aot=first)
             if self.compile:
                 # Dynamic shapes on every sample (the launcher's shape logic traced symbolically); the static
-                # trace runs the same code on concrete sizes, once.
+                # trace runs the same code on concrete sizes, once, in the extended tier (opcheck and the
+                # dynamic trace cover what it adds to eager in the quick one).
                 if first:
-                    add("compile", name, self.check_compile, sample, False)
+                    add("compile", name, self.check_compile, sample, False, quick=False)
                 add("compile-dynamic", name, self.check_compile, sample, True)
         return out
 
