@@ -4,7 +4,8 @@
   gradients (all the training checks in the extended tier), in subprocesses where the ops take their PyTorch
   references on the CPU (no interpreter): it checks what ``patch`` puts in each family's place, for all. No
   family may be ``wrong``; the families listed in ``EXACT``, and those the committed record calls exact, must
-  stay ``exact``. The other checks (generation, padding, position ids) run with ``tritongrad models``.
+  stay ``exact``, and every op the record replaces in a family must still be replaced there. The other checks
+  (generation, padding, position ids) run with ``tritongrad models``.
 - ``test_family_with_kernels``: families that reach every patched code path (q/k norms, GeGLU, logit scales
   and soft caps, partial and interleaved rotary, router logits), eager and compiled (``aot_eager``, which
   traces the backward with fake tensors), with the kernels in Triton's interpreter: the training checks
@@ -23,28 +24,41 @@ from tritongrad import zoo
 pytest.importorskip("transformers")
 
 # Families that must stay exact in eager mode: these, and every family exact in the committed record of the
-# installed transformers (benchmarks/results/zoo-cpu-*-transformers-<major.minor>.json), so that a family the
-# record calls exact cannot fall to an error unnoticed.
+# installed transformers (benchmarks/results/zoo-cpu-*-transformers-<major.minor>.json, else the newest record of
+# an older minor version), so that a family the record calls exact cannot fall to an error unnoticed.
 EXACT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "cohere",
          "cohere2", "gpt_neox", "phi3", "glm", "mixtral", "qwen3_moe", "stablelm", "helium",
          # built from zoo.FAMILY_CONFIG entries: MLA, GPT-J rotary, DBRX sub-configs, hybrid linear attention
          "deepseek_v3", "gptj", "dbrx", "qwen3_5", "gemma4_text", "bamba", "granitemoehybrid")
 
 
-def _record_exact() -> set:
-    """The families the committed record of the installed transformers' minor version calls exact in eager
-    mode (none without a record for that version)."""
+def _version(text: str) -> tuple:
+    return tuple(int(p) for p in text.split(".")[:2])
+
+
+def _record() -> dict:
+    """The committed record for the installed transformers' minor version, else for the newest older minor
+    version that has one (a new release must keep what the last one had): family -> row; empty without one."""
     import glob
+    import re
 
     import transformers
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    minor = ".".join(transformers.__version__.split(".")[:2])
-    paths = glob.glob(os.path.join(root, "benchmarks", "results", f"zoo-cpu-*-transformers-{minor}.json"))
-    if not paths:
-        return set()
-    with open(paths[0]) as f:
-        return {r["family"] for r in json.load(f) if r["eager"].startswith("exact")}
+    installed = _version(transformers.__version__)
+    found = {}
+    for path in glob.glob(os.path.join(root, "benchmarks", "results", "zoo-cpu-*-transformers-*.json")):
+        v = _version(re.search(r"transformers-(\d+\.\d+)\.json$", path).group(1))
+        if v <= installed:
+            found[v] = path
+    if not found:
+        return {}
+    with open(found[max(found)]) as f:
+        return {r["family"]: r for r in json.load(f)}
+
+
+def _replaced(ops: dict) -> set:
+    return {op for op, what in ops.items() if what.startswith("replaced")}
 
 
 # Each reaches a code path of the patch the others do not.
@@ -93,8 +107,17 @@ def test_every_family_eager(chunk, checks):
     wrong = {r["family"]: r["eager"] for r in rows if r["eager"].startswith("wrong")}
     assert not wrong, wrong
     eager = {r["family"]: r["eager"] for r in rows}
-    lost = {f: eager[f] for f in set(EXACT) | _record_exact() if f in eager and eager[f].split(":")[0] != "exact"}
+    record = _record()
+    exact = {f for f, r in record.items() if r["eager"].startswith("exact")}
+    lost = {f: eager[f] for f in set(EXACT) | exact if f in eager and eager[f].split(":")[0] != "exact"}
     assert not lost, lost
+    # What the record replaces stays replaced: an op left alone where it was established (a new release that
+    # wraps a function the patch then no longer recognises) is a regression the verdicts alone do not show.
+    now = {r["family"]: r["ops"] for r in rows}
+    dropped = {f: {op: now[f].get(op, "not reported") for op in _replaced(record[f]["ops"]) - _replaced(now[f])}
+               for f in now if f in record}
+    dropped = {f: ops for f, ops in dropped.items() if ops}
+    assert not dropped, dropped
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

@@ -223,7 +223,8 @@ def _tiny_config(family: str, cls):
     except Exception:  # noqa: BLE001 - a default that does not validate by itself: with the family's values
         default = config_cls(**own)
     wanted = {**TINY, **own}
-    kwargs = {k: v for k, v in wanted.items() if k in _known(default)}
+    known = _known(default)
+    kwargs = {k: v for k, v in wanted.items() if k in known}
     text = getattr(default, "text_config", None)
     if isinstance(text, transformers.PretrainedConfig) and isinstance(own.get("text_config"), dict):
         # A text config given as values of its own: built with the tiny sizes it has too.
