@@ -163,6 +163,44 @@ def test_grouped_rms_norm_is_left_alone():
     torch.testing.assert_close(model[1](x), want, rtol=0, atol=0)
 
 
+def test_clipped_gated_mlp_is_probed_as_the_instance():
+    """A gated MLP whose plain attribute changes its math (BailingHybrid's shared experts clip gate and up at a
+    per-layer ``limit``, None where it is off) is probed as that instance: replaced where the limit is off,
+    left alone with the reason where it is on, where probing by class alone either fails on the attribute or,
+    with a class-level default, would have been silently wrong."""
+    import torch
+
+    import tritongrad
+
+    class ClippedMLP(torch.nn.Module):
+        limit = None  # a class-level default the instances override
+
+        def __init__(self, limit=None):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 32, bias=False)
+            self.down_proj, self.act_fn = torch.nn.Linear(32, 16, bias=False), torch.nn.SiLU()
+            if limit is not None:
+                self.limit = limit
+
+        def forward(self, x):
+            gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
+            if self.limit is not None:
+                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return self.down_proj(gate * up)
+
+    ClippedMLP.__module__ = "transformers.models.qwen4_exp.modeling_qwen4_exp"
+    model = torch.nn.Sequential(ClippedMLP(), ClippedMLP(limit=0.05))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = [ClippedMLP.forward(m, x) for m in model]
+    report = tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.targets("swiglu") == ["0"]
+    assert [e.target for e in report.skipped if e.op == "swiglu"] == ["1"]
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model[1](x), want[1], rtol=0, atol=0)
+
+
 def test_gated_rms_norm_called_with_its_gate_runs_its_own_forward():
     """A norm established on its input alone (Bamba's and Mamba2's gated RMSNorm, forward(x, gate=None)) is
     replaced for forward(x); called with the gate, as the compiled mixer calls it, it computes its own

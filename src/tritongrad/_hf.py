@@ -240,12 +240,15 @@ def gate_act(m: torch.nn.Module):
     return getattr(m, gate_act_name(m), None)
 
 
-def _gated_why_not(cls: type, layers: dict, act_name: str, want, layout: str, formula: str) -> str | None:
-    """Run ``cls.forward`` on a probe holding the bias-free Linear ``layers`` (name: (in, out)) and a SiLU
-    under ``act_name``, every other activation name the identity (a forward reading another shows); None when it
-    equals ``want(probe, x)`` bit for bit, else why not."""
+def _gated_why_not(cls: type, layers: dict, act_name: str, want, layout: str, formula: str,
+                   state: tuple = ()) -> str | None:
+    """Run ``cls``'s forward on a probe holding the instance's plain attributes ``state`` (a clipping limit
+    changes the math), the bias-free Linear ``layers`` (name: (in, out)) and a SiLU under ``act_name``, every
+    other activation name the identity (a forward reading another shows); None when it equals ``want(probe,
+    x)`` bit for bit, else why not."""
     probe = cls.__new__(cls)
     torch.nn.Module.__init__(probe)
+    probe.__dict__.update(dict(state))
     g = _probe_rng()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -256,20 +259,21 @@ def _gated_why_not(cls: type, layers: dict, act_name: str, want, layout: str, fo
     x = torch.randn(2, 8, generator=g)
     with torch.no_grad():
         try:
-            got = cls.forward(probe, x)
+            got = original_forward_of(cls)(probe, x)
         except Exception as e:  # noqa: BLE001
             return f"{cls.__name__}.forward is not the {layout} layout ({type(e).__name__}: {e})"
         expected = want(probe, x)
     return None if _equal(got, expected) else f"{cls.__name__}.forward is not {formula}"
 
 
-@functools.cache
-def gated_mlp_why_not(cls: type) -> str | None:
-    """None when ``cls.forward`` is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, else why not."""
+@functools.lru_cache(maxsize=1024)
+def gated_mlp_why_not(cls: type, state: tuple = ()) -> str | None:
+    """None when ``cls``'s forward, on an instance with the plain attributes ``state``
+    (:func:`_simple_state`), is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, else why not."""
     return _gated_why_not(
         cls, {"gate_proj": (8, 12), "up_proj": (8, 12), "down_proj": (12, 8)}, "act_fn",
         lambda p, x: p.down_proj(F.silu(p.gate_proj(x)) * p.up_proj(x)), "gate/up/down",
-        "down_proj(act_fn(gate_proj(x)) * up_proj(x))")
+        "down_proj(act_fn(gate_proj(x)) * up_proj(x))", state)
 
 
 GATE_OPS = {"silu": "swiglu", "tanh": "geglu", "none": "geglu"}
@@ -301,11 +305,11 @@ def gate_kind(act) -> tuple[str | None, str | None]:
 
 def _gated_forward(self, x):
     kind = getattr(self, GATE_ATTR, None)
-    if kind is None and isinstance(self.act_fn, SILU.types):  # an attribute read: no graph break
-        kind = "silu"
-    if kind is None and not torch.compiler.is_compiling():  # a class patched by patch_transformers
-        kind = gate_kind(self.act_fn)[0] or False
+    if kind is None and not torch.compiler.is_compiling():  # a class patched by patch_transformers: this instance
+        kind = (gated_mlp_why_not(type(self), _simple_state(self)) is None and gate_kind(self.act_fn)[0]) or False
         self.__dict__[GATE_ATTR] = kind
+    if kind is None and isinstance(self.act_fn, SILU.types):  # first seen compiled: an attribute read, no break
+        kind = "silu"
     # The projections' outputs feed the gate alone: their storage takes their gradients.
     if kind == "silu":
         return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
@@ -332,12 +336,13 @@ def _fused_want(p, x):
     return p.down_proj(F.silu(gate) * up)
 
 
-@functools.cache
-def fused_gated_mlp_why_not(cls: type, act_name: str) -> str | None:
-    """None when ``cls.forward`` is ``down_proj(act(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2,
-    -1)`` and ``act`` the module's ``act_name`` attribute, else why not."""
+@functools.lru_cache(maxsize=1024)
+def fused_gated_mlp_why_not(cls: type, act_name: str, state: tuple = ()) -> str | None:
+    """None when ``cls``'s forward, on an instance with the plain attributes ``state``, is ``down_proj(act(gate)
+    * up)`` with ``gate, up = gate_up_proj(x).chunk(2, -1)`` and ``act`` the module's ``act_name`` attribute,
+    else why not."""
     return _gated_why_not(cls, {"gate_up_proj": (8, 24), "down_proj": (12, 8)}, act_name, _fused_want, "gate_up/down",
-                          f"down_proj({act_name}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)")
+                          f"down_proj({act_name}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)", state)
 
 
 FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))",

@@ -344,8 +344,9 @@ def _gate_attrs(hf, m, cls, base, name, on, report, *, layout: str) -> tuple[dic
     if kind is not None and _patched_before(hf, cls, op, *(("_apply_gate",) if layout == "experts" else ())):
         m.__dict__[hf.GATE_ATTR] = kind
         return {}, {op: ""}
-    layout_why = {"mlp": lambda: hf.gated_mlp_why_not(base), "experts": lambda: hf.experts_why_not(m, base),
-                  "fused": lambda: hf.fused_gated_mlp_why_not(base, hf.gate_act_name(m))}
+    state = hf._simple_state(m)  # the instance's plain attributes (a clipping limit) can change its math
+    layout_why = {"mlp": lambda: hf.gated_mlp_why_not(base, state), "experts": lambda: hf.experts_why_not(m, base),
+                  "fused": lambda: hf.fused_gated_mlp_why_not(base, hf.gate_act_name(m), state)}
     why = layout_why[layout]() or why
     if why is not None:
         report._add("skipped", op, name, f"{base.__name__}: {why}")
