@@ -52,6 +52,9 @@ if importlib.util.find_spec("xdist") is not None:
         return Scheduling(config, log)
 
 
+PARAMETER_SET = type(pytest.param(None))
+
+
 @dataclasses.dataclass(frozen=True)
 class OneAtATime:
     """Keeps, of a test's parameter product, the cases that differ from the first value of every parameter list
@@ -68,8 +71,10 @@ class OneAtATime:
             if names[0] in self.crossed:
                 continue
             first = mark.args[1][0]
-            first = first.values if isinstance(first, type(pytest.param(0))) else first
-            first = tuple(first) if len(names) > 1 else (first,)
+            if isinstance(first, PARAMETER_SET):  # pytest.param(...): its values, one a name
+                first = tuple(first.values)
+            else:
+                first = tuple(first) if len(names) > 1 else (first,)
             moved += any(params[n] is not v and params[n] != v for n, v in zip(names, first))
         return moved <= 1
 
