@@ -470,6 +470,8 @@ def test_patch_transformers_all_ops():
     out = model(**_batch())
     assert out.logits is None
     out.loss.backward()
+    # The class-level MLP forward established each instance (its plain attributes too) on its first call.
+    assert [m.__dict__.get(_hf.GATE_ATTR) for m in model.modules() if isinstance(m, modeling.Qwen3MLP)] == ["silu"] * 2
     assert tritongrad.unpatch_transformers("qwen3") == (4 if wrapped else 5)
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
