@@ -95,10 +95,10 @@ EXTENDED = {
         {"qwen3-compiled", "gemma3_text-compiled", "cohere-compiled"}),
     "tests/test_post_training.py::test_linear_distill_suite": (
         "the kit on the distillation op beyond its values; the quick tier checks its formulas against TRL's and "
-        "its gradients, and keeps the kit's values in every dtype", {"values-*"}),
+        "its gradients, and keeps the kit's quick values (every dtype on the representative)", {"values-*"}),
     "tests/test_post_training.py::test_linear_grpo_suite": (
         "the kit on the fused GRPO op beyond its values; the quick tier checks it against TRL's formula and keeps "
-        "the kit's values in every dtype (the op called alone: its backward recomputes the gradients)",
+        "the kit's quick values (the op called alone: its backward recomputes the gradients)",
         {"values-*"}),
     "tests/test_bench.py::test_every_built_in_op_runs": (
         "the bench's rows of the ops past the sweep's: the quick tier sweeps layer_norm through every provider, "

@@ -9,7 +9,8 @@
 - ``test_family_with_kernels``: families that reach every patched code path (q/k norms, GeGLU, logit scales
   and soft caps, partial and interleaved rotary, router logits), eager and compiled (``aot_eager``, which
   traces the backward with fake tensors), with the kernels in Triton's interpreter: the training checks
-  (loss, gradients, logits, checkpointing, a second backward), which exercise the kernels.
+  (loss, gradients, logits, checkpointing, a second backward), which exercise the kernels. The quick tier
+  runs three of them compiled (tests/conftest.py EXTENDED).
 """
 
 import json
