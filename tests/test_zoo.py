@@ -202,6 +202,22 @@ def test_clipped_gated_mlp_is_probed_as_the_instance():
         torch.testing.assert_close(model[1](x), want[1], rtol=0, atol=0)
 
 
+def test_deepseek_interleaved_rotary_is_reported_left_alone():
+    """MLA families define DeepSeek's apply_rotary_pos_emb_interleave beside apply_rotary_pos_emb and call it
+    where the config sets rope_interleave: the report says it is left alone, and why, next to the replaced
+    function, so that "rope replaced" does not stand for what such a model runs."""
+    import tritongrad
+
+    model = zoo.build("deepseek_v3")
+    report = tritongrad.patch(model)
+    try:
+        assert [e.target.rsplit(".", 1)[1] for e in report.replaced if e.op == "rope"] == ["apply_rotary_pos_emb"]
+        (alone,) = [e for e in report.skipped if e.op == "rope"]
+        assert alone.target.endswith(".apply_rotary_pos_emb_interleave") and "rope_interleave" in alone.detail
+    finally:
+        tritongrad.unpatch(model)
+
+
 def test_gated_rms_norm_called_with_its_gate_runs_its_own_forward():
     """A norm established on its input alone (Bamba's and Mamba2's gated RMSNorm, forward(x, gate=None)) is
     replaced for forward(x); called with the gate, as the compiled mixer calls it, it computes its own

@@ -34,6 +34,11 @@ _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps
                "cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
                "linear_cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
                "fused_add_rms_norm": "no *DecoderLayer with a post_attention_layernorm"}
+# DeepSeek's interleaved rotary, which MLA families call where the config sets rope_interleave: said in the
+# report, since the module's apply_rotary_pos_emb, replaced, is then not what their attention runs.
+_INTERLEAVE = "apply_rotary_pos_emb_interleave"
+_INTERLEAVE_WHY = ("DeepSeek's interleaved rotary (pairs rotated, written evens then odds), which the rope kernel "
+                   "does not compute: attention that calls it (rope_interleave) keeps it")
 _MASK_MODULE = "transformers.masking_utils"
 # causal_mask's module-wide replacements: function -> (why_not, replacement, detail), names in _hf.
 _MASK_FNS = {
@@ -238,6 +243,9 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
             attention = True
             if "rope" in on and "apply_rotary_pos_emb" in vars(mod or {}):
                 modeling_modules[mod.__name__] = mod  # an attention class whose module applies the rotary embedding
+            if "rope" in on and _INTERLEAVE in vars(mod or {}) and f"{mod.__name__}.{_INTERLEAVE}" not in {
+                    e.target for e in report.skipped}:
+                report._add("skipped", "rope", f"{mod.__name__}.{_INTERLEAVE}", _INTERLEAVE_WHY)
         attrs, ops = _hf_attrs(hf, m, cls, base, name, on, report)
         new = [op for op in ops if not _patched_before(hf, cls, op)]
         for op in ops:
@@ -545,6 +553,8 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     for cls in classes:
         _patch_class(hf, mod, cls, causal, on, report)
     if "rope" in on:
+        if _INTERLEAVE in vars(mod):
+            report._add("skipped", "rope", f"{mod.__name__}.{_INTERLEAVE}", _INTERLEAVE_WHY)
         if "apply_rotary_pos_emb" in vars(mod):
             if _plan_rope(hf, mod, report):
                 _require("rope")
