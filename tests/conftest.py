@@ -111,7 +111,6 @@ EXTENDED = {
         "test_param_grads_bitwise_deterministic")},
     **{t: (ONE_PARAMETER_AT_A_TIME, OneAtATime()) for t in (
         "tests/test_rope.py::test_upstream_gradients_of_any_layout",
-        "tests/test_cross_entropy.py::test_equals_torch_functional",
         "tests/test_cross_entropy.py::test_large_common_offset_costs_no_precision")},
 }
 
