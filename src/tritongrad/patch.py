@@ -229,6 +229,7 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
     attention applies the rotary embedding (by name), and whether any attention class was seen."""
     plan = []
     modeling_modules = {}
+    interleaved = set()  # modules that define DeepSeek's interleaved rotary beside their attention
     attention = False
     for name, m in model.named_modules():
         cls = type(m)
@@ -243,9 +244,8 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
             attention = True
             if "rope" in on and "apply_rotary_pos_emb" in vars(mod or {}):
                 modeling_modules[mod.__name__] = mod  # an attention class whose module applies the rotary embedding
-            if "rope" in on and _INTERLEAVE in vars(mod or {}) and f"{mod.__name__}.{_INTERLEAVE}" not in {
-                    e.target for e in report.skipped}:
-                report._add("skipped", "rope", f"{mod.__name__}.{_INTERLEAVE}", _INTERLEAVE_WHY)
+            if "rope" in on and _INTERLEAVE in vars(mod or {}):
+                interleaved.add(mod.__name__)
         attrs, ops = _hf_attrs(hf, m, cls, base, name, on, report)
         new = [op for op in ops if not _patched_before(hf, cls, op)]
         for op in ops:
@@ -255,6 +255,8 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
             plan.append((m, _subclass(base, {**_own_attrs(cls), **attrs})))
             for op in new:
                 report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
+    for mod_name in sorted(interleaved):
+        report._add("skipped", "rope", f"{mod_name}.{_INTERLEAVE}", _INTERLEAVE_WHY)
     return plan, modeling_modules, attention
 
 
