@@ -6,6 +6,7 @@ without Triton's interpreter, the kit's own refusals and its power to catch a wr
 import re
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ import triton.language as tl
 from conftest import DEVICE, ROOT, import_example, run_without_interpreter
 
 import tritongrad
+from tritongrad import _runtime as rt
 from tritongrad.testing import OpSuite
 
 BLOCK = 128
@@ -1010,3 +1012,77 @@ def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
         counts[n] = len(walks)
     assert counts[1] == counts[8] > 0
     assert tl.load is load
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_types_built_once_equal_those_built_anew():
+    """The interpreter builds a block type and a tensor for every operation of every program; tritongrad keeps
+    what their constructors derive from the type and copies it onto the next instance of an equal type. Each
+    instance is distinct and equal, attribute for attribute, to one the constructors build anew, for scalar,
+    pointer and block types; what the constructor refuses is still refused."""
+    from triton.language import core
+    from triton.runtime import interpreter
+
+    original_block, original_tensor = core.block_type.__init__.__wrapped__, core.tensor.__init__.__wrapped__
+
+    def anew(cls, init, *args):
+        obj = cls.__new__(cls)
+        init(obj, *args)
+        return vars(obj)
+
+    elements = [tl.float32, tl.int1, tl.bfloat16, tl.pointer_type(tl.float16), tl.pointer_type(tl.int64, const=True)]
+    for element in elements:
+        for shape in ([4], [2, 8], core.tuple([16, 1])):
+            for _ in range(2):  # built, then copied
+                block = tl.block_type(element, shape)
+                want = anew(tl.block_type, original_block, element, shape)
+                assert vars(block).keys() == want.keys()
+                assert all(str(vars(block)[k]) == str(v) for k, v in want.items()), (element, shape)
+                assert block == tl.block_type(element, shape) and block is not tl.block_type(element, shape)
+        for ty in (element, tl.block_type(element, [8])):
+            for handle in (interpreter.TensorHandle(np.zeros(8, np.float32), tl.float32), None):
+                t = tl.tensor(handle, ty)
+                want = anew(tl.tensor, original_tensor, handle, ty)
+                assert vars(t).keys() == want.keys() and t.handle is handle and t.type is ty
+                assert all(str(vars(t)[k]) == str(v) for k, v in want.items()), (ty, vars(t), want)
+    for bad in ((2, 8), [3], [4, tl.constexpr(2)]):  # a plain tuple, not a power of two, a constexpr
+        try:
+            anew(tl.block_type, original_block, tl.float32, bad)
+        except Exception as e:
+            with pytest.raises(type(e)):
+                tl.block_type(tl.float32, bad)
+        else:
+            assert vars(tl.block_type(tl.float32, bad)).keys() == anew(tl.block_type, original_block, tl.float32,
+                                                                     bad).keys()
+
+
+@triton.jit
+def _int32_overflow_kernel(o_ptr, big):
+    tl.store(o_ptr, big * 4)  # int32 times int32: wraps
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_sanitizes_overflow_only_where_it_can_report_it():
+    """The interpreter's front end computes a 64-bit overflow check for every 32-bit integer add, sub and mul
+    when asked to sanitize, and asserts it only in debug mode. Its default (sanitize, no debug) did the work and
+    never reported: an int32 product past 2**31 wraps, as in compiled code, with or without the work; debug
+    mode with sanitizing reports it. tritongrad makes sanitizing follow debug."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    before = builder.options
+    assert before.sanitize_overflow == before.debug  # tritongrad's setting
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        for sanitize in (True, False):
+            builder.options = dataclasses.replace(before, sanitize_overflow=sanitize, debug=False)
+            out.zero_()
+            _int32_overflow_kernel[(1,)](out, 2**30 + 1)
+            assert out.item() == 4  # (2**30 + 1) * 4 mod 2**32: the same, checked or not
+        builder.options = dataclasses.replace(before, sanitize_overflow=True, debug=True)
+        with pytest.raises(BaseException, match="overflow"):
+            _int32_overflow_kernel[(1,)](out, 2**30 + 1)
+    finally:
+        builder.options = before

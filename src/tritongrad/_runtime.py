@@ -76,9 +76,13 @@ def _interpreter_patches_once_a_launch() -> None:
     if patch_lang is None or scope_cls is None or getattr(patch_lang, "_once_a_launch", False):
         return
     running: list = []  # the module ids the running kernel has patched (the interpreter runs one at a time)
+    seen: dict = {}  # a function's globals' language modules, by (function, size of its globals)
 
     def _patch_lang(fn):
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        key = (fn, len(fn.__globals__))
+        langs = seen.get(key)
+        if langs is None:
+            langs = seen[key] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         if running and langs <= running[0]:
             return scope_cls()  # a helper inside the kernel: already patched; nothing to restore
         scope = patch_lang(fn)
@@ -101,9 +105,112 @@ def _interpreter_patches_once_a_launch() -> None:
     interpreter._patch_lang = _patch_lang
 
 
+def _type_key(t):
+    """A hashable key that equal Triton types share (blocks and pointers define equality but no hash), or None
+    for a type of another kind."""
+    cls = type(t)
+    if cls is tl.dtype:
+        return t.name
+    if cls is tl.pointer_type:
+        element = _type_key(t.element_ty)
+        return None if element is None else ("pointer", element, t.address_space, t.const)
+    if cls is tl.block_type:
+        element = _type_key(t.element_ty)
+        return None if element is None else ("block", element, t.shape)
+    return None
+
+
+def _interpreter_dtype_table_once() -> None:
+    """The interpreter maps a Triton dtype to its numpy storage dtype through a table it builds anew at every
+    call, several times per operation of every program; the table is built once instead."""
+    from triton.runtime import interpreter
+
+    get = getattr(interpreter, "_get_np_dtype", None)
+    if get is None or getattr(get, "_table_once", False):
+        return
+    table: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        key = _type_key(tt_dtype)
+        np_dtype = table.get(key)
+        if np_dtype is None:
+            np_dtype = get(tt_dtype)
+            if key is not None:
+                table[key] = np_dtype
+        return np_dtype
+
+    _get_np_dtype._table_once = True
+    interpreter._get_np_dtype = _get_np_dtype
+
+
+def _interpreter_overflow_checks_follow_debug() -> None:
+    """The interpreter's options ask to sanitize integer overflow but not to debug. Its front end then redoes
+    every 32-bit integer add, sub and mul in 64 bits for the check, and drops the assertion, which only debug
+    mode emits: a large share of its time, for nothing. Sanitizing follows debug instead, as in compiled
+    kernels: the same results without the dead work."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not hasattr(options, "sanitize_overflow") or not hasattr(options, "debug"):
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=options.debug)
+
+
+def _interpreter_types_once() -> None:
+    """The interpreter runs Triton's front end for every operation of every program: each result builds its
+    block type (unwrapping and validating the shape, formatting its name) and its tensor (a tuple of
+    constexprs for the shape), a large share of its time. What those constructors derive from their arguments
+    is kept, by type, and copied onto the next instance built from equal arguments; the instances stay
+    distinct, as before."""
+    from triton.language import core
+
+    original_block, original_tensor = core.block_type.__init__, core.tensor.__init__
+    if getattr(original_block, "_types_once", False):
+        return
+    blocks: dict = {}
+    tensors: dict = {}
+
+    def block_type_init(self, element_ty, shape):
+        dims = shape.values if type(shape) is core.tuple else shape
+        if type(dims) is not list or not all(type(d) is int for d in dims):
+            return original_block(self, element_ty, shape)  # constexprs and the like: as before
+        key = _type_key(element_ty)
+        if key is None:
+            return original_block(self, element_ty, shape)
+        key = (key, *dims)
+        derived = blocks.get(key)
+        if derived is None:
+            original_block(self, element_ty, shape)
+            blocks[key] = {k: v for k, v in vars(self).items() if k != "element_ty"}
+        else:
+            self.element_ty = element_ty
+            self.__dict__.update(derived)
+
+    def tensor_init(self, handle, type):
+        key = _type_key(type)
+        if key is None:
+            return original_tensor(self, handle, type)
+        derived = tensors.get(key)
+        if derived is None:
+            original_tensor(self, handle, type)
+            tensors[key] = {k: v for k, v in vars(self).items() if k not in ("handle", "type")}
+        else:
+            self.handle, self.type = handle, type
+            self.__dict__.update(derived)
+
+    block_type_init._types_once = True
+    block_type_init.__wrapped__, tensor_init.__wrapped__ = original_block, original_tensor
+    core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = tensor_init
+
+
 if INTERPRET:
     _interpreter_scalar_index()
     _interpreter_patches_once_a_launch()
+    _interpreter_dtype_table_once()
+    _interpreter_types_once()
+    _interpreter_overflow_checks_follow_debug()
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
