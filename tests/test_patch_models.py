@@ -714,7 +714,10 @@ def main(rank, path):
 
 
 if __name__ == "__main__":
-    mp.spawn(main, args=(tempfile.mktemp(),), nprocs=2)
+    # The ranks fork from a process that has imported what they use, rather than each importing it again.
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    import test_patch_models, tritongrad, transformers  # noqa: F401
+    mp.start_processes(main, args=(tempfile.mktemp(),), nprocs=2, start_method="fork")
     print("ok")
 """
 

@@ -89,7 +89,9 @@ def _run_matrix(names=None, modes=("eager",), only=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-CHUNKS = 2  # the families in two tests (a subprocess each), which pytest-xdist spreads over the workers
+# The families in one subprocess: each subprocess spends seconds importing torch and transformers, more than
+# splitting the families over the workers saves (docs/measuring.md#the-test-suite).
+CHUNKS = 1
 
 
 # The quick tier: loss and every gradient, what patch substitutes into each family; the extended tier adds
