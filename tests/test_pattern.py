@@ -1015,6 +1015,25 @@ def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_a_bound_launch_runs_on_the_tensors_it_is_given_and_keeps_none_alive():
+    import gc
+    import weakref
+
+    x, y = torch.randn(37, device=DEVICE), torch.empty(37, device=DEVICE)
+    bound = affine_kernel.bind((3,), x, y, 37, 2.0, shift=0.5, BLOCK=16)
+    held = weakref.ref(x)
+    del x, y
+    gc.collect()
+    assert held() is None  # the bound launch keeps no tensor of its first call
+    for dtype in (torch.float32, torch.float64, torch.float32):  # a dtype each call, as Triton would specialize
+        x2 = torch.randn(37, device=DEVICE, dtype=dtype)
+        y2 = torch.full((37,), float("nan"), device=DEVICE, dtype=dtype)
+        bound(x2, y2)
+        torch.testing.assert_close(y2, x2 * 2.0 + 0.5)
+    with pytest.raises(TypeError, match="takes 2 tensors"):
+        bound(x2)
+
+
 def test_interpreter_types_built_once_equal_those_built_anew():
     """The interpreter builds a block type and a tensor for every operation of every program; tritongrad keeps
     what their constructors derive from the type and copies it onto the next instance of an equal type. Each

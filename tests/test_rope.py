@@ -261,6 +261,63 @@ def test_one_launch_for_q_and_k(kernel_spy):
     assert len(spy.ptrs) == 2  # one forward launch, one backward launch
 
 
+def test_a_kept_launch_serves_only_calls_that_differ_in_data_alone():
+    # Launches are kept per shapes, strides, dtypes and flags (launch._LAUNCHES). Each variant differs from
+    # the base in one of those; run in turn, each must still equal the float64 reference, which a
+    # launch kept for another variant would not give.
+    def base(**o):
+        q, k = projections(2, 4, 4, 2, 8, torch.float32, DEVICE)
+        cos, sin = randn(2, 4, 8, dtype=torch.float32, device=DEVICE), randn(2, 4, 8, dtype=torch.float32, device=DEVICE)
+        return dict(q=q, k=k, cos=cos, sin=sin, unsqueeze_dim=1, interleaved=False) | o
+
+    def one(name, value):
+        a = base()
+        return a | {name: value(a[name])}
+
+    def tokens():
+        q, k = projections(2, 6, 4, 2, 8, torch.float32, DEVICE)
+        return base(q=q, k=k, cos=randn(2, 6, 8, dtype=torch.float32, device=DEVICE),
+                    sin=randn(2, 6, 8, dtype=torch.float32, device=DEVICE))
+
+    def partial():
+        return base(cos=randn(2, 4, 4, dtype=torch.float32, device=DEVICE), sin=randn(2, 4, 4, dtype=torch.float32, device=DEVICE))
+
+    def as_bthd():
+        a = base()
+        return a | dict(q=a["q"].transpose(1, 2), k=a["k"].transpose(1, 2), unsqueeze_dim=2)
+
+    strided = lambda t: torch.cat([t, t], -1)[..., ::2]  # noqa: E731 (equal values, feature stride 2)
+    variants = [
+        base, tokens, partial, as_bthd, lambda: base(interleaved=True),
+        lambda: one("q", torch.Tensor.contiguous), lambda: one("k", torch.Tensor.contiguous),  # strides of one
+        lambda: one("q", lambda q: torch.cat([q, q], 1)),  # q's heads alone
+        lambda: base(cos=randn(1, 4, 8, dtype=torch.float32, device=DEVICE),  # batch stride 0
+                     sin=randn(1, 4, 8, dtype=torch.float32, device=DEVICE)),
+        lambda: base(q=projections(3, 4, 4, 2, 8, torch.float32, DEVICE)[0],  # the batch alone (strides equal)
+                     k=projections(3, 4, 4, 2, 8, torch.float32, DEVICE)[1],
+                     cos=randn(1, 4, 8, dtype=torch.float32, device=DEVICE), sin=randn(1, 4, 8, dtype=torch.float32, device=DEVICE)),
+        lambda: base(q=randn(2, 4, 4, 8, dtype=torch.float32, device=DEVICE),  # 4 heads of 4 tokens as [B, H, T, D] ...
+                     k=randn(2, 4, 4, 8, dtype=torch.float32, device=DEVICE)),
+        lambda: base(q=randn(2, 4, 4, 8, dtype=torch.float32, device=DEVICE),  # ... and as [B, T, H, D]
+                     k=randn(2, 4, 4, 8, dtype=torch.float32, device=DEVICE), unsqueeze_dim=2),
+        lambda: one("cos", strided), lambda: one("sin", strided),
+        lambda: one("q", torch.Tensor.double), lambda: one("cos", torch.Tensor.double),
+    ]
+    for make in variants:
+        for need_q in (True, False):
+            a = make()
+            q, k = a["q"].detach().requires_grad_(need_q), a["k"].detach().requires_grad_()
+            got = apply_rotary_pos_emb(q, k, a["cos"], a["sin"], a["unsqueeze_dim"], interleaved=a["interleaved"])
+            dq_e, dk_e = torch.randn_like(got[0]), torch.randn_like(got[1])
+            torch.autograd.backward(got, (dq_e, dk_e))
+            q64, k64 = (t.detach().double().requires_grad_() for t in (a["q"], a["k"]))
+            want = apply_rotary_pos_emb_reference(q64, k64, a["cos"].double(), a["sin"].double(),
+                                                  a["unsqueeze_dim"], interleaved=a["interleaved"])
+            torch.autograd.backward(want, (dq_e.double(), dk_e.double()))
+            for g, w in [*zip(got, want), (k.grad, k64.grad)] + ([(q.grad, q64.grad)] if need_q else []):
+                torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
 def test_inputs_are_never_written_and_results_are_deterministic():
     q, k = projections(2, 9, 8, 4, 32, torch.bfloat16, DEVICE)
     cos, sin = tables(2, 9, 32, torch.bfloat16, DEVICE)

@@ -560,6 +560,21 @@ class Kernel:
             *args, *[constexprs[n] for n in self._constexpr_names],
         )
 
+    def _key(self, device, num_warps, constexprs: dict, args) -> tuple:
+        """_launch's cache key (written out there inline)."""
+        return (device, num_warps, *constexprs.items(), *[
+            (a.dtype, not a.data_ptr() & 15) if type(a) in PLAIN_TENSORS
+            else (64 if not -_I32 <= a < _I32 else a == 1 or 16 * (not a & 15)) if type(a) is int
+            else float if type(a) is float else a
+            for a in args])
+
+    def bind(self, grid, *args, num_warps: int = 4, **constexprs) -> "Bound":
+        """This launch with its grid, scalars and constexprs fixed, launched by ``bound(*tensors)`` on the
+        tensors (or None) in the places where ``args`` holds tensors (or None), in order. A launcher that keeps
+        one per shape, strides, dtypes and flags (``Memo``) then spends a call's Python on that key and on
+        the launch alone, not on rebuilding dozens of arguments. Nothing is launched here."""
+        return Bound(self, tuple(grid), self.positional(args, constexprs), num_warps, constexprs)
+
     def _traced(self, grid, args, num_warps, constexprs) -> None:
         a0 = args[0]
         if INTERPRET or a0.is_meta or isinstance(a0, FakeTensor):
@@ -571,6 +586,66 @@ class Kernel:
             if fn is None:
                 fn = self._float32_entry[floats] = float32_entry(self.fn, floats)
         torch.library.wrap_triton(fn)[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+
+
+class Bound:
+    """A launch of a :class:`Kernel` with everything but its tensors fixed (``Kernel.bind``). A call
+    ``bound(*tensors)`` launches like ``kernel[grid](*args, ...)`` with the tensors put in their places; on plain
+    CUDA tensors it finds the compiled kernel under the tensors' dtypes and 16-byte alignment (all that the
+    fixed arguments leave to specialize) and calls its launcher directly. The interpreter, tracers, fake
+    tensors, launch observers and Triton launch hooks take the kernel's full path."""
+
+    __slots__ = ("kernel", "grid", "args", "slots", "num_warps", "constexprs", "tail", "_compiled")
+
+    def __init__(self, kernel: Kernel, grid: tuple, args: tuple, num_warps: int, constexprs: dict):
+        self.kernel, self.num_warps, self.constexprs = kernel, num_warps, dict(constexprs)
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.slots = tuple(i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor))
+        self.args = [None if i in self.slots else a for i, a in enumerate(args)]  # holds no tensor alive
+        self.tail = tuple(self.constexprs[n] for n in kernel._constexpr_names) if not INTERPRET else ()
+        self._compiled: dict = {}
+
+    def _args(self, tensors) -> list:
+        if len(tensors) != len(self.slots):
+            raise TypeError(f"{self.kernel.fn.__name__}: this bound launch takes {len(self.slots)} tensors (or "
+                            f"None), got {len(tensors)}")
+        args = self.args.copy()
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        return args
+
+    def __call__(self, *tensors) -> None:
+        args = self._args(tensors)
+        a0 = args[0]
+        if INTERPRET or _observers.value or type(a0) not in PLAIN_TENSORS or a0.is_meta:
+            return self.kernel[self.grid](*args, num_warps=self.num_warps, **self.constexprs)
+        device = a0.get_device()
+        key = (device, *[(t.dtype, not t.data_ptr() & 15) if t is not None else None for t in tensors])
+        compiled = self._compiled.get(key)
+        if compiled is None or device != _current_device() or _hooks_active():
+            self.kernel._launch(self.grid, *args, num_warps=self.num_warps, **self.constexprs)
+            if device == _current_device() and not _hooks_active():
+                self._compiled[key] = self.kernel._cache.get(
+                    self.kernel._key(device, self.num_warps, self.constexprs, args))
+            return
+        compiled.run(*self.grid, _current_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                     None, *args, *self.tail)
+
+
+class Memo(dict):
+    """A launcher's bound launches (or any values it derives from a call's shapes, strides, dtypes and
+    flags) by a key of those: the key must determine every argument but the tensors' data. Cleared when it
+    holds ``maxsize``, so a long run of new shapes keeps it bounded."""
+
+    def __init__(self, maxsize: int = 512):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def put(self, key, value):
+        if len(self) >= self.maxsize:
+            self.clear()
+        self[key] = value
+        return value
 
 
 def float32_entry(jit_fn, names: tuple[str, ...]):

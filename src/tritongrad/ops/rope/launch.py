@@ -94,8 +94,11 @@ def _bthd(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _empty_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A dense tensor of x's shape whose dims are laid out in x's stride order: the output of a transposed
     view of a [B, T, H, Dh] projection is [B, T, H, Dh] in memory too, so that writes follow reads, and its
-    gradient's transpose and reshape back to the projection's shape are views, not copies. The order is
-    read from stride hints (no guard under torch.compile); any order is correct."""
+    gradient's transpose and reshape back to the projection's shape are views, not copies. Plain tensors:
+    ``empty_like`` (x's strides where x is dense, else a dense layout in x's stride order); traced ones: the
+    order read from stride hints (no guard under torch.compile). Any order is correct."""
+    if type(x) in rt.PLAIN_TENSORS:
+        return torch.empty_like(x, dtype=dtype)
     order = sorted(range(x.dim()), key=lambda i: -rt.hint(x.stride(i)))
     y = torch.empty([x.shape[i] for i in order], dtype=dtype, device=x.device)
     return y.permute(sorted(range(x.dim()), key=order.__getitem__))
@@ -111,16 +114,37 @@ def _named(name: str, strides: tuple) -> dict:
     return {f"stride_{name}_{d}": s for d, s in zip(dims, strides)}
 
 
+_LAUNCHES = rt.Memo()
+
+
 def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool) -> None:
     """y = rope(x) (forward) or its adjoint (backward) for q and k in one launch; yq or yk None: skipped.
-    Every tensor is read and written through its strides, whatever they are (no view, no copy)."""
+    Every tensor is read and written through its strides, whatever they are (no view, no copy). Plain
+    tensors' launches are kept per shapes, strides, dtypes and flags (docs/host-path.md)."""
+    if type(xq) not in rt.PLAIN_TENSORS:  # traced: the views the kernel reads, as the graph records them
+        bound = _bind(xq, xk, yq, yk, cos, sin, dim, backward, interleaved)
+        if bound is not None:
+            bound(*[_bthd(x, dim) if x is not None else None for x in (xq, xk, yq, yk)], cos, sin)
+        return
+    key = (xq.shape, xq.stride(), xq.dtype, xk.shape, xk.stride(), xk.dtype, cos.shape, cos.stride(), cos.dtype,
+           sin.stride(), sin.dtype, xq.device, dim, backward, interleaved, P.table(),
+           None if yq is None else (yq.stride(), yq.dtype), None if yk is None else (yk.stride(), yk.dtype))
+    bound = _LAUNCHES.get(key)
+    if bound is None:
+        bound = _LAUNCHES.put(key, _bind(xq, xk, yq, yk, cos, sin, dim, backward, interleaved))
+    if bound is not None:  # the tensors, not their [B, T, H, D] views: the bound launch reads their data alone
+        bound(xq, xk, yq, yk, cos, sin)
+
+
+def _bind(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool) -> rt.Bound | None:
+    """The launch for these shapes, strides, dtypes and flags (None: nothing to do)."""
     xq, xk = _bthd(xq, dim), _bthd(xk, dim)
     yq = _bthd(yq, dim) if yq is not None else None
     yk = _bthd(yk, dim) if yk is not None else None
     B, T, HQ, D = xq.shape
     HK = xk.shape[2]
     if B == 0 or T == 0 or D == 0:
-        return
+        return None
     HQ, HK, D, R = int(HQ), int(HK), int(D), int(cos.shape[-1])
     # Heads left out (the backward of k alone) do not size the tile: k's blocks then take more tokens.
     p = P.plan(rt.hint(T), HQ if yq is not None else 0, HK if yk is not None else 0, D, R,
@@ -128,7 +152,7 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool)
     q_blocks = rt.cdiv(HQ, p.BLOCK_HQ) if yq is not None else 0
     h_blocks = q_blocks + (rt.cdiv(HK, p.BLOCK_HK) if yk is not None else 0)
     if h_blocks == 0:
-        return
+        return None
     # cos and sin of one row for the whole batch: batch stride 0.
     cs_b = (0,) if cos.shape[0] == 1 else ()
     c_strides = (*cs_b, *cos.stride()[len(cs_b):])
@@ -138,7 +162,8 @@ def _rope(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool)
     align = rt.align(*[int(s) for st in (q_strides, k_strides, qo_strides, ko_strides) for s in st[:3]],
                      *[int(s) for s in (*c_strides[:2], *s_strides[:2])])
     acc = torch.float64 if torch.float64 in (xq.dtype, xk.dtype, cos.dtype, sin.dtype) else torch.float32
-    _kernel[(rt.cdiv(T, p.BLOCK_T) * h_blocks, B)](
+    return _kernel.bind(
+        (rt.cdiv(T, p.BLOCK_T) * h_blocks, B),
         xq, k_ptr=xk, qo_ptr=yq, ko_ptr=yk, cos_ptr=cos, sin_ptr=sin, T=T, HQ=HQ, HK=HK,
         **_named("q", q_strides), **_named("k", k_strides), **_named("qo", qo_strides), **_named("ko", ko_strides),
         **_named("c", c_strides), **_named("s", s_strides), Q_BLOCKS=q_blocks, H_BLOCKS=h_blocks, HALF=R // 2, PASS=D - R, BLOCK_T=p.BLOCK_T,
