@@ -1014,7 +1014,6 @@ def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
     assert tl.load is load
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
 def test_a_bound_launch_runs_on_the_tensors_it_is_given_and_keeps_none_alive():
     import gc
     import weakref
@@ -1034,6 +1033,7 @@ def test_a_bound_launch_runs_on_the_tensors_it_is_given_and_keeps_none_alive():
         bound(x2)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
 def test_interpreter_types_built_once_equal_those_built_anew():
     """The interpreter builds a block type and a tensor for every operation of every program; tritongrad keeps
     what their constructors derive from the type and copies it onto the next instance of an equal type. Each

@@ -313,6 +313,48 @@ def test_fused_halves_are_read_in_place(kernel_spy):
     torch.testing.assert_close(xr.grad, torch.func.grad(lambda t: swiglu_reference(t[..., :I], t[..., I:]).sum())(x))
 
 
+def test_a_kept_launch_serves_only_calls_that_differ_in_data_alone():
+    # Launches are kept per shapes, strides, dtypes and flags (launch._LAUNCHES). Each variant differs from
+    # the base in one of those (the permuted one's rows are copies, not views); run in turn, each must equal
+    # the float64 reference, which a launch kept for another variant would not give.
+    def base():
+        return randn(4, 6, 40, dtype=torch.float32, device=DEVICE), randn(4, 6, 40, dtype=torch.float32, device=DEVICE)
+
+    def halves(n):  # the halves of a fused projection: row stride 2I
+        x = randn(4, 6, 2 * n, dtype=torch.float32, device=DEVICE)
+        return x[..., :n], x[..., n:]
+
+    def one(i, change):
+        ab = list(base())
+        ab[i] = change(ab[i])
+        return tuple(ab)
+
+    variants = [
+        base, lambda: halves(40), lambda: (base()[0], halves(40)[1]),  # the strides of both, of up alone
+        lambda: one(0, lambda g: g.transpose(0, 1).contiguous().transpose(0, 1)),  # permuted: rows copied
+        lambda: one(1, lambda u: u.transpose(0, 1).contiguous().transpose(0, 1)),
+        lambda: (randn(3, 6, 40, dtype=torch.float32, device=DEVICE), randn(3, 6, 40, dtype=torch.float32, device=DEVICE)),
+        lambda: one(1, torch.Tensor.double), lambda: one(0, torch.Tensor.double),
+    ]
+    for make in variants:
+        for op, ref in ((swiglu, swiglu_reference), (geglu, geglu_reference)):
+            for need_gate in (True, False):
+                g0, u0 = make()
+                g, u = g0.detach().requires_grad_(need_gate), u0.detach().requires_grad_()
+                out = op(g, u)
+                for expanded in (False, True):  # the upstream gradient dense, then expanded (stride 0)
+                    d = torch.randn(out.shape[-1], dtype=out.dtype, device=DEVICE).expand(out.shape) if expanded \
+                        else torch.randn_like(out)
+                    g.grad = u.grad = None
+                    out.backward(d, retain_graph=True)
+                    g64, u64 = g0.detach().double().requires_grad_(), u0.detach().double().requires_grad_()
+                    want = ref(g64, u64)
+                    want.backward(d.double())
+                    pairs = [(out, want), (u.grad, u64.grad)] + ([(g.grad, g64.grad)] if need_gate else [])
+                    for got, w in pairs:
+                        torch.testing.assert_close(got.double(), w, rtol=1e-5, atol=1e-5)
+
+
 def test_inputs_are_never_written_and_results_are_deterministic():
     g = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
     u = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)

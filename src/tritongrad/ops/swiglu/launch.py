@@ -12,6 +12,7 @@ a fused projection are read in place), no intermediate activation, no residuals.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -59,24 +60,52 @@ def _plan(N, D: int, *tensors: torch.Tensor) -> P.Tile:
     return P.tile(rt.hint(N), D, min(t.element_size() for t in tensors), P.table())
 
 
+_LAUNCHES = rt.Memo()  # plain tensors' launches by shapes, strides, dtypes and flags (docs/host-path.md)
+
+
+def _launch(kernel: rt.Kernel, key: tuple, bind, tensors: tuple) -> None:
+    """``bind(*rows)`` of the tensors as [N, D] rows, kept under ``key`` for plain tensors: later calls launch
+    it on the tensors themselves where their rows are views (the kernel reads their data alone)."""
+    if key is None:  # traced: the [N, D] views the graph records
+        rows = [rt.as_rows(t) if t is not None else None for t in tensors]
+        bound = bind(*rows)
+        if bound is not None:
+            bound(*rows)
+        return
+    kept = _LAUNCHES.get(key)
+    if kept is None:
+        rows = [rt.as_rows(t) if t is not None else None for t in tensors]
+        in_place = all(r is None or r.data_ptr() == t.data_ptr() for r, t in zip(rows, tensors))
+        kept = _LAUNCHES.put(key, (bind(*rows), in_place))
+    bound, in_place = kept
+    if bound is not None:
+        bound(*(tensors if in_place else [rt.as_rows(t) if t is not None else None for t in tensors]))
+
+
 def _forward(gate, up, act: int, inplace_backward: bool) -> torch.Tensor:
     # read gate + read up + write out: N*D*(sg + su + so) bytes.
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     if inplace_backward:
         _received(gate, up)
-    g2, u2 = rt.as_rows(gate), rt.as_rows(up)
+    key = None if type(gate) not in rt.PLAIN_TENSORS else (
+        "fwd", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, gate.device, act, P.table())
+    _launch(_fwd_kernel, key, functools.partial(_bind_forward, act), (gate, up, out))
+    return out
+
+
+def _bind_forward(act: int, g2, u2, out) -> rt.Bound | None:
     N, D = g2.shape
     if N == 0 or D == 0:
-        return out
+        return None
     D = int(D)
-    t = _plan(N, D, gate, up)
+    t = _plan(N, D, g2, u2)
     d_blocks = rt.cdiv(D, t.BLOCK_D)
-    _fwd_kernel[(rt.cdiv(N, t.BLOCK_N) * d_blocks,)](
+    return _fwd_kernel.bind(
+        (rt.cdiv(N, t.BLOCK_N) * d_blocks,),
         g2, u_ptr=u2, out_ptr=out, N=N, D=D, stride_g_row=g2.stride(0), stride_g_col=g2.stride(1),
         stride_u_row=u2.stride(0), stride_u_col=u2.stride(1), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACT=act, ACC=rt.tl_acc_dtype(out.dtype),
         ALIGN=rt.align(D, int(g2.stride(0)), int(u2.stride(0))), num_warps=t.num_warps,
     )
-    return out
 
 
 def _backward(ctx, grad_out: torch.Tensor, act: int):
@@ -90,24 +119,31 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
     reuse_u = reuse and need_u and _reusable(up, gate, grad_out)
     dg = (gate.detach() if reuse_g else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)) if need_g else None
     du = (up.detach() if reuse_u else torch.empty(up.shape, dtype=up.dtype, device=up.device)) if need_u else None
-    g2, u2, do2 = rt.as_rows(gate), rt.as_rows(up), rt.as_rows(grad_out)  # do2: a view even when expanded
-    N, D = g2.shape
-    if N == 0 or D == 0 or not (need_g or need_u):
+    if gate.numel() == 0 or not (need_g or need_u):
         return dg, du
-    D = int(D)
-    t = _plan(N, D, gate, up, grad_out)
-    d_blocks = rt.cdiv(D, t.BLOCK_D)
-    _bwd_kernel[(rt.cdiv(N, t.BLOCK_N) * d_blocks,)](
-        g2, u_ptr=u2, dout_ptr=do2, dg_ptr=dg, du_ptr=du, N=N, D=D, stride_g_row=g2.stride(0),
-        stride_g_col=g2.stride(1), stride_u_row=u2.stride(0), stride_u_col=u2.stride(1),
-        stride_dout_row=do2.stride(0), stride_dout_col=do2.stride(1), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DG=need_g, HAS_DU=need_u, ACT=act,
-        ACC=rt.tl_acc_dtype(torch.promote_types(gate.dtype, up.dtype)),
-        ALIGN=rt.align(D, int(g2.stride(0)), int(u2.stride(0)), int(do2.stride(0))), num_warps=t.num_warps,
-    )
+    key = None if type(gate) not in rt.PLAIN_TENSORS else (
+        "bwd", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, grad_out.stride(), grad_out.dtype,
+        gate.device, need_g, need_u, act, P.table())
+    _launch(_bwd_kernel, key, functools.partial(_bind_backward, act), (gate, up, grad_out, dg, du))
     for t_, reused in ((gate, reuse_g), (up, reuse_u)):
         if reused:  # a later unpack of it elsewhere raises rather than reading the gradient
             torch.autograd.graph.increment_version(t_)
     return dg, du
+
+
+def _bind_backward(act: int, g2, u2, do2, dg, du) -> rt.Bound:
+    N, D = g2.shape
+    D = int(D)
+    t = _plan(N, D, g2, u2, do2)
+    d_blocks = rt.cdiv(D, t.BLOCK_D)
+    return _bwd_kernel.bind(
+        (rt.cdiv(N, t.BLOCK_N) * d_blocks,),
+        g2, u_ptr=u2, dout_ptr=do2, dg_ptr=dg, du_ptr=du, N=N, D=D, stride_g_row=g2.stride(0),
+        stride_g_col=g2.stride(1), stride_u_row=u2.stride(0), stride_u_col=u2.stride(1),
+        stride_dout_row=do2.stride(0), stride_dout_col=do2.stride(1), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DG=dg is not None, HAS_DU=du is not None, ACT=act,
+        ACC=rt.tl_acc_dtype(torch.promote_types(g2.dtype, u2.dtype)),
+        ALIGN=rt.align(D, int(g2.stride(0)), int(u2.stride(0)), int(do2.stride(0))), num_warps=t.num_warps,
+    )
 
 
 # inplace_backward: the tensors a forward received, by id. The backward writes over a saved tensor only if
