@@ -545,6 +545,72 @@ def test_zero_variance_rows(norm, dtype, path, launches, request):
         torch.testing.assert_close(y[1].float(), b.float(), atol=0, rtol=0)  # x - mean = 0 exactly
 
 
+@pytest.mark.parametrize("tiles", ["four_sms", pytest.param("small_tiles", marks=pytest.mark.extended)])
+def test_a_kept_launch_serves_only_calls_that_differ_in_data_alone(tiles, request):
+    # Launches are kept per shapes, strides, dtypes and flags (launch._LAUNCHES). Each variant differs from
+    # the base in one of those (the permuted x's rows are a copy, not a view); run in turn, each must equal
+    # float64 PyTorch, which a launch kept for another variant would not give. Rows in one tile, their dw
+    # and db in partial rows (four SMs); small tiles: column-split forwards, row-sum backwards.
+    request.getfixturevalue(tiles)
+    def rnd(*shape, dtype=f32):
+        return torch.randn(shape, dtype=f32, device=DEVICE).to(dtype)
+
+    def base(**o):
+        return dict(norm="layer_norm", x=rnd(4, 6, 40), w=rnd(40), b=rnd(40), eps=1e-5, ns=(40,), dy=None) | o
+
+    def one(name, change):
+        a = base()
+        return a | {name: change(a[name])}
+
+    variants = [
+        base, lambda: base(norm="rms_norm", b=None), lambda: base(norm="rms_norm", b=None, w=None),
+        lambda: base(norm="llama", b=None),
+        lambda: one("x", lambda x: x.transpose(0, 1).contiguous().transpose(0, 1)),  # rows copied
+        lambda: one("x", lambda x: torch.cat([x, x], -1)[..., :40]),  # row stride 80
+        lambda: one("x", lambda x: x[:3]), lambda: one("x", lambda x: rnd(4, 6, 48)) | dict(w=rnd(48), b=rnd(48), ns=(48,)),
+        lambda: one("w", lambda w: torch.cat([w, w])[::2]), lambda: one("b", lambda b: torch.cat([b, b])[::2]),
+        lambda: one("w", lambda w: w.double()), lambda: one("x", lambda x: x.double()),
+        lambda: one("eps", lambda e: 0.5), lambda: base(x=rnd(4, 6, 5, 8), w=rnd(5, 8), b=rnd(5, 8), ns=(5, 8)),
+        lambda: base(dy=rnd(40).expand(4, 6, 40)),  # the upstream gradient expanded (stride 0)
+        # bfloat16 x, float32 weight: rms_norm's y in x's dtype, Llama's promoted (its x-hat rounded first)
+        lambda: base(norm="rms_norm", b=None, x=rnd(4, 6, 40, dtype=bf16)),
+        lambda: base(norm="llama", b=None, x=rnd(4, 6, 40, dtype=bf16)),
+    ]
+    for make in variants:
+        for needs in ((True, True, True), (False, True, True), (True, False, False)):
+            a = make()
+            norm, ns = a["norm"], list(a["ns"])
+            ins = [t.detach().requires_grad_(need) if t is not None else None
+                   for t, need in zip((a["x"], a["w"], a["b"]), needs)]
+            if not any(t is not None and t.requires_grad for t in ins):
+                continue
+            ins64 = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in ins]
+
+            def run(x, w, b, norm=norm, ns=ns, eps=a["eps"]):
+                if norm == "llama":
+                    return llama_rms_norm(x, w, eps)
+                if norm == "rms_norm":
+                    return tritongrad.rms_norm(x, ns, w, eps)
+                return tritongrad.layer_norm(x, ns, w, b, eps)
+
+            def want(x, w, b, norm=norm, ns=ns, eps=a["eps"]):
+                if norm == "llama":
+                    return llama_rms_norm_reference(x, w, eps)
+                return F.rms_norm(x, ns, w, eps) if norm == "rms_norm" else F.layer_norm(x, ns, w, b, eps)
+
+            y, y64 = run(*ins), want(*ins64)
+            x_, w_ = ins[0], ins[1]
+            assert y.dtype == (torch.promote_types(x_.dtype, w_.dtype) if norm == "llama" else x_.dtype)
+            dy = a["dy"] if a["dy"] is not None else torch.randn_like(y)
+            y.backward(dy)
+            y64.backward(dy.double())
+            tol = dict(rtol=1e-5, atol=1e-5) if a["x"].dtype != bf16 else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(y.double(), y64, **tol)
+            for t, t64 in zip(ins, ins64):
+                if t is not None and t.requires_grad:
+                    torch.testing.assert_close(t.grad.double(), t64.grad, **tol)
+
+
 def test_split_float():
     # Triton passes a float argument as float32; kernels add hi + lo and get eps to float64 accuracy.
     for v in (1e-5, 1e-6, 1 / 3, 0.0, 1e-12):

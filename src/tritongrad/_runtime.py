@@ -330,6 +330,11 @@ _assumed = Scoped("assumed device properties", None)
 assume_device = _assumed.using
 
 
+def assumed_device() -> DeviceProps | None:
+    """The properties ``assume_device`` sets now (None: each device's own): part of a kept launch's key."""
+    return _assumed.value
+
+
 def device_props(device: torch.device) -> DeviceProps:
     """The properties of ``device`` that plans read (``OFF_GPU`` off the GPU; ``assume_device`` overrides)."""
     if _assumed.value is not None:
@@ -595,11 +600,12 @@ class Bound:
     fixed arguments leave to specialize) and calls its launcher directly. The interpreter, tracers, fake
     tensors, launch observers and Triton launch hooks take the kernel's full path."""
 
-    __slots__ = ("kernel", "grid", "args", "slots", "num_warps", "constexprs", "tail", "_compiled")
+    __slots__ = ("kernel", "grid", "_grid3", "args", "slots", "num_warps", "constexprs", "tail", "_compiled")
 
     def __init__(self, kernel: Kernel, grid: tuple, args: tuple, num_warps: int, constexprs: dict):
         self.kernel, self.num_warps, self.constexprs = kernel, num_warps, dict(constexprs)
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.grid = grid
+        self._grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.slots = tuple(i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor))
         self.args = [None if i in self.slots else a for i, a in enumerate(args)]  # holds no tensor alive
         self.tail = tuple(self.constexprs[n] for n in kernel._constexpr_names) if not INTERPRET else ()
@@ -628,7 +634,7 @@ class Bound:
                 self._compiled[key] = self.kernel._cache.get(
                     self.kernel._key(device, self.num_warps, self.constexprs, args))
             return
-        compiled.run(*self.grid, _current_stream(device), compiled.function, compiled.packed_metadata, None, None,
+        compiled.run(*self._grid3, _current_stream(device), compiled.function, compiled.packed_metadata, None, None,
                      None, *args, *self.tail)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections.abc
 import numbers
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -102,35 +102,77 @@ def _dtype(t: torch.Tensor | None):
     return None if t is None else t.dtype
 
 
+# Plain tensors' launches by shapes, strides, dtypes and flags: a call's Python goes to its key, its
+# allocations and its launches (docs/host-path.md).
+_LAUNCHES = rt.Memo()
+
+
+class _Kept(NamedTuple):
+    plan: object  # P.FwdPlan or P.BwdPlan
+    bounds: tuple  # the launches, in order (rt.Bound)
+    views: tuple  # per input (x, weight, bias; backward: x, dy, weight): its rows are a view of it
+
+
+def _sig(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _views(pairs) -> tuple:
+    """Whether each (rows, tensor) pair's rows are a view at the tensor's data: the launches then take the
+    tensor itself (they read data alone). False for traced tensors, whose launches take the rows."""
+    return tuple(r is t or r is None or r.data_ptr() == t.data_ptr() for r, t in pairs)
+
+
 def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool):
     """Normalise x over its last ``k`` dims: ``(y, rstd)``, or ``(y, mean, rstd)`` for layer_norm."""
-    x2 = rt.as_rows(x, k)
-    N, D = x2.shape
-    D = int(D)
-    r = P.forward(N=rt.hint(N), D=D, stride_row=int(x2.stride(0)), x_dtype=x.dtype, w_dtype=_dtype(weight),
-                  b_dtype=_dtype(bias), layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device),
-                  t=P.table())
+    key = None if type(x) not in rt.PLAIN_TENSORS else (
+        "fwd", x.shape, x.stride(), x.dtype, k, _sig(weight), _sig(bias), eps, layer_norm, llama, x.device,
+        P.table(), rt.assumed_device())
+    kept = _LAUNCHES.get(key) if key is not None else None
+    if kept is None:
+        x2, w, b = rt.as_rows(x, k), _flat(weight), _flat(bias)
+        N, D = x2.shape
+        r = P.forward(N=rt.hint(N), D=int(D), stride_row=int(x2.stride(0)), x_dtype=x.dtype, w_dtype=_dtype(weight),
+                      b_dtype=_dtype(bias), layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device),
+                      t=P.table())
+    else:
+        r = kept.plan
+        x2 = x if kept.views[0] else rt.as_rows(x, k)
+        w = weight if kept.views[1] else _flat(weight)
+        b = bias if kept.views[2] else _flat(bias)
     y = torch.empty(x.shape, dtype=r.out_dtype, device=x.device)
     rstd = torch.empty(x.shape[: x.dim() - k], dtype=r.acc, device=x.device)
     mean = torch.empty_like(rstd) if layer_norm else None
     stats = (mean, rstd) if layer_norm else (rstd,)
-    if N == 0 or D == 0:
+    if x.numel() == 0:
         return (y, *[s.fill_(0.0) for s in stats])
-    w, b = _flat(weight), _flat(bias)
+    # Column-split rows: each split's statistics first (PHASE 1), then the merge and normalisation (PHASE 2).
+    part = None if r.parts else rstd if r.splits == 1 else torch.empty((len(stats), r.splits, rstd.numel()),
+                                                                        dtype=r.acc, device=x.device)
+    tensors = (x2, w, b, y, mean, rstd) + (() if r.parts else (part,))
+    if kept is None:
+        kept = _Kept(r, _bind_forward(r, eps, *tensors), (False,) * 3 if key is None else
+                     _views(((x2, x), (w, weight), (b, bias))))
+        if key is not None:
+            _LAUNCHES.put(key, kept)
+    for bound in kept.bounds:
+        bound(*tensors)
+    return (y, *stats)
+
+
+def _bind_forward(r: P.FwdPlan, eps: float, x2, w, b, y, mean, rstd, part=None) -> tuple:
+    N, D = x2.shape
+    D = int(D)
     eps_hi, eps_lo = rt.split_float(eps)
     rows = dict(x_ptr=x2, w_ptr=w, b_ptr=b, y_ptr=y, mean_ptr=mean, rstd_ptr=rstd)
     strides = dict(stride_x_row=x2.stride(0), stride_x_col=x2.stride(1), stride_w=_stride(w), stride_b=_stride(b),
                    stride_y_row=D, eps=eps_hi, eps_lo=eps_lo)
     if r.parts:
-        _parts_kernel[(N,)](**rows, **strides, **r.consts)
-        return (y, *stats)
-    # Column-split rows: each split's statistics first (PHASE 1), then the merge and normalisation (PHASE 2).
-    part = rstd if r.splits == 1 else torch.empty((len(stats), r.splits, N), dtype=r.acc, device=x.device)
+        return (_parts_kernel.bind((N,), **rows, **strides, **r.consts),)
     grid = (rt.cdiv(N, r.BLOCK_N), r.splits)
-    for phase in (0,) if r.splits == 1 else (1, 2):
-        _fwd_kernel[grid](**rows, part_ptr=part, N=N, D=D, **strides, D_SPLIT=r.d_split, NUM_SPLITS=r.splits,
-                          PHASE=phase, **r.consts)
-    return (y, *stats)
+    return tuple(_fwd_kernel.bind(grid, **rows, part_ptr=part, N=N, D=D, **strides, D_SPLIT=r.d_split,
+                                  NUM_SPLITS=r.splits, PHASE=phase, **r.consts)
+                 for phase in ((0,) if r.splits == 1 else (1, 2)))
 
 
 def _empty_like(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
@@ -149,31 +191,62 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     dx, dw, db = _empty_like(x, need_x), _empty_like(weight, need_w), _empty_like(bias, need_b)
     if not (need_x or need_w or need_b):
         return dx, dw, db
-    x2 = rt.as_rows(x, k)
-    N, D = x2.shape
-    if N == 0 or D == 0:
+    if x.numel() == 0:
         return dx, (dw.zero_() if need_w else None), (db.zero_() if need_b else None)
-    D = int(D)
-    dy2 = rt.as_rows(dy, k)  # a view for contiguous or expanded (stride 0) dy
-    w = _flat(weight)
     acc = rstd.dtype
-    r = P.backward(N=rt.hint(N), D=D, stride_x=int(x2.stride(0)), stride_dy=int(dy2.stride(0)), x_dtype=x.dtype,
-                   dy_dtype=dy.dtype, w_dtype=_dtype(w), acc=acc, needs=(need_x, need_w, need_b),
-                   layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device), t=P.table())
+    key = None if type(x) not in rt.PLAIN_TENSORS else (
+        "bwd", dy.shape, dy.stride(), dy.dtype, x.stride(), x.dtype, k, _sig(weight), acc, needs, layer_norm, llama,
+        x.device, P.table(), rt.assumed_device())
+    kept = _LAUNCHES.get(key) if key is not None else None
+    if kept is None:
+        x2, dy2, w = rt.as_rows(x, k), rt.as_rows(dy, k), _flat(weight)  # dy2: a view for contiguous or expanded dy
+        N, D = x2.shape
+        r = P.backward(N=rt.hint(N), D=int(D), stride_x=int(x2.stride(0)), stride_dy=int(dy2.stride(0)),
+                       x_dtype=x.dtype, dy_dtype=dy.dtype, w_dtype=_dtype(w), acc=acc, needs=needs,
+                       layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device), t=P.table())
+    else:
+        r = kept.plan
+        x2 = x if kept.views[0] else rt.as_rows(x, k)
+        dy2 = dy if kept.views[1] else rt.as_rows(dy, k)
+        w = weight if kept.views[2] else _flat(weight)
+    N = rstd.numel()
+    D = int(x.numel() // N)
     chunks = rt.cdiv(N, r.rows_per_prog)
     part, grads = _partials(dx, dw, db, chunks, D, acc)
-    grads.update(ROWS_PER_PROG=r.rows_per_prog)
-    rows = dict(x_ptr=x2, w_ptr=w, dy_ptr=dy2, mean_ptr=mean, rstd_ptr=rstd)
-    strides = dict(N=N, D=D, stride_x_row=x2.stride(0), stride_x_col=x2.stride(1), stride_w=_stride(w),
-                   stride_dy_row=dy2.stride(0), stride_dy_col=dy2.stride(1))
-    if r.long is not None:
-        _long_kernel[(chunks * r.long.SPLIT,)](**rows, **strides, **grads, COLS=r.long.COLS, **r.consts)
+    if r.rowsum:  # long rows, a launch sequence of their own: not kept
+        rows = dict(x_ptr=x2, w_ptr=w, dy_ptr=dy2, mean_ptr=mean, rstd_ptr=rstd)
+        strides = _bwd_strides(x2, dy2, w)
+        c = _row_sums(r, rows, strides, N, layer_norm, acc)
+        _bwd_kernel[(chunks, r.d_blocks)](**rows, c_ptr=c, **strides, stride_c=N, **grads,
+                                           ROWS_PER_PROG=r.rows_per_prog, **r.consts)
     else:
-        c = _row_sums(r, rows, strides, N, layer_norm, acc) if r.rowsum else None
-        _bwd_kernel[(chunks, r.d_blocks)](**rows, c_ptr=c, **strides, stride_c=N, **grads, **r.consts)
+        tensors = (x2, w, dy2, mean, rstd) + (() if r.long is not None else (None,)) + (
+            grads["dx_ptr"], grads["dw_ptr"], grads["db_ptr"])
+        if kept is None:
+            kept = _Kept(r, (_bind_backward(r, chunks, grads, *tensors),), (False,) * 3 if key is None else
+                         _views(((x2, x), (dy2, dy), (w, weight))))
+            if key is not None:
+                _LAUNCHES.put(key, kept)
+        kept.bounds[0](*tensors)
     if part is not None:
         column_sum(part, *[g.view(-1) for g in (dw, db) if g is not None])
     return dx, dw, db
+
+
+def _bwd_strides(x2, dy2, w) -> dict:
+    return dict(N=x2.shape[0], D=x2.shape[1], stride_x_row=x2.stride(0), stride_x_col=x2.stride(1),
+                stride_w=_stride(w), stride_dy_row=dy2.stride(0), stride_dy_col=dy2.stride(1))
+
+
+def _bind_backward(r: P.BwdPlan, chunks: int, grads: dict, x2, w, dy2, mean, rstd, *rest) -> rt.Bound:
+    """The main backward launch of rows that need no row-sum pass (one tile, or the long-row kernel)."""
+    rows = dict(x_ptr=x2, w_ptr=w, dy_ptr=dy2, mean_ptr=mean, rstd_ptr=rstd)
+    strides = _bwd_strides(x2, dy2, w)
+    if r.long is not None:
+        return _long_kernel.bind((chunks * r.long.SPLIT,), **rows, **strides, **grads, ROWS_PER_PROG=r.rows_per_prog,
+                                 COLS=r.long.COLS, **r.consts)
+    return _bwd_kernel.bind((chunks, r.d_blocks), **rows, c_ptr=None, **strides, stride_c=x2.shape[0], **grads,
+                            ROWS_PER_PROG=r.rows_per_prog, **r.consts)
 
 
 def _partials(dx, dw, db, chunks: int, D: int, acc: torch.dtype) -> tuple[torch.Tensor | None, dict]:
