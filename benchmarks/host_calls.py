@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -23,18 +22,7 @@ import torch
 # TRITONGRAD_SRC: another checkout's src/ (an A/B of two commits on one host).
 sys.path.insert(0, os.environ.get("TRITONGRAD_SRC") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import tritongrad  # noqa: E402
-
-
-def per_call_us(fn, calls: int, rounds: int) -> float:
-    out = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
+from host_profile import per_call_us  # noqa: E402 (after tritongrad: its own src/ is then not imported)
 
 
 def cases(dev="cuda", dtype=torch.bfloat16):
