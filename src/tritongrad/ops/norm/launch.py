@@ -234,7 +234,7 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
 
 
 def _bwd_strides(x2, dy2, w) -> dict:
-    return dict(N=x2.shape[0], D=x2.shape[1], stride_x_row=x2.stride(0), stride_x_col=x2.stride(1),
+    return dict(N=x2.shape[0], D=int(x2.shape[1]), stride_x_row=x2.stride(0), stride_x_col=x2.stride(1),
                 stride_w=_stride(w), stride_dy_row=dy2.stride(0), stride_dy_col=dy2.stride(1))
 
 

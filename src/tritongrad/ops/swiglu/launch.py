@@ -63,7 +63,7 @@ def _plan(N, D: int, *tensors: torch.Tensor) -> P.Tile:
 _LAUNCHES = rt.Memo()  # plain tensors' launches by shapes, strides, dtypes and flags (docs/host-path.md)
 
 
-def _launch(kernel: rt.Kernel, key: tuple, bind, tensors: tuple) -> None:
+def _launch(key: tuple | None, bind, tensors: tuple) -> None:
     """``bind(*rows)`` of the tensors as [N, D] rows, kept under ``key`` for plain tensors: later calls launch
     it on the tensors themselves where their rows are views (the kernel reads their data alone)."""
     if key is None:  # traced: the [N, D] views the graph records
@@ -89,7 +89,7 @@ def _forward(gate, up, act: int, inplace_backward: bool) -> torch.Tensor:
         _received(gate, up)
     key = None if type(gate) not in rt.PLAIN_TENSORS else (
         "fwd", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, gate.device, act, P.table())
-    _launch(_fwd_kernel, key, functools.partial(_bind_forward, act), (gate, up, out))
+    _launch(key, functools.partial(_bind_forward, act), (gate, up, out))
     return out
 
 
@@ -124,7 +124,7 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
     key = None if type(gate) not in rt.PLAIN_TENSORS else (
         "bwd", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, grad_out.stride(), grad_out.dtype,
         gate.device, need_g, need_u, act, P.table())
-    _launch(_bwd_kernel, key, functools.partial(_bind_backward, act), (gate, up, grad_out, dg, du))
+    _launch(key, functools.partial(_bind_backward, act), (gate, up, grad_out, dg, du))
     for t_, reused in ((gate, reuse_g), (up, reuse_u)):
         if reused:  # a later unpack of it elsewhere raises rather than reading the gradient
             torch.autograd.graph.increment_version(t_)
