@@ -597,8 +597,9 @@ class Bound:
     """A launch of a :class:`Kernel` with everything but its tensors fixed (``Kernel.bind``). A call
     ``bound(*tensors)`` launches like ``kernel[grid](*args, ...)`` with the tensors put in their places; on plain
     CUDA tensors it finds the compiled kernel under the tensors' dtypes and 16-byte alignment (all that the
-    fixed arguments leave to specialize) and calls its launcher directly. The interpreter, tracers, fake
-    tensors, launch observers and Triton launch hooks take the kernel's full path."""
+    fixed arguments leave to specialize) and calls its launcher directly. The interpreter, tracers, fake and
+    meta tensors, other devices, launch observers and Triton launch hooks take the kernel's full path
+    (``kernel[grid]``)."""
 
     __slots__ = ("kernel", "grid", "_grid3", "args", "slots", "num_warps", "constexprs", "tail", "_compiled")
 
@@ -623,7 +624,7 @@ class Bound:
     def __call__(self, *tensors) -> None:
         args = self._args(tensors)
         a0 = args[0]
-        if INTERPRET or _observers.value or type(a0) not in PLAIN_TENSORS or a0.is_meta:
+        if INTERPRET or _observers.value or type(a0) not in PLAIN_TENSORS or not a0.is_cuda:
             return self.kernel[self.grid](*args, num_warps=self.num_warps, **self.constexprs)
         device = a0.get_device()
         key = (device, *[(t.dtype, not t.data_ptr() & 15) if t is not None else None for t in tensors])
