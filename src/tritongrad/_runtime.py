@@ -639,6 +639,13 @@ class Bound:
                      None, *args, *self.tail)
 
 
+def same_data(pairs) -> tuple:
+    """For each ``(rows, tensor)`` pair, whether ``rows`` (a view of ``tensor`` made by ``as_rows`` or a copy)
+    starts at the tensor's data (None pairs count as such): a bound launch may then take the tensor itself,
+    reading its data alone. Plain tensors only."""
+    return tuple(r is t or r is None or r.data_ptr() == t.data_ptr() for r, t in pairs)
+
+
 class Memo(dict):
     """A launcher's bound launches (or any values it derives from a call's shapes, strides, dtypes and
     flags) by a key of those: the key must determine every argument but the tensors' data. Cleared when it

@@ -110,17 +110,11 @@ _LAUNCHES = rt.Memo()
 class _Kept(NamedTuple):
     plan: object  # P.FwdPlan or P.BwdPlan
     bounds: tuple  # the launches, in order (rt.Bound)
-    views: tuple  # per input (x, weight, bias; backward: x, dy, weight): its rows are a view of it
+    views: tuple  # per input (x, weight, bias; backward: x, dy, weight): rt.same_data (False when traced)
 
 
 def _sig(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype)
-
-
-def _views(pairs) -> tuple:
-    """Whether each (rows, tensor) pair's rows are a view at the tensor's data: the launches then take the
-    tensor itself (they read data alone). False for traced tensors, whose launches take the rows."""
-    return tuple(r is t or r is None or r.data_ptr() == t.data_ptr() for r, t in pairs)
 
 
 def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool):
@@ -152,7 +146,7 @@ def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool)
     tensors = (x2, w, b, y, mean, rstd) + (() if r.parts else (part,))
     if kept is None:
         kept = _Kept(r, _bind_forward(r, eps, *tensors), (False,) * 3 if key is None else
-                     _views(((x2, x), (w, weight), (b, bias))))
+                     rt.same_data(((x2, x), (w, weight), (b, bias))))
         if key is not None:
             _LAUNCHES.put(key, kept)
     for bound in kept.bounds:
@@ -224,7 +218,7 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
             grads["dx_ptr"], grads["dw_ptr"], grads["db_ptr"])
         if kept is None:
             kept = _Kept(r, (_bind_backward(r, chunks, grads, *tensors),), (False,) * 3 if key is None else
-                         _views(((x2, x), (dy2, dy), (w, weight))))
+                         rt.same_data(((x2, x), (dy2, dy), (w, weight))))
             if key is not None:
                 _LAUNCHES.put(key, kept)
         kept.bounds[0](*tensors)

@@ -75,7 +75,7 @@ def _launch(key: tuple | None, bind, tensors: tuple) -> None:
     kept = _LAUNCHES.get(key)
     if kept is None:
         rows = [rt.as_rows(t) if t is not None else None for t in tensors]
-        in_place = all(r is None or r.data_ptr() == t.data_ptr() for r, t in zip(rows, tensors))
+        in_place = all(rt.same_data(zip(rows, tensors)))
         kept = _LAUNCHES.put(key, (bind(*rows), in_place))
     bound, in_place = kept
     if bound is not None:
