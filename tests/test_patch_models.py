@@ -476,6 +476,78 @@ def test_patch_transformers_all_ops():
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
 
+def test_patch_transformers_first_call_compiled_establishes_each_instance(monkeypatch):
+    """A class patched by patch_transformers establishes each instance on its first call, and so when that call is
+    traced by torch.compile: the instance's own attributes decide, as in eager mode, with no graph break.
+
+    The MLP's class carries a default (``limit = None``) that one instance overrides to clip its gate: the class
+    passes its probe, the clipping instance must not, and in the traced graph only the other runs swiglu. The
+    Qwen3 model's norms, fused add-norms and loss from hidden states are established at the trace too (the
+    training output has no logits) and match the unpatched model's loss and gradients."""
+    import types
+
+    class ClippedMLP(torch.nn.Module):
+        limit = None  # a class-level default that an instance overrides
+
+        def __init__(self, limit=None):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 32, bias=False)
+            self.down_proj, self.act_fn = torch.nn.Linear(32, 16, bias=False), torch.nn.SiLU()
+            if limit is not None:
+                self.limit = limit
+
+        def forward(self, x):
+            gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
+            if self.limit is not None:
+                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return self.down_proj(gate * up)
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.plain, self.clipped = ClippedMLP(), ClippedMLP(limit=0.05)
+
+        def forward(self, x):
+            return self.plain(x), self.clipped(x)
+
+    name = "transformers.models.clipped_family.modeling_clipped_family"
+    module = types.ModuleType(name)
+    ClippedMLP.__module__ = module.__name__
+    module.ClippedMLP = ClippedMLP
+    monkeypatch.setitem(sys.modules, name, module)
+    torch.manual_seed(0)
+    pair, x = Pair().to(DEVICE), torch.randn(3, 16, device=DEVICE)
+    with torch.no_grad():
+        want = pair(x)
+    assert tritongrad.patch_transformers("clipped_family").ops() == {"swiglu": 1, "causal_mask": 2}
+    traced = []
+    swiglu = tritongrad.swiglu
+    monkeypatch.setattr(tritongrad, "swiglu", lambda *a, **k: traced.append(1) or swiglu(*a, **k))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(pair, backend="aot_eager", fullgraph=True)(x)
+    assert len(traced) == 1  # the plain instance's call, traced once
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    assert _hf.GATE_ATTR not in vars(pair.plain)  # established in the trace, not kept: no guard to fail
+    with torch.no_grad():  # eager calls establish and keep
+        pair(x)
+    assert (vars(pair.plain)[_hf.GATE_ATTR], vars(pair.clipped)[_hf.GATE_ATTR]) == ("silu", False)
+    tritongrad.unpatch_transformers("clipped_family")
+
+    model, batch = _model("qwen3"), _batch()
+    refs = _references(model, batch)
+    tritongrad.patch_transformers("qwen3")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    out = compiled(**batch)
+    assert out.logits is None  # the loss from hidden states, established at the trace
+    out.loss.backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    _assert_matches(out, grads, refs)
+    assert not any(_hf.SPEC_ATTR in vars(m) or _hf.NORM_ATTR in vars(m) for m in model.modules())
+
+
 class _HubWrapped(torch.nn.Module):
     """What transformers with the ``kernels`` package makes of a module's ``apply_rotary_pos_emb``: a module
     instance whose forward, with the function's signature, calls the function."""

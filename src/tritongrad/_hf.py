@@ -79,6 +79,30 @@ def _probe_rng() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
 
 
+# ---------------------------------------------------------------- per-instance decisions
+# patch() establishes each instance it replaces and keeps the outcome on it under an attribute (NORM_ATTR,
+# GATE_ATTR, SPEC_ATTR). A class patched by patch_transformers establishes each instance on its first call,
+# with the decider registered for that attribute: kept on the instance in eager mode; under torch.compile,
+# computed when the call is traced, as a constant of the graph guarded on the instance (no graph break).
+DECIDERS: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _decided_in_trace(m, attr: str, arg):
+    # Runs eagerly while dynamo traces; nothing is stored on the instance, whose dict the graph's guards read.
+    return DECIDERS[attr](m, arg)
+
+
+def decided(m, attr: str, arg=None):
+    """What ``DECIDERS[attr](m, arg)`` establishes for the instance ``m``, set by patch or on its first call."""
+    v = getattr(m, attr, None)  # a plain attribute read: no graph break
+    if v is None:
+        if torch.compiler.is_compiling():
+            return _decided_in_trace(m, attr, arg)
+        v = m.__dict__[attr] = DECIDERS[attr](m, arg)
+    return v
+
+
 # ---------------------------------------------------------------- RMSNorm
 def _xhat(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(torch.float32)
@@ -165,17 +189,14 @@ def instance_norm_kind(m: torch.nn.Module, cls: type | None = None) -> tuple[str
     return _instance_norm_kind(cls or type(m), int(m.weight.shape[0]), _simple_state(m))
 
 
-NORM_ATTR = "_tritongrad_norm"
+NORM_ATTR = "_tritongrad_norm"  # True where the instance computes the forward's kind of norm
+DECIDERS[NORM_ATTR] = lambda m, kind: instance_norm_kind(m)[0] == kind
 
 
 @functools.cache
 def norm_forward(kind: str, eps_name: str):
     def established(self) -> bool:
-        ok = getattr(self, NORM_ATTR, None)  # set by patch(); a class patched by patch_transformers: checked once
-        if ok is None and not torch.compiler.is_compiling():
-            ok = instance_norm_kind(self)[0] == kind
-            self.__dict__[NORM_ATTR] = ok
-        return bool(ok)
+        return bool(decided(self, NORM_ATTR, kind))
 
     # A norm whose forward takes more than its input (a gated norm's ``gate``) was established on the input
     # alone: called with more, it runs its own forward.
@@ -303,13 +324,13 @@ def gate_kind(act) -> tuple[str | None, str | None]:
     return None, f"act_fn is {name}: neither SiLU nor GELU (exact or tanh), so neither swiglu nor geglu"
 
 
+# The gate ("silu", "tanh", "none") where the instance, its plain attributes included, is a gated MLP; else False.
+DECIDERS[GATE_ATTR] = lambda m, _: (gated_mlp_why_not(type(m), _simple_state(m)) is None
+                                    and gate_kind(m.act_fn)[0]) or False
+
+
 def _gated_forward(self, x):
-    kind = getattr(self, GATE_ATTR, None)
-    if kind is None and not torch.compiler.is_compiling():  # a class patched by patch_transformers: this instance
-        kind = (gated_mlp_why_not(type(self), _simple_state(self)) is None and gate_kind(self.act_fn)[0]) or False
-        self.__dict__[GATE_ATTR] = kind
-    if kind is None and isinstance(self.act_fn, SILU.types):  # first seen compiled: an attribute read, no break
-        kind = "silu"
+    kind = decided(self, GATE_ATTR)
     # The projections' outputs feed the gate alone: their storage takes their gradients.
     if kind == "silu":
         return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
@@ -878,13 +899,7 @@ def _linear_loss_forward(self, spec: HeadSpec, parts, labels, logits_to_keep=0, 
 SPEC_ATTR = "_tritongrad_head"
 
 
-def instance_spec(model) -> HeadSpec | str:
-    """``head_spec(model)``, kept on the instance (set by patch, or on a class-patched model's first call)."""
-    spec = model.__dict__.get(SPEC_ATTR)
-    if spec is None:
-        spec = head_spec(model)
-        model.__dict__[SPEC_ATTR] = spec
-    return spec
+DECIDERS[SPEC_ATTR] = lambda m, _: head_spec(m)
 
 
 @functools.cache
@@ -908,9 +923,7 @@ def causal_lm_forward(original):
             kwargs.update(zip(names, args))
         if not self.training or kwargs.get("labels") is None:
             return original(self, **kwargs)
-        spec = getattr(self, SPEC_ATTR, None)  # a plain attribute read: no graph break
-        if spec is None and not torch.compiler.is_compiling():
-            spec = instance_spec(self)  # a class patched by patch_transformers: established on first use
+        spec = decided(self, SPEC_ATTR)
         if (not isinstance(spec, HeadSpec) or type(getattr(self, spec.head).weight) not in PLAIN_TENSORS
                 or spec.router_logits and kwargs.get("output_router_logits",
                                                      getattr(self.config, "output_router_logits", False))):
@@ -967,9 +980,7 @@ def llama_norm_args(norm) -> tuple | None:
     forward = getattr(type(norm), "forward", None)
     if getattr(forward, "__name__", None) != "llama_rms_norm_forward" or patched_op(forward) != "rms_norm":
         return None
-    ok = norm.__dict__.get(NORM_ATTR)  # set by patch(); a class patched by patch_transformers: checked once
-    if ok is None and not torch.compiler.is_compiling():
-        ok = norm.__dict__[NORM_ATTR] = instance_norm_kind(norm)[0] == "llama"
+    ok = decided(norm, NORM_ATTR, "llama")
     return (_plain(norm.weight), getattr(norm, eps_attr(norm))) if ok else None
 
 
