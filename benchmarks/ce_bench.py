@@ -7,7 +7,10 @@ of the linear loss timed alone. Prints a table per part and writes everything as
 
 parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 128256, bf16), ``lce``
 (linear_cross_entropy at N=16384, H=4096, V=128256, bf16), ``acc`` (the linear loss's errors against float64,
-tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes).
+tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes),
+``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss and
+linear_dpo_loss at N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three
+products at that N).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -287,6 +290,61 @@ def sweep(bw: float):
     RESULTS["sweep"] = rows
 
 
+def chunk_budget():
+    """Device time and peak memory of the linear losses for chunk budgets of 64-192 MiB of logits, and the
+    three products alone (the floor: logits, grad_input, grad_weight). Peak: above the inputs, less the
+    gradients (grad_input, grad_weight) the loss must return."""
+    from tritongrad.bench.ops import OPS
+    from tritongrad.ops.post_training import plans as PT
+
+    H, V = 4096, 128256
+    rows = []
+    for N in (8192, 16384):
+        h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
+        W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
+        dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
+        logits, gh, gw = torch.empty(N, V, device="cuda", dtype=torch.bfloat16), torch.empty_like(h), torch.empty_like(W)
+
+        def gemms():
+            torch.mm(h, W.t(), out=logits)
+            torch.mm(dl, W, out=gh)
+            torch.mm(dl.t(), h, out=gw)
+
+        floor = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median")
+        rows.append(dict(op="3 GEMMs", N=N, chunk_mib=None, graph_ms=floor, x_floor=1.0, peak_extra_gb=None))
+        del h, W, dl, logits, gh, gw
+        torch.cuda.empty_cache()
+        ops = ["linear_cross_entropy"] + (["linear_grpo_loss", "linear_dpo_loss"] if N == 8192 else [])
+        for name in ops:
+            spec = OPS[name]
+            inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
+            h, W = inputs[0], inputs[1]
+            f = spec.bind(getattr(tritongrad, name))
+
+            def run(f=f, inputs=inputs):
+                out = f(*inputs)
+                (out[0] if isinstance(out, tuple) else out).backward()
+            for mib in (64, 96, 128, 192):
+                with P.using(dataclasses.replace(P.TABLE, LCE_CHUNK_BYTES=mib << 20)):
+                    PT.LIMITS = dataclasses.replace(PT.Limits(), chunk_bytes=mib << 20)
+                    try:
+                        run()
+                        ms = triton.testing.do_bench_cudagraph(run, rep=500, grad_to_none=[h, W], return_mode="median")
+                        peak = _peak(run, [h, W]) - (h.numel() + W.numel()) * 2 / 1e9
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {name} {N} {mib} MiB: {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    finally:
+                        PT.LIMITS = PT.Limits()
+                rows.append(dict(op=name, N=N, chunk_mib=mib, graph_ms=ms, x_floor=ms / floor, peak_extra_gb=peak))
+                print(f"  {name:>22} N={N} {mib:>4} MiB: {ms:8.3f} ms = {ms / floor:5.3f}x the products, "
+                      f"peak +{peak:.3f} GB (logits {N * V * 2 / 1e9:.2f} GB)")
+            del inputs, h, W
+            torch.cuda.empty_cache()
+        print(f"  3 GEMMs N={N}: {floor:.3f} ms")
+    RESULTS["chunks"] = rows
+
+
 def main():
     parts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["ce", "lce"]
     tritongrad.set_small_input_threshold(0)
@@ -296,7 +354,8 @@ def main():
     print(f"{RESULTS['device']}: copy {bw:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
     for part in parts:
-        {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw)}[part]()
+        {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
+         "chunks": chunk_budget}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1,

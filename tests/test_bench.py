@@ -296,3 +296,28 @@ def test_liger_grpo_row_times_the_same_function():
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_liger_dpo_row_times_the_same_function():
+    """Liger's chunked DPO loss is timed against tritongrad's only as the same function: on the bench's DPO
+    inputs (two pairs, a small head, the reference model's hidden states and head) the same loss and policy
+    gradients. On CPU, Liger's loss uncompiled."""
+    pytest.importorskip("liger_kernel.chunked_loss")
+    from tritongrad.bench.ops import dpo_layout
+    from tritongrad.bench.providers import liger_dpo_loss
+
+    op = OPS["linear_dpo_loss"]
+    N, D = 4 * 16, 16  # four sequences of gcd(N / 4, 1024) = 16 tokens: two pairs
+    assert dpo_layout(N) == (4, 16) and dpo_layout(8192) == (8, 1024)
+    inputs = op.inputs(N, D, torch.float32, "cpu")
+    h, W = (inputs[0].detach().requires_grad_(), inputs[1].detach().requires_grad_())
+    ours, metrics = op.bind(tritongrad.linear_dpo_loss)(h, W, *inputs[2:])
+    assert metrics["rewards/margins"].abs() > 0  # the reference differs from the policy
+    want = torch.autograd.grad(ours, (h, W))
+    base, _ = op.bind(op.torch_fn)(h, W, *inputs[2:])
+    torch.testing.assert_close(base, ours, rtol=1e-5, atol=1e-6)
+    theirs = liger_dpo_loss(compiled=False)(h, W, *inputs[2:])
+    got = torch.autograd.grad(theirs, (h, W))
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

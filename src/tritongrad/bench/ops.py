@@ -180,6 +180,43 @@ def _grpo_torch(input, weight, completion_ids, advantages, completion_mask=None,
     return grpo_from_logprobs(lp, advantages, mask, None, ref_logprobs, beta=beta)
 
 
+DPO_BETA = 0.1  # TRL's default, for every provider
+
+
+def dpo_layout(N: int) -> tuple[int, int]:
+    """(sequences, tokens each) of the bench's DPO batch of N tokens (a multiple of 4): at least two pairs of
+    sequences of up to GRPO_SEQ, the chosen ones first."""
+    T = math.gcd(N // 4, GRPO_SEQ)
+    return N // T, T
+
+
+def _dpo_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """The policy's hidden states, head and ids (as linear_token_logprobs), and the reference model's hidden
+    states and head (no gradient): the policy's, perturbed, so that the log-ratios are not all zero."""
+    h, W, t = _hidden_weight_targets(N, D, dtype, device)
+    ref_h = (h.detach().float() + torch.randn(N, D, device=device) / 16).to(dtype)
+    ref_W = (W.detach().float() + torch.randn(W.shape, device=device) / (4 * D**0.5)).to(dtype)
+    return h, W, t, ref_h, ref_W
+
+
+def _dpo_bind(f):
+    """The flat bench inputs as TRL's concatenated [2B, T, ...] batch for a DPO loss with the public signature."""
+    def run(h, W, t, ref_h, ref_W):
+        S, T = dpo_layout(h.shape[0])
+        return f(h.view(S, T, -1), W, t.view(S, T), ref_input=ref_h.view(S, T, -1), ref_weight=ref_W, beta=DPO_BETA)
+    return run
+
+
+def _dpo_torch(input, weight, target, bias=None, *, ref_input, ref_weight, beta=0.1):
+    """TRL's DPO loss (sigmoid) on materialised logits, the reference's under no_grad."""
+    from ..ops.post_training.reference import dpo_from_logprobs
+
+    logps = _token_logprobs_torch(input, weight, target).sum(-1)
+    with torch.no_grad():
+        ref = _token_logprobs_torch(ref_input, ref_weight, target).sum(-1)
+    return dpo_from_logprobs(*logps.chunk(2), *ref.chunk(2), beta=beta)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op. ``torch_fn`` has the op's public signature (that of ``tritongrad.<name>``) and is the eager
@@ -287,6 +324,19 @@ OPS: dict[str, OpSpec] = {
             shapes=((4096, 4096), (8192, 4096)),
             size="N completion tokens in sequences of gcd(N, 1024): hidden [N, D], weight [V, D] (as "
                  "linear_token_logprobs), dapo loss, beta 0.04",
+        ),
+        OpSpec(
+            "linear_dpo_loss",
+            _dpo_inputs,
+            _dpo_torch,
+            bind=_dpo_bind,
+            # read both models' hidden states and heads + targets (the reference's products take no gradient)
+            fwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 8 * N,
+            # write the policy's gradients (and read what makes its logits again)
+            bwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s) + 8 * N,
+            shapes=((4096, 4096), (8192, 4096)),
+            size="N tokens as pairs of sequences of gcd(N / 4, 1024), policy and reference: hidden [N, D], "
+                 "weight [V, D] each (as linear_token_logprobs), sigmoid loss, beta 0.1",
         ),
         OpSpec(
             "fused_add_rms_norm",

@@ -124,6 +124,9 @@ def _liger_build(op: OpSpec) -> Callable:
     def linear_grpo_loss():
         return liger_grpo_loss(compiled=True)
 
+    def linear_dpo_loss():
+        return liger_dpo_loss(compiled=True)
+
     def swiglu():
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -135,7 +138,7 @@ def _liger_build(op: OpSpec) -> Callable:
         return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
 
     fns = {f.__name__: f for f in (rms_norm, fused_add_rms_norm, layer_norm, cross_entropy, linear_cross_entropy,
-                                   linear_grpo_loss, swiglu, rotary)}
+                                   linear_grpo_loss, linear_dpo_loss, swiglu, rotary)}
     if op.name not in fns:
         raise Unavailable(f"liger-kernel has no {op.name}")
     try:
@@ -158,6 +161,22 @@ def liger_grpo_loss(compiled: bool) -> Callable:
         B, T = grpo_layout(h.shape[0])
         mask = torch.ones(B, T, device=h.device)
         return loss(h.view(B, T, -1), W, t.view(B, T), mask, a, ref_per_token_logps=ref.view(B, T))[0]
+    return run
+
+
+def liger_dpo_loss(compiled: bool) -> Callable:
+    """Liger's chunked DPO loss on the bench's DPO inputs (sigmoid, beta ``DPO_BETA``, the reference model's
+    hidden states and head, sequence log-probabilities summed): the same function, which tests/test_bench.py
+    checks on CPU."""
+    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+    from .ops import DPO_BETA, dpo_layout
+
+    loss = LigerFusedLinearDPOLoss(beta=DPO_BETA, loss_type="sigmoid", use_ref_model=True, compiled=compiled)
+
+    def run(h, W, t, ref_h, ref_W):
+        S, T = dpo_layout(h.shape[0])
+        return loss(W, h.view(S, T, -1), t.view(S, T), None, ref_h.view(S, T, -1), ref_W)[0]
     return run
 
 
