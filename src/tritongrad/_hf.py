@@ -83,7 +83,9 @@ def _probe_rng() -> torch.Generator:
 # patch() establishes each instance it replaces and keeps the outcome on it under an attribute (NORM_ATTR,
 # GATE_ATTR, SPEC_ATTR). A class patched by patch_transformers establishes each instance on its first call,
 # with the decider registered for that attribute: kept on the instance in eager mode; under torch.compile,
-# computed when the call is traced, as a constant of the graph guarded on the instance (no graph break).
+# computed when the call is traced, as a constant of the graph guarded on the instance (no graph break), where
+# dynamo's assume_constant_result takes a module argument (torch 2.13); before that, the traced call is not
+# established and runs the instance's own forward (docs/models.md#torchcompile).
 DECIDERS: dict = {}
 
 
@@ -93,12 +95,25 @@ def _decided_in_trace(m, attr: str, arg):
     return DECIDERS[attr](m, arg)
 
 
+@torch.compiler.assume_constant_result
+def _trace_decides() -> bool:
+    """Whether dynamo calls an assume_constant_result function with a module (an object, guarded by identity).
+    Called while tracing only, where dynamo is loaded: it runs then, eagerly, as a constant of the graph."""
+    try:
+        from torch._dynamo.variables import functions
+
+        return "UserDefinedObjectVariable" in inspect.getsource(functions.invoke_and_store_as_constant)
+    except Exception:  # noqa: BLE001 - any doubt: not established while tracing
+        return False
+
+
 def decided(m, attr: str, arg=None):
-    """What ``DECIDERS[attr](m, arg)`` establishes for the instance ``m``, set by patch or on its first call."""
+    """What ``DECIDERS[attr](m, arg)`` establishes for the instance ``m``, set by patch or on its first call;
+    None (not established) when that call is traced and :func:`_trace_decides` is False."""
     v = getattr(m, attr, None)  # a plain attribute read: no graph break
     if v is None:
         if torch.compiler.is_compiling():
-            return _decided_in_trace(m, attr, arg)
+            return _decided_in_trace(m, attr, arg) if _trace_decides() else None
         v = m.__dict__[attr] = DECIDERS[attr](m, arg)
     return v
 
