@@ -44,6 +44,22 @@ from ._runtime import PLAIN_TENSORS
 # What class-level patches and the module-wide rope replaced: (owner, attribute) -> (original, source), the
 # source "class" (patch_transformers) or "instance" (patch). Originals are found here, never in a probe.
 SAVED: dict[tuple, tuple] = {}
+# The classes' saved forwards again, keyed by the class alone: read while dynamo traces (original_forward_of),
+# which in torch 2.11 cannot hash SAVED's module keys. Written by save() and forget() only.
+SAVED_FORWARDS: dict[type, object] = {}
+
+
+def save(owner, attr: str, original, source: str) -> None:
+    """Keep ``owner.attr``'s original (the first one saved stays)."""
+    SAVED.setdefault((owner, attr), (original, source))
+    if isinstance(owner, type) and attr == "forward":
+        SAVED_FORWARDS.setdefault(owner, SAVED[(owner, attr)][0])
+
+
+def forget(owner, attr: str) -> None:
+    del SAVED[(owner, attr)]
+    if isinstance(owner, type) and attr == "forward":
+        SAVED_FORWARDS.pop(owner, None)
 
 
 def marked(fn, op: str):
@@ -641,8 +657,8 @@ def causal_lm_why_not(cls: type) -> str | None:
 def original_forward_of(cls: type):
     """The forward ``cls`` had before tritongrad: through tritongrad's subclasses and class-level patches."""
     for c in cls.__mro__:
-        if (c, "forward") in SAVED:
-            return SAVED[(c, "forward")][0]
+        if c in SAVED_FORWARDS:
+            return SAVED_FORWARDS[c]
         fn = c.__dict__.get("forward")
         if fn is None:
             continue

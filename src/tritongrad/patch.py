@@ -439,7 +439,7 @@ def _plan_mask(hf, report) -> list[str]:
 
 def _apply_function(hf, mod, attr: str, make, source: str) -> None:
     fn = vars(mod)[attr]
-    hf.SAVED.setdefault((mod, attr), (fn, source))
+    hf.save(mod, attr, fn, source)
     setattr(mod, attr, make(fn))
 
 
@@ -467,7 +467,7 @@ def unpatch(model: torch.nn.Module) -> int:
     for (owner, attr), (original, source) in list(hf.SAVED.items()):
         if source == "instance" and not isinstance(owner, type) and owner.__name__ in modules:
             setattr(owner, attr, original)
-            del hf.SAVED[(owner, attr)]
+            hf.forget(owner, attr)
     return count
 
 
@@ -580,7 +580,7 @@ def _set(cls: type, attr: str, value, op: str, report: PatchReport, detail: str)
         report._add("already", op, target, detail)
         return
     _require(op)
-    _hf.SAVED.setdefault((cls, attr), (current, "class"))
+    _hf.save(cls, attr, current, "class")
     setattr(cls, attr, value)
     report._add("replaced", op, target, detail)
 
@@ -600,6 +600,6 @@ def unpatch_transformers(family: str | None = None) -> int:
             delattr(owner, attr)
         else:
             setattr(owner, attr, original)
-        del _hf.SAVED[(owner, attr)]
+        _hf.forget(owner, attr)
         count += 1
     return count
