@@ -201,12 +201,14 @@ def main():
             r["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], base["losses"]))
     sha = os.environ.get("TRITONGRAD_GIT_SHA") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    from importlib.metadata import PackageNotFoundError, version
+
     versions = {"torch": torch.__version__}
-    for mod in ("triton", "transformers", "liger_kernel", "trl"):
+    for dist in ("triton", "transformers", "liger-kernel", "trl"):
         try:
-            versions[mod] = getattr(__import__(mod), "__version__", "?")
-        except ImportError:
-            versions[mod] = None
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     name = "h200" if device == "cuda" and "H200" in torch.cuda.get_device_name() else device
     record = dict(what="benchmarks/grpo_step.py", git=sha, date=stamp, versions=versions,

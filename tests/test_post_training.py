@@ -863,3 +863,24 @@ def test_grpo_and_dpo_with_gemma2_soft_cap_against_float64(dtype):
         return loss, chosen
 
     _check(dpo, dpo_ref, _dpo_inputs, dtype)
+
+
+@pytest.mark.slow
+def test_grpo_step_benchmark_providers_train_the_same_function(tmp_path):
+    # benchmarks/grpo_step.py compares tritongrad's GRPO loss with TRL's own paths (its fused log-prob function,
+    # and materialised logits) in one training loop: on a tiny Llama in float32 every provider's loss, at every
+    # step (the weights moving under AdamW), is the first provider's.
+    _trl()
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "grpo_step.py")
+    subprocess.run([sys.executable, script, "--size", "tiny", "--batch", "2", "--prompt", "8", "--completion", "16",
+                    "--steps", "3", "--warmup", "1", "--providers", "tritongrad,trl-fused,trl-logits",
+                    "--out", str(tmp_path)], check=True, capture_output=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    (path,) = tmp_path.glob("grpo-step-*.json")
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["status"] for r in runs] == ["ok"] * 3, runs
+    for r in runs:
+        assert len(r["losses"]) == 3 and r["max_rel_loss_diff"] < 1e-5, r
