@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as _dt
 import gc
 import importlib.util
@@ -132,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                        "fused_add_rms_norm",
                    help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
                         "supersedes); an op this install lacks is dropped, and said so")
+    p.add_argument("--tg-lce-chunk-mib", type=float, default=None,
+                   help="linear_cross_entropy's chunk budget in MiB of logits for tritongrad's runs (default: the "
+                        "table's); what a smaller chunk saves in peak memory and costs in time")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N steps with torch.profiler: runs/<run>-profile.txt, device time per op")
     p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
@@ -341,6 +345,12 @@ def apply_provider(provider: str, args, stage: str, model=None) -> dict:
                     if op in TG_OPS and op not in accepted]
         ops = {op: op in wanted and not any(m.startswith(op + " ") for m in missing)
                for op in TG_OPS if op in accepted}
+        if args.tg_lce_chunk_mib is not None:  # this worker process runs this run alone: set, not scoped
+            from tritongrad.ops.cross_entropy import plans as ce_plans
+
+            ce_plans._table.value = dataclasses.replace(ce_plans.TABLE,
+                                                        LCE_CHUNK_BYTES=int(args.tg_lce_chunk_mib * 2**20))
+            info["lce_chunk_bytes"] = ce_plans.table().LCE_CHUNK_BYTES
         report = tritongrad.patch(model, layer_norm=False, strict=True, **ops)
         info.update(tritongrad_ops=[op for op, on in ops.items() if on], tritongrad_missing=missing,
                     patch_report=str(report).splitlines())
