@@ -91,8 +91,8 @@ def plan_cases():
                                                 (0, 1, 2)):
         yield f"ce row {N} {C} {elem} {narrow}", lambda: CE.row_plan(N, C, elem, rt.device_props(_DEV), narrow,
                                                                             CE.table())
-    for N, V, elem in itertools.product((1, 1000, 16384, 65536), (32000, 128256, 256000), (2, 4)):
-        yield f"ce lce {N} {V} {elem}", lambda: CE.lce_chunk_rows(N, V, elem, CE.table())
+    for N, V, H, elem in itertools.product((1, 1000, 16384, 65536), (32000, 128256, 256000), (1536, 4096), (2, 4)):
+        yield f"ce lce {N} {V} {H} {elem}", lambda: CE.lce_chunk_rows(N, V, H, elem, CE.table())
     for N in (1, 100, 16384, 1 << 20):
         yield f"ce bwd {N}", lambda: CE.bwd_rows(N, rt.device_props(_DEV), CE.table())
     for T, HQ, HK, D, R, elem in itertools.product((1, 7, 4096), (32, 40, 28, 14, 8), (8, 4, 1, 0), (64, 128, 256),

@@ -331,13 +331,29 @@ def small_chunks():
         yield
 
 
+def test_linear_chunks_hold_no_more_than_the_hidden_states():
+    # A chunk's logits take no more memory than the call's hidden states (a training step's peak then stays at
+    # Liger-Kernel's), unless that is under LCE_EFFICIENT_ROWS rows; never more than LCE_CHUNK_BYTES; chunks of
+    # equal size up to the row multiple.
+    t = P.table()
+    for N, V, H, elem in itertools.product((1, 300, 8192, 16384, 65536, 1 << 18), (32000, 128256, 262144),
+                                           (1536, 2048, 4096), (2, 4)):
+        rows = P.lce_chunk_rows(N, V, H, elem, t)
+        most = min(t.LCE_CHUNK_BYTES // (V * elem), max(t.LCE_EFFICIENT_ROWS, N * H // V))
+        assert rows <= min(N, max(most, t.LCE_MIN_ROWS) + t.LCE_ROW_MULTIPLE - 1), (N, V, H, elem, rows)
+        assert rows == N or rows >= min(most, t.LCE_MIN_ROWS), (N, V, H, elem, rows)
+    assert P.lce_chunk_rows(16384, 128256, 2048, 2, t) == 512  # the 1.24B Llama's step: Liger's 512 rows
+    assert P.lce_chunk_rows(8192, 32000, 1536, 2, t) == 512
+    assert P.lce_chunk_rows(65536, 128256, 4096, 2, t) == 784  # the cap: 192 MiB
+
+
 def test_linear_in_chunks(small_chunks):
     # 13 rows in chunks of 4 (the last ragged): the same loss and gradients as one product
     h = torch.randn(13, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=True)
     t = _targets(13, 30, (0, 5, 12))
-    assert P.lce_chunk_rows(13, 30, 8, P.table()) == 4
+    assert P.lce_chunk_rows(13, 30, 8, 8, P.table()) == 4
     got = linear_cross_entropy(h, W, t, b, z_loss=1e-3)
     want = linear_cross_entropy_reference(h, W, t, b, z_loss=1e-3)
     torch.testing.assert_close(got, want)

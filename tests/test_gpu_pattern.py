@@ -105,7 +105,7 @@ def test_opaque_op_is_called_not_traced():
     from tritongrad.ops.cross_entropy import plans
 
     V, H = 1000, 64
-    N = 3 * plans.lce_chunk_rows(1 << 20, V, 2) + 5  # more than one chunk, a ragged last one
+    N = 3 * plans.lce_chunk_rows(1 << 20, V, H, 2) + 5  # more than one chunk, a ragged last one
     h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
     W = (torch.randn(V, H, device="cuda") / 8).to(torch.bfloat16)
     t = torch.randint(0, V, (N,), device="cuda")

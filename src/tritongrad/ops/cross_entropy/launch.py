@@ -431,7 +431,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     gw = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if f32 else torch.empty_like(weight)
           ) if need[1] else None
     gb = torch.zeros(V, dtype=rt.acc_of(bias), device=input.device) if need[2] else None  # float sums, one rounding
-    chunk = P.lce_chunk_rows(rt.hint(N), int(V), input.element_size(), P.table())
+    chunk = P.lce_chunk_rows(rt.hint(N), int(V), int(input.shape[1]), input.element_size(), P.table())
     buf = torch.empty((min(chunk, N), V), dtype=input.dtype, device=input.device)
     splits = _splits(label_smoothing, z_loss, logit_softcap, logit_scale)
     dloss_mode = DLOSS_ONE if dloss is None else DLOSS_ROWS if dloss.dim() == 1 else DLOSS_SCALAR

@@ -61,8 +61,13 @@ class CrossEntropyTable:
     SCALE_BLOCK: int = 4096
     SCALE_PROGRAMS_PER_SM: int = 4
     SCALE_WARPS: int = 4
-    # linear_cross_entropy: logits are made in chunks of rows whose buffer holds at most this many bytes
-    # (192 MiB is 4.6% of the 4.2 GB logits of 16384 tokens x 128256 classes in bfloat16) ...
+    # linear_cross_entropy: logits are made in chunks of rows, a chunk's logits no larger than the call's hidden
+    # states (N x H: the peak of Liger-Kernel's loss, which a training step's peak includes) ...
+    # ... unless that is fewer than this many rows: each chunk adds its product into grad_weight, reading and
+    # writing all of it, about 111 / rows of the three products on an H200 (docs/cross-entropy.md#chunk-size) ...
+    LCE_EFFICIENT_ROWS: int = 512
+    # ... and whatever the rows, at most this many bytes (192 MiB is 4.6% of the 4.2 GB logits of 16384 tokens
+    # x 128256 classes in bfloat16) ...
     LCE_CHUNK_BYTES: int = 192 << 20
     # ... of equal size (a ragged last chunk would be a small, inefficient product), a multiple of this many
     # rows ...
@@ -110,10 +115,13 @@ def scale_programs(n: int, props: rt.DeviceProps, t: CrossEntropyTable = TABLE) 
     return max(1, min(rt.cdiv(n, t.SCALE_BLOCK), t.SCALE_PROGRAMS_PER_SM * props.sm_count))
 
 
-def lce_chunk_rows(N: int, V: int, elem: int, t: CrossEntropyTable = TABLE) -> int:
-    """Rows of logits linear_cross_entropy makes at once (N a hint): as many as LCE_CHUNK_BYTES holds, then
-    evened out over the chunks that takes (16384 x 128256 bf16: 21 chunks of 784 rows, the last of 704)."""
-    most = max(t.LCE_MIN_ROWS, t.LCE_CHUNK_BYTES // max(1, V * elem))
+def lce_chunk_rows(N: int, V: int, H: int, elem: int, t: CrossEntropyTable = TABLE) -> int:
+    """Rows of logits linear_cross_entropy makes at once for ``[N, H]`` hidden states (N a hint) and V classes:
+    as many as the hidden states' size holds, at least LCE_EFFICIENT_ROWS, at most what LCE_CHUNK_BYTES holds,
+    then evened out over the chunks that takes (16384 x 2048 or 4096 -> 128256 bf16: 32 chunks of 512 rows;
+    65536 x 4096 -> 128256: 84 chunks of 784, the cap's)."""
+    cap = t.LCE_CHUNK_BYTES // max(1, V * elem)
+    most = max(t.LCE_MIN_ROWS, min(cap, max(t.LCE_EFFICIENT_ROWS, max(N, 1) * H // max(1, V))))
     chunks = rt.cdiv(max(N, 1), most)
     rows = rt.cdiv(rt.cdiv(max(N, 1), chunks), t.LCE_ROW_MULTIPLE) * t.LCE_ROW_MULTIPLE
     return max(1, min(N, rows))
