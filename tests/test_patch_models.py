@@ -735,7 +735,7 @@ def dtensor_weight(rank):
     torch.testing.assert_close(got, want)
 
 
-def ddp_model(rank):
+def ddp_model(rank, **flags):
     # The same under DistributedDataParallel: its all-reduce averages the patched ops' gradients.
     import test_patch_models as T
     import tritongrad
@@ -746,7 +746,8 @@ def ddp_model(rank):
     (out32, grads32), (out64, grads64) = refs[rank][0], refs[rank][1]
     mean32 = {n: (refs[0][0][1][n] + refs[1][0][1][n]) / 2 for n in grads32}
     mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
-    tritongrad.patch(model)
+    report = tritongrad.patch(model, **flags)
+    assert flags.get("cross_entropy") is not True or "cross_entropy" in report.ops(), report
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.zero_grad(set_to_none=True)
     out = ddp(**{k: v[rank:rank + 1] for k, v in batch.items()})
@@ -756,14 +757,21 @@ def ddp_model(rank):
     tritongrad.unpatch_transformers()
 
 
-def fsdp2_model(rank, head, tied):
-    # A patched tiny Llama under fully_shard at world size 2, each rank on its own sequence: its loss is the
+# The ops each family's patch must replace: together, every op patch() has (Gemma 2: its norm kind, geglu and
+# the soft-capped loss; Phi3: gate and up in one projection; DDP below: the loss on the logits).
+FSDP_OPS = {"llama": {"rms_norm", "fused_add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"},
+            "gemma2": {"rms_norm", "geglu", "rope", "linear_cross_entropy", "causal_mask"},
+            "phi3": {"rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"}}
+
+
+def fsdp2_model(rank, head, tied, family="llama"):
+    # A patched tiny model under fully_shard at world size 2, each rank on its own sequence: its loss is the
     # unpatched model's on that sequence, and every gradient the mean over ranks of the unpatched model's.
     import test_patch_models as T
     import tritongrad
     from torch.distributed.fsdp import fully_shard
     tritongrad.unpatch_transformers()  # rope is patched module-wide: the references run unpatched
-    model = T._model("llama", tie_word_embeddings=tied)
+    model = T._model(family, tie_word_embeddings=tied)
     batch = T._batch()
     mine = {k: v[rank:rank + 1] for k, v in batch.items()}
     refs = [T._references(model, {k: v[r:r + 1] for k, v in batch.items()}) for r in range(2)]
@@ -771,7 +779,7 @@ def fsdp2_model(rank, head, tied):
     mean32 = {n: (refs[0][0][1][n] + refs[1][0][1][n]) / 2 for n in grads32}
     mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
     report = tritongrad.patch(model)
-    assert {"rms_norm", "fused_add_rms_norm", "swiglu", "rope", "linear_cross_entropy"} <= set(report.ops()), report
+    assert FSDP_OPS[family] <= set(report.ops()), (family, report)
     for layer in model.model.layers:
         fully_shard(layer)
     if head == "own":  # the LM head in a unit of its own, which the fused loss never enters
@@ -789,7 +797,10 @@ def main(rank, path):
         dtensor_weight(rank)
         for head, tied in (("root", False), ("own", False), ("root", True)):
             fsdp2_model(rank, head, tied)
+        fsdp2_model(rank, "root", False, "gemma2")
+        fsdp2_model(rank, "root", False, "phi3")
         ddp_model(rank)
+        ddp_model(rank, cross_entropy=True, linear_cross_entropy=False)
     finally:
         dist.destroy_process_group()
 
@@ -807,8 +818,9 @@ def test_two_ranks_dtensor_weight_fsdp2_and_ddp(tmp_path):
     # Two gloo ranks on CPU. A weight still sharded when a patched module runs (called outside its FSDP unit)
     # is gathered, and its gradient, different on each rank, comes back averaged, as FSDP2 averages. A tiny
     # Llama patched with every op and fully_shard-ed (the LM head in the root's unit, in its own unit, and tied
-    # to the embedding), and under DDP, gives each rank the unpatched model's loss and the mean of its gradients
-    # over ranks.
+    # to the embedding), Gemma 2 and Phi3 (the ops Llama does not have: FSDP_OPS), and under DDP (the loss from
+    # hidden states, and on the logits), gives each rank the unpatched model's loss and the mean of its
+    # gradients over ranks.
     pytest.importorskip("torch.distributed.tensor")
     pytest.importorskip("torch.distributed.fsdp").fully_shard
     script = tmp_path / "two_ranks.py"
