@@ -303,7 +303,8 @@ def chunk_budget():
         h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
         W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
         dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
-        logits, gh, gw = torch.empty(N, V, device="cuda", dtype=torch.bfloat16), torch.empty_like(h), torch.empty_like(W)
+        logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+        gh, gw = torch.empty_like(h), torch.empty_like(W)
 
         def gemms():
             torch.mm(h, W.t(), out=logits)

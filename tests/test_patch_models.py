@@ -64,7 +64,8 @@ def _restore_transformers():
 
 
 def _model(family: str, **config) -> torch.nn.Module:
-    cfg = transformers.AutoConfig.for_model(FAMILIES[family][0], **{**TINY, **config})
+    model_type = FAMILIES[family][0] if family in FAMILIES else family  # a family's config name
+    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **config})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(DEVICE)
     with torch.no_grad():  # norm weights away from their constant init, so that their semantics show
@@ -758,10 +759,12 @@ def ddp_model(rank, **flags):
 
 
 # The ops each family's patch must replace: together, every op patch() has (Gemma 2: its norm kind, geglu and
-# the soft-capped loss; Phi3: gate and up in one projection; DDP below: the loss on the logits).
+# the soft-capped loss; Phi3: gate and up in one projection; GPT-NeoX: LayerNorm, partial rotary; DDP below:
+# the loss on the logits).
 FSDP_OPS = {"llama": {"rms_norm", "fused_add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"},
             "gemma2": {"rms_norm", "geglu", "rope", "linear_cross_entropy", "causal_mask"},
-            "phi3": {"rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"}}
+            "phi3": {"rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"},
+            "gpt_neox": {"layer_norm", "rope", "linear_cross_entropy", "causal_mask"}}  # LayerNorm, partial rotary
 
 
 def fsdp2_model(rank, head, tied, family="llama"):
@@ -780,7 +783,7 @@ def fsdp2_model(rank, head, tied, family="llama"):
     mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
     report = tritongrad.patch(model)
     assert FSDP_OPS[family] <= set(report.ops()), (family, report)
-    for layer in model.model.layers:
+    for layer in model.base_model.layers:
         fully_shard(layer)
     if head == "own":  # the LM head in a unit of its own, which the fused loss never enters
         fully_shard(model.lm_head)
@@ -799,6 +802,7 @@ def main(rank, path):
             fsdp2_model(rank, head, tied)
         fsdp2_model(rank, "root", False, "gemma2")
         fsdp2_model(rank, "root", False, "phi3")
+        fsdp2_model(rank, "root", False, "gpt_neox")
         ddp_model(rank)
         ddp_model(rank, cross_entropy=True, linear_cross_entropy=False)
     finally:
@@ -818,9 +822,9 @@ def test_two_ranks_dtensor_weight_fsdp2_and_ddp(tmp_path):
     # Two gloo ranks on CPU. A weight still sharded when a patched module runs (called outside its FSDP unit)
     # is gathered, and its gradient, different on each rank, comes back averaged, as FSDP2 averages. A tiny
     # Llama patched with every op and fully_shard-ed (the LM head in the root's unit, in its own unit, and tied
-    # to the embedding), Gemma 2 and Phi3 (the ops Llama does not have: FSDP_OPS), and under DDP (the loss from
-    # hidden states, and on the logits), gives each rank the unpatched model's loss and the mean of its
-    # gradients over ranks.
+    # to the embedding), Gemma 2, Phi3 and GPT-NeoX (the ops Llama does not have: FSDP_OPS), and under DDP (the
+    # loss from hidden states, and on the logits), gives each rank the unpatched model's loss and the mean of
+    # its gradients over ranks.
     pytest.importorskip("torch.distributed.tensor")
     pytest.importorskip("torch.distributed.fsdp").fully_shard
     script = tmp_path / "two_ranks.py"
