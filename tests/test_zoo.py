@@ -220,6 +220,53 @@ def test_deepseek_interleaved_rotary_is_reported_left_alone():
         tritongrad.unpatch(model)
 
 
+@pytest.mark.parametrize("family, kind", [("helium", "glm_full"), ("ernie4_5", "glm_full"), ("nanochat", "flipped"),
+                                          ("gpt_oss", "half")])
+def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind):
+    """The family's own apply_rotary_pos_emb is recognised as ``kind`` on probes, and its replacement, which
+    runs the rope kernel on rewritten tables, equals it: in float32, both layouts (heads before or after the
+    tokens), grouped k heads; in float64 the formula, forward and backward; in bfloat16 within one ulp of the
+    exact result. A
+    table width the kind was not established for goes to the family's own function."""
+    import torch
+
+    from tritongrad import _hf
+
+    fn = vars(_hf.modeling_module(family))["apply_rotary_pos_emb"]
+    assert _hf.rope_kind(fn) == (kind, None)
+    replaced = _hf.rope_function(fn)
+    g = torch.Generator().manual_seed(0)
+    D = 16
+    R = D // 2 if kind == "half" else D
+    for dim in (1, 2):
+        shape_q, shape_k = ((2, 4, 5, D), (2, 2, 5, D)) if dim == 1 else ((2, 5, 4, D), (2, 5, 2, D))
+        q = torch.randn(*shape_q, generator=g, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(*shape_k, generator=g, dtype=torch.float64, requires_grad=True)
+        cos, sin = torch.randn(2, 5, R, generator=g, dtype=torch.float64), torch.randn(2, 5, R, generator=g,
+                                                                                       dtype=torch.float64)
+        # float64: the established formula (Ernie's own function computes in float32 whatever it is given)
+        got = replaced(q, k, cos, sin, dim)
+        want = tuple(_hf._rope_formula(kind, x, cos.unsqueeze(dim), sin.unsqueeze(dim)) for x in (q, k))
+        gq, gk = torch.randn_like(want[0]), torch.randn_like(want[1])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+        grads = torch.autograd.grad(got, (q, k), (gq, gk))
+        for a, b in zip(grads, torch.autograd.grad(want, (q, k), (gq, gk))):
+            torch.testing.assert_close(a, b)
+        f32 = [t.detach().float() for t in (q, k, cos, sin)]
+        for a, b in zip(replaced(*f32, dim), fn(*f32, dim)):  # the family's own function, float32
+            torch.testing.assert_close(a, b)
+        low = [t.detach().to(torch.bfloat16) for t in (q, k, cos, sin)]
+        exact = fn(*[t.double() for t in low], dim)
+        for a, b in zip(replaced(*low, dim), exact):  # within one bfloat16 ulp of the exact result
+            assert a.dtype == torch.bfloat16
+            ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0**-100))) - 7)
+            assert ((a.double() - b).abs() <= ulp).all(), ((a.double() - b).abs() / ulp).max()
+    if kind == "half":  # full-width tables: the family's own function decides (it raises on them)
+        with pytest.raises(RuntimeError):
+            replaced(q, k, torch.randn(2, 5, D, dtype=torch.float64), torch.randn(2, 5, D, dtype=torch.float64), 2)
+
+
 def test_gated_rms_norm_called_with_its_gate_runs_its_own_forward():
     """A norm established on its input alone (Bamba's and Mamba2's gated RMSNorm, forward(x, gate=None)) is
     replaced for forward(x); called with the gate, as the compiled mixer calls it, it computes its own

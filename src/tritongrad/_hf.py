@@ -470,20 +470,35 @@ def _rotate_pairs(x):
 def _rope_formula(kind: str, x, cos, sin):
     """Hugging Face's rotary embeddings, as written in their modeling files: ``llama`` (rotate_half over the
     whole head), ``partial`` (GPT-NeoX, Phi3, StableLM: the first ``cos.shape[-1]`` features rotate, the rest
-    pass), ``glm`` (GLM: cos/sin's first half repeat-interleaved, feature pairs rotate, partial as ``partial``)."""
-    if kind == "glm":
+    pass), ``glm`` (GLM: cos/sin's first half repeat-interleaved, feature pairs rotate, partial as ``partial``;
+    ``glm_full``: the same over the whole head only, Helium's and Ernie 4.5's), ``interleaved`` (Cohere: feature
+    pairs rotate), ``flipped`` (NanoChat: rotate_half with its signs flipped, ``[x2, -x1]``) and ``half``
+    (gpt-oss: tables of half the head's width, each half of the head rotated with them:
+    ``[x1 c - x2 s, x2 c + x1 s]``, Llama's with the tables written twice)."""
+    if kind == "half":
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    if kind in ("glm", "glm_full"):
         half = cos.shape[-1] // 2
         cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
     r = cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
-    turned = _rotate_pairs(rot) if kind in ("glm", "interleaved") else _rotate_half(rot)
+    if kind in ("glm", "glm_full", "interleaved"):
+        turned = _rotate_pairs(rot)
+    else:
+        turned = -_rotate_half(rot) if kind == "flipped" else _rotate_half(rot)
     return torch.cat((rot * cos + turned * sin, rest), dim=-1)
 
 
 ROPE_DETAIL = {"llama": "rotate_half over the whole head (Llama)",
                "partial": "rotate_half over cos.shape[-1] features, the rest passed (partial rotary)",
                "glm": "interleaved pairs over cos.shape[-1] features (GLM)",
-               "interleaved": "interleaved pairs over the whole head (Cohere)"}
+               "glm_full": "interleaved pairs over the whole head, cos/sin's first half repeat-interleaved "
+                           "(Helium, Ernie 4.5)",
+               "interleaved": "interleaved pairs over the whole head (Cohere)",
+               "flipped": "rotate_half with its signs flipped over the whole head (NanoChat): sin negated",
+               "half": "cos/sin of half the head's width for each half of it (gpt-oss): the tables written twice"}
+# Kinds established for one width of cos/sin only: the whole head (or, for "half", half of it).
+_FULL_WIDTH = ("llama", "interleaved", "glm_full", "flipped")
 
 
 def _rope_matches(fn, kind: str, r: int) -> bool:
@@ -527,12 +542,14 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
         return None, f"apply_rotary_pos_emb{sig} is not (q, k, cos, sin, unsqueeze_dim=1)"
     if _rope_matches(fn, "llama", 8):
         return ("partial" if _rope_matches(fn, "partial", 4) else "llama"), None
-    if _rope_matches(fn, "glm", 8) and _rope_matches(fn, "glm", 4):
-        return "glm", None
-    if _rope_matches(fn, "interleaved", 8):
-        return "interleaved", None
+    if _rope_matches(fn, "glm", 8):
+        return ("glm" if _rope_matches(fn, "glm", 4) else "glm_full"), None
+    for kind, width in (("interleaved", 8), ("flipped", 8), ("half", 4)):
+        if _rope_matches(fn, kind, width):
+            return kind, None
     return None, ("apply_rotary_pos_emb computes none of the known rotary embeddings (Llama's rotate_half, "
-                  "partial rotary, GLM's or Cohere's interleaved pairs)")
+                  "partial rotary, GLM's or Cohere's interleaved pairs, NanoChat's flipped signs, gpt-oss's "
+                  "half-width tables)")
 
 
 def rope_why_not(fn) -> str | None:
@@ -549,12 +566,17 @@ def rope_function(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
-                or kind in ("llama", "interleaved") and cos.shape[-1] != q.shape[-1]):
+                or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]
+                or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]):
             return original(q, k, cos, sin, unsqueeze_dim)
-        if kind == "glm":
+        if kind == "half":
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        elif kind == "flipped":
+            sin = -sin
+        elif kind in ("glm", "glm_full"):
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
-        if kind in ("glm", "interleaved"):
+        if kind in ("glm", "glm_full", "interleaved"):
             return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, interleaved=True)
         return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
