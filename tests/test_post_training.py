@@ -865,6 +865,7 @@ def test_grpo_and_dpo_with_gemma2_soft_cap_against_float64(dtype):
     _check(dpo, dpo_ref, _dpo_inputs, dtype)
 
 
+@pytest.mark.extended  # a subprocess importing torch, transformers and TRL: 13 CPU-s for a benchmark's claim
 @pytest.mark.slow
 def test_grpo_step_benchmark_providers_train_the_same_function(tmp_path):
     # benchmarks/grpo_step.py compares tritongrad's GRPO loss with TRL's own paths (its fused log-prob function,
