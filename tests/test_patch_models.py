@@ -477,24 +477,11 @@ def test_patch_transformers_all_ops():
     assert _hf.patched_op(modeling.apply_rotary_pos_emb) is None and model(**_batch()).logits is not None
 
 
-@pytest.mark.parametrize("at_trace", [True, False], ids=["established-at-trace", "own-forward-at-trace"])
-def test_patch_transformers_first_call_compiled_establishes_each_instance(monkeypatch, at_trace):
-    """A class patched by patch_transformers establishes each instance on its first call. When that call is
-    traced by torch.compile, the instance's own attributes decide there, as in eager mode, with no graph break
-    (``established-at-trace``, where dynamo takes a module in assume_constant_result); where it cannot, the
-    traced call runs the instance's own forward (``own-forward-at-trace``), never a kernel taken on its class's
-    word.
-
-    The MLP's class carries a default (``limit = None``) that one instance overrides to clip its gate: the class
-    passes its probe, the clipping instance must not. The Qwen3 model's norms, fused add-norms and loss from
-    hidden states are established at the trace too (the training output has no logits); either way loss and
-    gradients match the unpatched model's."""
+def _clipped_pair(monkeypatch):
+    """Two instances of a gated-MLP class of a stand-in transformers family (``clipped_family``): the class
+    carries a default (``limit = None``) that the second instance overrides to clip its gate and up. The class
+    passes its probe; the clipping instance must not."""
     import types
-
-    if at_trace and not _hf._trace_decides():
-        pytest.skip(f"torch {torch.__version__}: dynamo's assume_constant_result takes no module argument")
-    if not at_trace:
-        monkeypatch.setattr(_hf, "_trace_decides", torch.compiler.assume_constant_result(lambda: False))
 
     class ClippedMLP(torch.nn.Module):
         limit = None  # a class-level default that an instance overrides
@@ -526,7 +513,28 @@ def test_patch_transformers_first_call_compiled_establishes_each_instance(monkey
     module.ClippedMLP = ClippedMLP
     monkeypatch.setitem(sys.modules, name, module)
     torch.manual_seed(0)
-    pair, x = Pair().to(DEVICE), torch.randn(3, 16, device=DEVICE)
+    return Pair().to(DEVICE)
+
+
+@pytest.mark.parametrize("at_trace", [True, False], ids=["established-at-trace", "own-forward-at-trace"])
+def test_patch_transformers_first_call_compiled_establishes_each_instance(monkeypatch, at_trace):
+    """A class patched by patch_transformers establishes each instance on its first call. When that call is
+    traced by torch.compile, the instance's own attributes decide there, as in eager mode, with no graph break
+    (``established-at-trace``, where dynamo takes a module in assume_constant_result); where it cannot, the
+    traced call runs the instance's own forward (``own-forward-at-trace``), never a kernel taken on its class's
+    word.
+
+    The MLP's class carries a default (``limit = None``) that one instance overrides to clip its gate: the class
+    passes its probe, the clipping instance must not. The Qwen3 model's norms, fused add-norms and loss from
+    hidden states are established at the trace too (the training output has no logits); either way loss and
+    gradients match the unpatched model's."""
+    if at_trace and not _hf._trace_decides():
+        pytest.skip(f"torch {torch.__version__}: dynamo's assume_constant_result takes no module argument")
+    if not at_trace:
+        monkeypatch.setattr(_hf, "_trace_decides", torch.compiler.assume_constant_result(lambda: False))
+
+    pair = _clipped_pair(monkeypatch)
+    x = torch.randn(3, 16, device=DEVICE)
     with torch.no_grad():
         want = pair(x)
     assert tritongrad.patch_transformers("clipped_family").ops() == {"swiglu": 1, "causal_mask": 2}
@@ -556,6 +564,27 @@ def test_patch_transformers_first_call_compiled_establishes_each_instance(monkey
     _assert_matches(out, grads, refs)
     assert not any(_hf.SPEC_ATTR in vars(m) or _hf.NORM_ATTR in vars(m) for m in model.modules())
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_patch_transformers_exported_before_any_call_computes_the_model(monkeypatch, strict):
+    """torch.export of a model whose classes patch_transformers patched, before any eager call. Strict export
+    traces with dynamo, which establishes each instance as torch.compile does (where dynamo takes a module in
+    assume_constant_result); non-strict export traces with fake tensors, which hold no data for a probe, so each
+    instance runs its own forward. Either way the exported program computes the model's function, and the
+    clipping instance never runs swiglu."""
+    pair = _clipped_pair(monkeypatch)
+    x = torch.randn(3, 16, device=DEVICE)
+    with torch.no_grad():
+        want = pair(x)
+    tritongrad.patch_transformers("clipped_family")
+    torch._dynamo.reset()
+    program = torch.export.export(pair, (x,), strict=strict)
+    calls = [n for n in program.graph.nodes if "swiglu" in str(n.target)]
+    assert len(calls) == int(strict and _hf._trace_decides()), program.graph
+    got = program.module()(x)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
 class _HubWrapped(torch.nn.Module):

@@ -123,13 +123,17 @@ def _trace_decides() -> bool:
         return False
 
 
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
 def decided(m, attr: str, arg=None):
     """What ``DECIDERS[attr](m, arg)`` establishes for the instance ``m``, set by patch or on its first call;
-    None (not established) when that call is traced and :func:`_trace_decides` is False."""
+    None (not established) when that call is traced other than by dynamo (non-strict torch.export, whose fake
+    tensors hold no data for a probe) or by a dynamo that :func:`_trace_decides` says cannot take a module."""
     v = getattr(m, attr, None)  # a plain attribute read: no graph break
     if v is None:
         if torch.compiler.is_compiling():
-            return _decided_in_trace(m, attr, arg) if _trace_decides() else None
+            return _decided_in_trace(m, attr, arg) if _dynamo_compiling() and _trace_decides() else None
         v = m.__dict__[attr] = DECIDERS[attr](m, arg)
     return v
 
