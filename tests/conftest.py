@@ -228,6 +228,32 @@ def import_example(name: str):
     return sys.modules[name]
 
 
+def clipped_mlp_class(module: str) -> type:
+    """A gated-MLP class (16 -> 32 -> 16) of the transformers module ``module``, new on each call (the patch's
+    probes are cached per class), with a class-level default (``limit = None``) that an instance overrides to
+    clip gate and up, as BailingHybrid's shared experts do: a probe of the class alone passes, a clipping
+    instance must not."""
+
+    class ClippedMLP(torch.nn.Module):
+        limit = None
+
+        def __init__(self, limit=None):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 32, bias=False)
+            self.down_proj, self.act_fn = torch.nn.Linear(32, 16, bias=False), torch.nn.SiLU()
+            if limit is not None:
+                self.limit = limit
+
+        def forward(self, x):
+            gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
+            if self.limit is not None:
+                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return self.down_proj(gate * up)
+
+    ClippedMLP.__module__ = module
+    return ClippedMLP
+
+
 @pytest.fixture(params=[pytest.param("quick", marks=pytest.mark.extended),
                         pytest.param("all", marks=pytest.mark.extended)])
 def sm90_cases(request) -> list:

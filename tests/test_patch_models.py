@@ -25,7 +25,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, clipped_mlp_class
 
 import tritongrad
 from tritongrad import _hf
@@ -483,21 +483,8 @@ def _clipped_pair(monkeypatch):
     passes its probe; the clipping instance must not."""
     import types
 
-    class ClippedMLP(torch.nn.Module):
-        limit = None  # a class-level default that an instance overrides
-
-        def __init__(self, limit=None):
-            super().__init__()
-            self.gate_proj, self.up_proj = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 32, bias=False)
-            self.down_proj, self.act_fn = torch.nn.Linear(32, 16, bias=False), torch.nn.SiLU()
-            if limit is not None:
-                self.limit = limit
-
-        def forward(self, x):
-            gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
-            if self.limit is not None:
-                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-            return self.down_proj(gate * up)
+    name = "transformers.models.clipped_family.modeling_clipped_family"
+    ClippedMLP = clipped_mlp_class(name)
 
     class Pair(torch.nn.Module):
         def __init__(self):
@@ -507,9 +494,7 @@ def _clipped_pair(monkeypatch):
         def forward(self, x):
             return self.plain(x), self.clipped(x)
 
-    name = "transformers.models.clipped_family.modeling_clipped_family"
     module = types.ModuleType(name)
-    ClippedMLP.__module__ = module.__name__
     module.ClippedMLP = ClippedMLP
     monkeypatch.setitem(sys.modules, name, module)
     torch.manual_seed(0)

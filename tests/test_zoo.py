@@ -175,23 +175,9 @@ def test_clipped_gated_mlp_is_probed_as_the_instance():
 
     import tritongrad
 
-    class ClippedMLP(torch.nn.Module):
-        limit = None  # a class-level default the instances override
+    from conftest import clipped_mlp_class
 
-        def __init__(self, limit=None):
-            super().__init__()
-            self.gate_proj, self.up_proj = torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(16, 32, bias=False)
-            self.down_proj, self.act_fn = torch.nn.Linear(32, 16, bias=False), torch.nn.SiLU()
-            if limit is not None:
-                self.limit = limit
-
-        def forward(self, x):
-            gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
-            if self.limit is not None:
-                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-            return self.down_proj(gate * up)
-
-    ClippedMLP.__module__ = "transformers.models.qwen4_exp.modeling_qwen4_exp"
+    ClippedMLP = clipped_mlp_class("transformers.models.qwen4_exp.modeling_qwen4_exp")
     model = torch.nn.Sequential(ClippedMLP(), ClippedMLP(limit=0.05))
     x = torch.randn(3, 16)
     with torch.no_grad():
