@@ -1,10 +1,13 @@
 """Small inputs: PyTorch's own ops serve them (``tritongrad.set_small_input_threshold``).
 
 On CPU: each op's native version computes the op's function (float64, against the reference), the
-threshold's argument checks, and that the interpreter keeps testing the kernels at every size. On a GPU:
+threshold's argument checks, that a call autograd records takes it only where it keeps no more for the
+backward than the kernels, and that the interpreter keeps testing the kernels at every size. On a GPU:
 which inputs take which path, accuracy against eager, reproducible weight gradients, CUDA graph capture
 after a warm-up, torch.compile.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from tritongrad.ops.norm import (
     layer_norm_op, layer_norm_reference, llama_rms_norm, llama_rms_norm_reference, rms_norm_op, rms_norm_reference,
 )
 from tritongrad.ops.weighted_sum import weighted_sum, weighted_sum_reference
-from tritongrad.testing import assert_close_earned
+from tritongrad.testing import OpSuite, assert_close_earned
 
 DEFAULT = _pattern.SMALL_INPUT_THRESHOLD
 
@@ -38,6 +41,27 @@ CASES = {
     "llama_rms_norm": (lambda x, p: llama_rms_norm(x, p[0], 1e-6),
                        lambda x, p: llama_rms_norm_reference(x, p[0], 1e-6), 1),
 }
+
+
+CASE_OP = {"weighted_sum": weighted_sum, "rms_norm": rms_norm_op, "rms_norm_no_weight": rms_norm_op,
+           "layer_norm": layer_norm_op, "llama_rms_norm": llama_rms_norm}
+
+
+@contextlib.contextmanager
+def _spy(op):
+    """Records, per call of ``op.native``, whether it took the call (did not decline)."""
+    real, calls = op.native, []
+
+    def native(*args):
+        out = real(*args)
+        calls.append(out is not NotImplemented)
+        return out
+
+    op.native = native
+    try:
+        yield calls
+    finally:
+        op.native = real
 
 
 def _inputs(shape, n_params, dtype, device):
@@ -122,11 +146,15 @@ def small_path_on_cpu():
 
 
 def test_small_path_serves_cpu_tensors_when_opened(small_path_on_cpu):
-    # What makes the next test meaningful: good inputs of the same kinds do take the path here.
+    # What makes the next test meaningful: good inputs of the same kinds do take the path here; with inputs
+    # that require grad, only the ops declared native_grad (the others' kernels keep less for the backward).
     for name, (fn, _, n) in CASES.items():
         x, params = _inputs((3, 4), n, torch.float32, "cpu")
+        with _spy(CASE_OP[name]) as calls, torch.no_grad():
+            fn(x, params)
+        assert calls == [True], name
         _, kernels = _run(fn, x, params, torch.randn((3,) if name == "weighted_sum" else (3, 4)))
-        assert not kernels, name
+        assert kernels != CASE_OP[name].native_grad, name
 
 
 @pytest.mark.parametrize("make,exc,match", _bad_calls())
@@ -159,7 +187,11 @@ def test_small_cuda_inputs_run_pytorch(name, shape, dtype):
     assert x.numel() <= DEFAULT
     g = torch.randn(shape[:-1] if name == "weighted_sum" else shape, device="cuda", dtype=dtype)
     got, kernels = _run(fn, x, params, g)
-    assert not kernels
+    assert kernels != CASE_OP[name].native_grad
+    if not CASE_OP[name].native_grad:  # the path serves calls without gradients: their values
+        with _spy(CASE_OP[name]) as calls, torch.no_grad():
+            got = [fn(x, params)]
+        assert calls == [True]
     want, _ = _run(ref, x.double(), [p.double() for p in params], g.double())
     tritongrad.set_small_input_threshold(0)
     base, kernels = _run(fn, x, params, g)  # the kernels' error is the bar: the native path must match it
@@ -284,3 +316,36 @@ def test_compile_traces_the_registered_op_at_small_sizes():
     assert any("tritongrad.layer_norm" in t for t in traced), traced
     want = layer_norm_reference(x.double(), [64], w.double(), b.double())
     torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _native_sample(name):
+    n = CASES[name][2]
+
+    def sample(dtype, device):
+        x, params = _inputs((3, 5, 48), n, dtype, device)
+        return {
+            "weighted_sum": lambda: (x, params[0]),
+            "rms_norm": lambda: (x, [48], params[0], None),
+            "layer_norm": lambda: (x, [48], params[0], params[1], 1e-5),
+            "llama_rms_norm": lambda: (x, params[0], 1e-6),
+        }[name]()
+
+    return sample
+
+
+NATIVE_OPS = {"weighted_sum": weighted_sum, "rms_norm": rms_norm_op, "layer_norm": layer_norm_op,
+              "llama_rms_norm": llama_rms_norm}
+
+
+def test_every_native_op_is_checked_for_memory():
+    have = {o.qualname for o in _pattern._OPS.values() if o.native is not None and o.namespace == "tritongrad"}
+    assert have == {o.qualname for o in NATIVE_OPS.values()}
+
+
+@pytest.mark.parametrize("name", list(NATIVE_OPS))
+def test_small_path_keeps_no_more_for_the_backward_than_the_kernels(name):
+    # Hugging Face's RMSNorm ops keep a float32 copy of x for their backward, three times the kernels' bytes
+    # in bfloat16 (a per-head k_norm of 2**22 elements in every layer): calls autograd records take the
+    # kernels unless the op declares native_grad, and the kit checks each declaration.
+    op, sample = NATIVE_OPS[name], _native_sample(name)
+    OpSuite(op, [sample], device=DEVICE).check_native_memory(sample)

@@ -46,7 +46,10 @@ From that the pattern builds:
   its dtype, contiguous, autocast off) go to the op's ``native`` PyTorch version where it has one: there the
   host decides the time per call, and PyTorch's C++ autograd costs less host time than a Python
   autograd.Function (docs/host-path.md). ``native`` may return ``NotImplemented`` to decline, and may raise
-  (PyTorch's own shape checks); then the op's checks run and raise tritongrad's message.
+  (PyTorch's own shape checks); then the op's checks run and raise tritongrad's message. A call that autograd
+  records (an input requires grad) goes there only for an op declared ``native_grad=True``, whose PyTorch ops
+  keep no more for the backward than its kernels do; otherwise the kernels serve it, and ``native`` serves
+  calls without gradients alone (a cast copy saved for PyTorch's backward would cost memory in every layer).
 
 Re-declaring an op in the same process (a notebook cell run twice) replaces its launchers, reference and
 checks in place; a new signature for the same name is refused with a message that says what to do.
@@ -135,6 +138,7 @@ def op(
     index: Sequence[str] = (),
     nondiff: Sequence[str] = (),
     native: Callable | None = None,
+    native_grad: bool = False,
     autocast: torch.dtype | None = None,
     opaque: bool = False,
 ) -> Callable[[Callable], "Op"]:
@@ -159,6 +163,8 @@ def op(
         nondiff: floating tensor arguments the op gives no gradient for (e.g. rotary cos/sin tables); passing
             one that requires grad, with grad enabled, is an error rather than a silently missing gradient.
         native: optional, for small inputs: the op in PyTorch's own ops with C++ autograd (module docstring).
+        native_grad: ``native`` also serves calls that autograd records. Declare it only where its ops keep no
+            more for the backward than the kernels' saved tensors: the kit's ``native-memory`` case checks.
         autocast: under CUDA autocast, floating tensor inputs are cast to this dtype first, as PyTorch's
             autocast policy does for e.g. layer_norm (``torch.float32``). None: autocast leaves the op alone.
         opaque: torch.compile and torch.export call the op as one opaque custom op (its launchers run in
@@ -172,7 +178,8 @@ def op(
 
     def declare(forward: Callable) -> Op:
         new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
-                 save=save, index=index, nondiff=nondiff, native=native, autocast=autocast, opaque=opaque)
+                 save=save, index=index, nondiff=nondiff, native=native, native_grad=native_grad, autocast=autocast,
+                 opaque=opaque)
         old = _OPS.get(name)
         if old is None:
             _OPS[name] = new
@@ -358,7 +365,7 @@ class Op:
     """
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
-                 index=(), nondiff=(), native=None, autocast=None, opaque=False):
+                 index=(), nondiff=(), native=None, native_grad=False, autocast=None, opaque=False):
         # Declaration: the name, the forward launcher's parameters (the schema) and what it returns.
         self.qualname = name
         self.namespace, self.name = _split_name(name)
@@ -376,6 +383,7 @@ class Op:
         # Binding: the pattern passes every argument positionally; keyword-only parameters are then bound by name.
         self.forward, self.reference, self._validate, self.native = (
             _positional(f, self._params) for f in (forward, reference, validate, native))
+        self.native_grad = bool(native_grad)
         self._backward_fn = None
         self.declared_inputs: DeclaredInputs | None = None
         # Registration (torch.library) waits for the backward (``_register``); the autograd path is one
@@ -400,6 +408,7 @@ class Op:
                 "cannot change a registered op. Keep the declaration, choose another name, or restart Python."
             )
         self.forward, self.reference, self._validate, self.native = new.forward, new.reference, new._validate, new.native
+        self.native_grad = new.native_grad
         functools.update_wrapper(self, new.forward, updated=())
 
     def backward(self, fn: Callable) -> Callable:
@@ -599,7 +608,8 @@ class Op:
         """``native(*args)`` where it computes what tritongrad's kernels would return, else NotImplemented:
         x contiguous, every tensor plain (tracers, dispatch modes and torch.func transforms record or refuse
         tritongrad's op) and of x's floating dtype on x's kind of device (no mixed-precision semantics to
-        match), autocast off (PyTorch's ops would change dtypes under it)."""
+        match), autocast off (PyTorch's ops would change dtypes under it); a call that autograd records only
+        where the op is declared ``native_grad``."""
         dtype = x.dtype
         if dtype not in _FLOAT_SET or not x.is_contiguous():
             return NotImplemented
@@ -610,6 +620,9 @@ class Op:
                 or not (t.is_cuda or SMALL.serve_cpu and t.is_cpu)
             ):
                 return NotImplemented
+        if not self.native_grad and _grad_enabled() and any(
+                args[i] is not None and args[i].requires_grad for i in self._diff_positions):
+            return NotImplemented
         # torch.is_autocast_enabled() is CUDA's autocast, and half the host time of the device-type form.
         if _dispatch_depth() or _functorch_active() or torch.is_autocast_enabled():
             return NotImplemented

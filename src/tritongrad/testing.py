@@ -11,7 +11,8 @@ math done in 16 bits instead of float32 fails); the same with inputs in other me
 row-sliced, col-strided, permuted), with an extra leading dim, and in mixed precision where declared; every
 input inside a larger buffer padded with NaN (guard bands: an unmasked read past an edge shows as NaN);
 upstream gradients expanded (stride 0) and transposed; gradients for each subset of inputs
-(``needs_input_grad``); no graph under ``torch.no_grad``; torch.func ``jvp``, ``vmap`` and ``grad`` against
+(``needs_input_grad``); no graph under ``torch.no_grad``; for an op with a ``native`` small-input version, no
+more bytes kept for the backward than the kernels keep (``native-memory``); torch.func ``jvp``, ``vmap`` and ``grad`` against
 the reference (or a clear refusal); a backward repeated through a retained graph (bitwise equal), after the
 caller mutated a returned gradient, and accumulated into existing ``.grad``; ``torch.autograd.gradcheck`` in
 float64 on a few elements of each input, with a time cap; ``torch.library.opcheck`` on the registered ops;
@@ -358,6 +359,8 @@ class OpSuite:
             add("upstream-grads", name, self.check_upstream_grads, sample)
             add("needs_input_grad", name, self.check_needs_input_grad, sample)
             add("no_grad", name, self.check_no_grad, sample)
+            if self.op.native is not None:
+                add("native-memory", name, self.check_native_memory, sample)
             add("backward-reuse", name, self.check_backward_reuse, sample)
             add("transforms", name, self.check_transforms, sample)
             add("gradcheck", name, self.check_gradcheck, sample)
@@ -608,6 +611,28 @@ class OpSuite:
         assert all(o.grad_fn is None for o in plain), f"{self.op.label}: a graph without requires_grad"
         assert not saved, f"{self.op.label}: {len(saved)} tensors saved for a backward that cannot run"
 
+    def check_native_memory(self, sample) -> None:
+        """A call autograd records keeps no more bytes for the backward on the small-input path (the op's
+        ``native``, where it takes the call) than on the kernels, in bfloat16 (where a float32 copy shows)."""
+        from . import _pattern
+
+        args = self._args(sample, torch.bfloat16 if torch.bfloat16 in self.dtypes else self.dtypes[0])
+        wanted = self._diff(args)
+
+        def call(threshold):
+            prev = _pattern.set_small_input_threshold(threshold)
+            try:
+                with _pattern.SMALL.on_cpu():
+                    return saved_bytes(lambda *a: self._run(self.op, a, wanted, None).outs, *args)
+            finally:
+                _pattern.set_small_input_threshold(prev)
+
+        small, kernels = call(1 << 62), call(0)
+        assert small <= kernels, (
+            f"{self.op.label}: its small-input path keeps {small} bytes for the backward, its kernels {kernels}; "
+            f"declare it native_grad=False (or make native keep less) for inputs "
+            f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}")
+
     def check_backward_reuse(self, sample) -> None:
         """The caller owns what it gets: a backward through a retained graph three times (upstream gradient
         not 1) gives bitwise the same gradients; so does one after the caller overwrote a returned gradient;
@@ -799,6 +824,24 @@ class OpSuite:
                     f"{op.label} compiled, grad of {op._names[i]} ({kind} upstream gradient): {m}"))
             if not wanted:
                 break
+
+
+def saved_bytes(fn: Callable, *args) -> int:
+    """Bytes that autograd keeps for the backward while ``fn(*args)`` runs: each storage a saved tensor uses,
+    once, leaving out the argument tensors' own storages (the caller holds those anyway)."""
+    given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in given:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    del out
+    return sum(kept.values())
 
 
 @contextlib.contextmanager

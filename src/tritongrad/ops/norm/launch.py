@@ -393,7 +393,7 @@ def _ln_native(input, normalized_shape, weight, bias, eps):
 
 
 @op("tritongrad::layer_norm", reference=layer_norm_reference, validate=_ln_validate, native=_ln_native,
-    residuals=("mean", "rstd"), autocast=torch.float32)
+    native_grad=True, residuals=("mean", "rstd"), autocast=torch.float32)
 def layer_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                   bias: Optional[torch.Tensor] = None, eps: float = 1e-5
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

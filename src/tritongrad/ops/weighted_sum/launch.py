@@ -49,7 +49,7 @@ def _native(x, w):
 
 # Under CUDA autocast float32, as (x * w).sum(-1) there: autocast runs sum in float32.
 @op("tritongrad::weighted_sum", reference=weighted_sum_reference, validate=_validate, native=_native,
-    autocast=torch.float32)
+    native_grad=True, autocast=torch.float32)
 def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``y = (x * w).sum(-1)`` with Triton kernels for forward and backward.
 
