@@ -286,6 +286,9 @@ def _rms_validate(input, normalized_shape, weight, eps) -> None:
 def _rms_native(input, normalized_shape, weight, eps):
     if not _native_fits(normalized_shape, eps):
         return NotImplemented
+    if not input.is_cuda and torch.is_grad_enabled() and (
+            input.requires_grad or weight is not None and weight.requires_grad):
+        return NotImplemented  # off CUDA torch.rms_norm is composite and keeps float32 copies for its backward
     # torch.rms_norm: F.rms_norm minus its Python checks. Its eps=None is default_eps(x.dtype).
     return torch.rms_norm(input, normalized_shape, weight, eps)
 
@@ -294,8 +297,9 @@ def _rms_native(input, normalized_shape, weight, eps):
 _RMS_AUTOCAST = torch.float32 if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA") else None
 
 
+# On CUDA torch.rms_norm's fused backward keeps x and rstd, as the kernels do (the kit's native-memory case).
 @op("tritongrad::rms_norm", reference=rms_norm_reference, validate=_rms_validate, native=_rms_native,
-    residuals=("rstd",), autocast=_RMS_AUTOCAST)
+    native_grad=True, residuals=("rstd",), autocast=_RMS_AUTOCAST)
 def rms_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
                 eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered rms_norm: ``(y, rstd)``; :func:`rms_norm` is the public function."""
