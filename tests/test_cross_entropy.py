@@ -324,6 +324,33 @@ def test_linear_equals_functional_float64():
             torch.testing.assert_close(a, r)
 
 
+@pytest.mark.parametrize("wanted", ["all", "weight", "input"])
+def test_linear_forward_that_computes_every_gradient_keeps_no_hidden_states(wanted):
+    # The backward reads the hidden states only to recompute the logits. When the forward computed the
+    # gradient of every input that requires one, autograd does not keep them (neither does Liger-Kernel):
+    # N x H bytes less at the loss, where a step's peak can be. reduction="none" recomputes, and keeps them.
+    def kept_by(fn):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: kept.append(s) or s, lambda s: s):
+            out = fn()
+        return out, {k.untyped_storage().data_ptr() for k in kept if k is not None}
+
+    h = torch.randn(2, 5, 8, dtype=torch.float64, device=DEVICE, requires_grad=wanted in ("all", "input"))
+    W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=wanted in ("all", "weight"))
+    b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=wanted == "all")
+    t = torch.randint(0, 30, (2, 5), device=DEVICE)
+    ins = [x for x in (h, W, b) if x.requires_grad]
+    for reduction in ("mean", "none"):
+        got, kept = kept_by(lambda: linear_cross_entropy(h, W, t, b, reduction=reduction))
+        assert (h.untyped_storage().data_ptr() in kept) == (reduction == "none"), reduction
+        want = F.cross_entropy(F.linear(h, W, b).flatten(0, 1), t.flatten(), reduction=reduction)
+        g = torch.randn_like(want)
+        for _ in range(2):  # a retained graph's second backward reads the gradients the forward kept
+            for a, r in zip(torch.autograd.grad(got, ins, g.reshape(got.shape), retain_graph=True),
+                            torch.autograd.grad(want, ins, g, retain_graph=True)):
+                torch.testing.assert_close(a, r)
+
+
 @pytest.fixture
 def small_chunks():
     # linear_cross_entropy in chunks of 4 rows: several chunks on interpreter-sized inputs

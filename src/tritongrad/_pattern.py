@@ -139,6 +139,7 @@ def op(
     nondiff: Sequence[str] = (),
     native: Callable | None = None,
     native_grad: bool = False,
+    unsaved: Callable | None = None,
     autocast: torch.dtype | None = None,
     opaque: bool = False,
 ) -> Callable[[Callable], "Op"]:
@@ -165,6 +166,9 @@ def op(
         native: optional, for small inputs: the op in PyTorch's own ops with C++ autograd (module docstring).
         native_grad: ``native`` also serves calls that autograd records. Declare it only where its ops keep no
             more for the backward than the kernels' saved tensors: the kit's ``native-memory`` case checks.
+        unsaved: optional, with the launcher's signature: the names in ``save`` that the backward will not read
+            for this call (an input whose gradients the forward computed, say); they are saved as None, so
+            that autograd does not keep them alive. Called with fake tensors too: read shapes and flags only.
         autocast: under CUDA autocast, floating tensor inputs are cast to this dtype first, as PyTorch's
             autocast policy does for e.g. layer_norm (``torch.float32``). None: autocast leaves the op alone.
         opaque: torch.compile and torch.export call the op as one opaque custom op (its launchers run in
@@ -178,8 +182,8 @@ def op(
 
     def declare(forward: Callable) -> Op:
         new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
-                 save=save, index=index, nondiff=nondiff, native=native, native_grad=native_grad, autocast=autocast,
-                 opaque=opaque)
+                 save=save, index=index, nondiff=nondiff, native=native, native_grad=native_grad, unsaved=unsaved,
+                 autocast=autocast, opaque=opaque)
         old = _OPS.get(name)
         if old is None:
             _OPS[name] = new
@@ -365,7 +369,7 @@ class Op:
     """
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
-                 index=(), nondiff=(), native=None, native_grad=False, autocast=None, opaque=False):
+                 index=(), nondiff=(), native=None, native_grad=False, unsaved=None, autocast=None, opaque=False):
         # Declaration: the name, the forward launcher's parameters (the schema) and what it returns.
         self.qualname = name
         self.namespace, self.name = _split_name(name)
@@ -384,6 +388,7 @@ class Op:
         self.forward, self.reference, self._validate, self.native = (
             _positional(f, self._params) for f in (forward, reference, validate, native))
         self.native_grad = bool(native_grad)
+        self._unsaved = _positional(unsaved, self._params)
         self._backward_fn = None
         self.declared_inputs: DeclaredInputs | None = None
         # Registration (torch.library) waits for the backward (``_register``); the autograd path is one
@@ -409,6 +414,7 @@ class Op:
             )
         self.forward, self.reference, self._validate, self.native = new.forward, new.reference, new._validate, new.native
         self.native_grad = new.native_grad
+        self._unsaved = new._unsaved
         functools.update_wrapper(self, new.forward, updated=())
 
     def backward(self, fn: Callable) -> Callable:
@@ -638,7 +644,10 @@ class Op:
     def _save(self, ctx, args, outs) -> None:
         """Keep what the backward needs: the saved tensors, and the non-tensor arguments on ctx."""
         ctx.nontensor_args = [args[i] for i in self._nontensor]
-        ctx.save_for_backward(*[outs[s.index] if s.output else args[s.index] for s in self._save_src])
+        # The reference's backward (no Triton on this device) reads every saved tensor.
+        drop = self._unsaved(*args) if self._unsaved is not None and rt.uses_triton(args[self._first].device) else ()
+        ctx.save_for_backward(*[None if s.name in drop else outs[s.index] if s.output else args[s.index]
+                                for s in self._save_src])
 
     def _grads(self, bctx: "BackwardContext", grads) -> list:
         """The backward launcher's result as one gradient (or None) per tensor input."""

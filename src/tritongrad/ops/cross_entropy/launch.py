@@ -452,10 +452,21 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     return gi, (gw.to(weight.dtype) if f32 and need[1] else gw), (gb.to(bias.dtype) if need[2] else None)
 
 
+def _lce_unsaved(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
+                 grads, out_dtype, logit_scale, grad_weight_f32) -> tuple:
+    """The hidden states are read again only to recompute; not when the forward computes the gradient of
+    every input that requires one (their buffers serve every backward): autograd then does not keep them."""
+    if grads is None or reduction == "none" or input.shape[0] == 0:
+        return ()
+    wants = (input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    return ("input",) if all(g or not w for g, w in zip(grads, wants)) else ()
+
+
 # Opaque under torch.compile: traced, the chunk loop's slice writes become chains of copies (docs/cross-entropy.md).
 @op("tritongrad::linear_cross_entropy", reference=linear_cross_entropy_reference, validate=_lce_validate,
     index=("target",), outputs=("loss",), residuals=("grad_input", "grad_weight", "grad_bias"),
-    save=("input", "weight", "target", "bias", "grad_input", "grad_weight", "grad_bias"), opaque=True)
+    save=("input", "weight", "target", "bias", "grad_input", "grad_weight", "grad_bias"), unsaved=_lce_unsaved,
+    opaque=True)
 def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
                             label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
@@ -493,7 +504,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
 def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     need = (need_x, need_w, need_b and ctx.bias is not None)
-    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
+    have = (ctx.grad_input.numel() > 0 or ctx.input is not None and ctx.input.numel() == 0,
             ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
             ctx.grad_bias.numel() > 0 or (ctx.bias is not None and ctx.bias.numel() == 0))
     usable = ctx.reduction != "none" and all(h or not n for n, h in zip(need, have))
@@ -505,6 +516,9 @@ def _linear_cross_entropy_backward(ctx, grad_loss: torch.Tensor):
         return out[0], out[1], None, out[2]
     # Not computed in the forward (reduction="none": per-row upstream gradients, or a gradient the forward was
     # not asked for): recompute, in chunks.
+    if ctx.input is None:  # _lce_unsaved: the forward computed every gradient; unreachable through the engine
+        raise RuntimeError("tritongrad.linear_cross_entropy: the backward needs the hidden states again, which the "
+                           "forward did not keep (it computed every gradient then); run the forward again")
     gi, gw, gb = _lce_pass(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.ignore_index, ctx.reduction,
                            ctx.label_smoothing, ctx.logit_softcap, ctx.z_loss, ctx.logit_scale, None, need,
                            dloss=grad_loss, f32=ctx.grad_weight_f32)
