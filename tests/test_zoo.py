@@ -207,13 +207,14 @@ def test_deepseek_interleaved_rotary_is_reported_left_alone():
 
 
 @pytest.mark.parametrize("family, kind", [("helium", "glm_full"), ("ernie4_5", "glm_full"), ("nanochat", "flipped"),
-                                          ("gpt_oss", "half")])
+                                          ("gpt_oss", "half"), ("gemma4", "llama")])
 def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind):
     """The family's own apply_rotary_pos_emb is recognised as ``kind`` on probes, and its replacement, which
     runs the rope kernel on rewritten tables, equals it: in float32, both layouts (heads before or after the
     tokens), grouped k heads; in float64 the formula, forward and backward; in bfloat16 within one ulp of the
     exact result. A
-    table width the kind was not established for goes to the family's own function."""
+    table width the kind was not established for goes to the family's own function. Gemma 4's takes one
+    tensor, q and k in two calls."""
     import torch
 
     from tritongrad import _hf
@@ -221,6 +222,10 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
     fn = vars(_hf.modeling_module(family))["apply_rotary_pos_emb"]
     assert _hf.rope_kind(fn) == (kind, None)
     replaced = _hf.rope_function(fn)
+    if _hf._rope_single(fn):
+        one_fn, one_replaced = fn, replaced
+        fn = lambda q, k, c, s, d: (one_fn(q, c, s, d), one_fn(k, c, s, d))  # noqa: E731
+        replaced = lambda q, k, c, s, d: (one_replaced(q, c, s, d), one_replaced(k, c, s, d))  # noqa: E731
     g = torch.Generator().manual_seed(0)
     D = 16
     R = D // 2 if kind == "half" else D
@@ -232,6 +237,7 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
                                                                                        dtype=torch.float64)
         # float64: the established formula (Ernie's own function computes in float32 whatever it is given)
         got = replaced(q, k, cos, sin, dim)
+        assert all(type(t.grad_fn).__name__ == "ApplyRotaryPosEmbBackward" for t in got)  # the op's own node
         want = tuple(_hf._rope_formula(kind, x, cos.unsqueeze(dim), sin.unsqueeze(dim)) for x in (q, k))
         gq, gk = torch.randn_like(want[0]), torch.randn_like(want[1])
         for a, b in zip(got, want):

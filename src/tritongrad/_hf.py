@@ -532,18 +532,29 @@ def signature(fn) -> inspect.Signature:
     return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
 
 
+def _rope_single(fn) -> bool:
+    """Whether ``fn`` takes one tensor, ``(x, cos, sin, unsqueeze_dim=1)`` (Gemma 3n's and Gemma 4's: q and k
+    in two calls), rather than ``(q, k, cos, sin, unsqueeze_dim=1)``."""
+    params = list(signature(fn).parameters.values())
+    return [p.name for p in params] == ["x", "cos", "sin", "unsqueeze_dim"] and params[3].default == 1
+
+
 @functools.cache
 def rope_kind(fn) -> tuple[str | None, str | None]:
     """``(kind, None)`` when ``fn`` is one of Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin,
-    unsqueeze_dim=1)`` (see :func:`_rope_formula`), checked bit for bit on probes; else ``(None, why not)``.
-    ``llama`` is established for full-width cos/sin only (the replacement leaves other widths to ``fn``)."""
+    unsqueeze_dim=1)``, or the one-tensor ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)`` (see
+    :func:`_rope_formula`), checked bit for bit on probes; else ``(None, why not)``. ``llama`` is established
+    for full-width cos/sin only (the replacement leaves other widths to ``fn``)."""
     try:
         sig = signature(fn)
     except (TypeError, ValueError):
         return None, "apply_rotary_pos_emb has no readable signature"
     params = list(sig.parameters.values())
-    if [p.name for p in params] != ["q", "k", "cos", "sin", "unsqueeze_dim"] or params[4].default != 1:
-        return None, f"apply_rotary_pos_emb{sig} is not (q, k, cos, sin, unsqueeze_dim=1)"
+    if _rope_single(fn):
+        one = fn
+        fn = lambda q, k, cos, sin, dim: (one(q, cos, sin, dim), one(k, cos, sin, dim))  # noqa: E731
+    elif [p.name for p in params] != ["q", "k", "cos", "sin", "unsqueeze_dim"] or params[4].default != 1:
+        return None, f"apply_rotary_pos_emb{sig} is not (q, k, cos, sin, unsqueeze_dim=1) nor (x, cos, sin, unsqueeze_dim=1)"
     if _rope_matches(fn, "llama", 8):
         return ("partial" if _rope_matches(fn, "partial", 4) else "llama"), None
     if _rope_matches(fn, "glm", 8):
@@ -564,15 +575,24 @@ def rope_function(original):
     """The replacement of a module's ``apply_rotary_pos_emb``, for the kind :func:`rope_kind` established.
     Inputs of mixed dtypes (where the original's own promotion rules decide the result), cos/sin that
     require grad, layouts other than ``unsqueeze_dim`` 1 or 2, and widths the kind was not established for
-    keep the original."""
+    keep the original. The one-tensor form rotates x as q, with one head of x, detached, as the k the kernel
+    rotates alongside (its result unused): 1/H more of the kernel's work, no gradient through it."""
     kind = rope_kind(original)[0]
+    if _rope_single(original):
+        def apply_rotary_pos_emb_one(x, cos, sin, unsqueeze_dim=1):
+            if x.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3):
+                return original(x, cos, sin, unsqueeze_dim)
+            one = (x[:, :1] if unsqueeze_dim in (1, -3) else x[:, :, :1]).detach()
+            two = apply_rotary_pos_emb(x, one, cos, sin, unsqueeze_dim, _original=lambda q, k, c, s, d: (
+                original(q, c, s, d), None))
+            return two[0]
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, _original=original):
         if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
                 or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]
                 or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]):
-            return original(q, k, cos, sin, unsqueeze_dim)
+            return _original(q, k, cos, sin, unsqueeze_dim)
         if kind == "half":
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
         elif kind == "flipped":
@@ -584,6 +604,9 @@ def rope_function(original):
             return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, interleaved=True)
         return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
+    if _rope_single(original):
+        apply_rotary_pos_emb_one._tritongrad_original = original
+        return marked(apply_rotary_pos_emb_one, "rope")
     apply_rotary_pos_emb._tritongrad_original = original
     return marked(apply_rotary_pos_emb, "rope")
 
