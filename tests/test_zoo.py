@@ -207,14 +207,14 @@ def test_deepseek_interleaved_rotary_is_reported_left_alone():
 
 
 @pytest.mark.parametrize("family, kind", [("helium", "glm_full"), ("ernie4_5", "glm_full"), ("nanochat", "flipped"),
-                                          ("gpt_oss", "half"), ("gemma4", "llama")])
+                                          ("gpt_oss", "half"), ("gemma4", "llama"), ("gptj", "gptj")])
 def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind):
     """The family's own apply_rotary_pos_emb is recognised as ``kind`` on probes, and its replacement, which
     runs the rope kernel on rewritten tables, equals it: in float32, both layouts (heads before or after the
     tokens), grouped k heads; in float64 the formula, forward and backward; in bfloat16 within one ulp of the
     exact result. A
     table width the kind was not established for goes to the family's own function. Gemma 4's takes one
-    tensor, q and k in two calls."""
+    tensor, q and k in two calls; GPT-J's one tensor [B, T, H, R] and per-pair tables, as (tensor, sin, cos)."""
     import torch
 
     from tritongrad import _hf
@@ -226,10 +226,14 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
         one_fn, one_replaced = fn, replaced
         fn = lambda q, k, c, s, d: (one_fn(q, c, s, d), one_fn(k, c, s, d))  # noqa: E731
         replaced = lambda q, k, c, s, d: (one_replaced(q, c, s, d), one_replaced(k, c, s, d))  # noqa: E731
+    if kind == "gptj":
+        one_fn, one_replaced = fn, replaced
+        fn = lambda q, k, c, s, d: (one_fn(q, s, c), one_fn(k, s, c))  # noqa: E731
+        replaced = lambda q, k, c, s, d: (one_replaced(q, s, c), one_replaced(k, s, c))  # noqa: E731
     g = torch.Generator().manual_seed(0)
     D = 16
-    R = D // 2 if kind == "half" else D
-    for dim in (1, 2):
+    R = D // 2 if kind in ("half", "gptj") else D
+    for dim in (2,) if kind == "gptj" else (1, 2):
         shape_q, shape_k = ((2, 4, 5, D), (2, 2, 5, D)) if dim == 1 else ((2, 5, 4, D), (2, 5, 2, D))
         q = torch.randn(*shape_q, generator=g, dtype=torch.float64, requires_grad=True)
         k = torch.randn(*shape_k, generator=g, dtype=torch.float64, requires_grad=True)

@@ -478,7 +478,10 @@ def _rope_formula(kind: str, x, cos, sin):
     ``glm_full``: the same over the whole head only, Helium's and Ernie 4.5's), ``interleaved`` (Cohere: feature
     pairs rotate), ``flipped`` (NanoChat: rotate_half with its signs flipped, ``[x2, -x1]``) and ``half``
     (gpt-oss: tables of half the head's width, each half of the head rotated with them:
-    ``[x1 c - x2 s, x2 c + x1 s]``, Llama's with the tables written twice)."""
+    ``[x1 c - x2 s, x2 c + x1 s]``, Llama's with the tables written twice); ``gptj`` (GPT-J, CodeGen: one
+    table entry per feature pair, repeat-interleaved, pairs rotated over the whole width of what it is given)."""
+    if kind == "gptj":
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
     if kind == "half":
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     if kind in ("glm", "glm_full"):
@@ -486,7 +489,7 @@ def _rope_formula(kind: str, x, cos, sin):
         cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
     r = cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
-    if kind in ("glm", "glm_full", "interleaved"):
+    if kind in ("glm", "glm_full", "interleaved", "gptj"):
         turned = _rotate_pairs(rot)
     else:
         turned = -_rotate_half(rot) if kind == "flipped" else _rotate_half(rot)
@@ -500,16 +503,19 @@ ROPE_DETAIL = {"llama": "rotate_half over the whole head (Llama)",
                            "(Helium, Ernie 4.5)",
                "interleaved": "interleaved pairs over the whole head (Cohere)",
                "flipped": "rotate_half with its signs flipped over the whole head (NanoChat): sin negated",
-               "half": "cos/sin of half the head's width for each half of it (gpt-oss): the tables written twice"}
+               "half": "cos/sin of half the head's width for each half of it (gpt-oss): the tables written twice",
+               "gptj": "apply_rotary_pos_emb(tensor, sin, cos), one table entry per feature pair (GPT-J, CodeGen): "
+                       "the tables repeat-interleaved, pairs rotated"}
 # Kinds established for one width of cos/sin only: the whole head (or, for "half", half of it).
 _FULL_WIDTH = ("llama", "interleaved", "glm_full", "flipped")
 
 
-def _rope_matches(fn, kind: str, r: int) -> bool:
-    """Whether ``fn`` computes ``kind`` on probes with rotary width ``r`` of head width 8, both layouts."""
+def _rope_matches(fn, kind: str, r: int, dims=(1, 2)) -> bool:
+    """Whether ``fn`` computes ``kind`` on probes with tables of width ``r``, head width 8, in the layouts
+    ``dims`` (1: heads before the tokens, 2: after)."""
     g = _probe_rng()
     for dtype in (torch.float32, torch.bfloat16):
-        for dim in (1, 2):
+        for dim in dims:
             shape_q, shape_k = ((2, 3, 5, 8), (2, 1, 5, 8)) if dim == 1 else ((2, 5, 3, 8), (2, 5, 1, 8))
             q, k = torch.randn(*shape_q, generator=g).to(dtype), torch.randn(*shape_k, generator=g).to(dtype)
             cos, sin = torch.randn(2, 5, r, generator=g).to(dtype), torch.randn(2, 5, r, generator=g).to(dtype)
@@ -550,6 +556,11 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
     except (TypeError, ValueError):
         return None, "apply_rotary_pos_emb has no readable signature"
     params = list(sig.parameters.values())
+    if [p.name for p in params] == ["tensor", "sin", "cos"]:  # GPT-J's: [B, T, H, R] and per-pair tables
+        pair = lambda q, k, cos, sin, dim: (fn(q, sin, cos), fn(k, sin, cos))  # noqa: E731
+        if _rope_matches(pair, "gptj", 4, dims=(2,)):
+            return "gptj", None
+        return None, f"apply_rotary_pos_emb{sig} does not compute GPT-J's rotary (per-pair tables, pairs rotated)"
     if _rope_single(fn):
         one = fn
         fn = lambda q, k, cos, sin, dim: (one(q, cos, sin, dim), one(k, cos, sin, dim))  # noqa: E731
@@ -578,6 +589,17 @@ def rope_function(original):
     keep the original. The one-tensor form rotates x as q, with one head of x, detached, as the k the kernel
     rotates alongside (its result unused): 1/H more of the kernel's work, no gradient through it."""
     kind = rope_kind(original)[0]
+    if kind == "gptj":
+        def apply_rotary_pos_emb_gptj(tensor, sin, cos):
+            if (tensor.dim() != 4 or cos.dim() != 3 or tensor.dtype != cos.dtype or sin.dtype != cos.dtype
+                    or cos.requires_grad or sin.requires_grad or 2 * cos.shape[-1] != tensor.shape[-1]):
+                return original(tensor, sin, cos)
+            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+            one = tensor[:, :, :1].detach()  # [B, T, H, R]: one head as the k the kernel rotates alongside
+            return tritongrad.apply_rotary_pos_emb(tensor, one, cos, sin, 2, interleaved=True)[0]
+
+        apply_rotary_pos_emb_gptj._tritongrad_original = original
+        return marked(apply_rotary_pos_emb_gptj, "rope")
     if _rope_single(original):
         def apply_rotary_pos_emb_one(x, cos, sin, unsqueeze_dim=1):
             if x.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3):
