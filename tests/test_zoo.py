@@ -190,38 +190,76 @@ def test_clipped_gated_mlp_is_probed_as_the_instance():
         torch.testing.assert_close(model[1](x), want[1], rtol=0, atol=0)
 
 
-def test_deepseek_interleaved_rotary_is_reported_left_alone():
+def test_deepseek_interleaved_rotary_is_replaced_and_restored():
     """MLA families define DeepSeek's apply_rotary_pos_emb_interleave beside apply_rotary_pos_emb and call it
-    where the config sets rope_interleave: the report says it is left alone, and why, next to the replaced
-    function, so that "rope replaced" does not stand for what such a model runs."""
+    where the config sets rope_interleave (DeepSeek-V3's default): both are established and replaced, each
+    reported, and unpatch restores both."""
     import tritongrad
+    from tritongrad import _hf
 
     model = zoo.build("deepseek_v3")
+    mod = _hf.modeling_module("deepseek_v3")
+    before = {f: vars(mod)[f] for f in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")}
     report = tritongrad.patch(model)
     try:
-        assert [e.target.rsplit(".", 1)[1] for e in report.replaced if e.op == "rope"] == ["apply_rotary_pos_emb"]
-        (alone,) = [e for e in report.skipped if e.op == "rope"]
-        assert alone.target.endswith(".apply_rotary_pos_emb_interleave") and "rope_interleave" in alone.detail
+        assert sorted(e.target.rsplit(".", 1)[1] for e in report.replaced if e.op == "rope") == sorted(before)
+        assert not [e for e in report.skipped if e.op == "rope"]
+        assert all(_hf.patched_op(vars(mod)[f]) == "rope" for f in before)
     finally:
         tritongrad.unpatch(model)
+    assert {f: vars(mod)[f] for f in before} == before
+
+
+def _reaches(node, name: str, depth: int = 4) -> bool:
+    """Whether autograd node ``node`` is ``name`` or has it among its inputs, ``depth`` nodes down at most."""
+    if node is None or depth < 0:
+        return False
+    return type(node).__name__ == name or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+
+
+def _deepseek_interleave_with_full_tables(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    # DeepSeek's interleaved rotary as transformers wrote it before 5.25: features reordered evens first,
+    # then odds (a copy), then Llama's rotate_half with both halves of the tables.
+    import torch
+
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    b, h, s, d = q.shape
+    q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    b, h, s, d = k.shape
+    k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
 @pytest.mark.parametrize("family, kind", [("helium", "glm_full"), ("ernie4_5", "glm_full"), ("nanochat", "flipped"),
-                                          ("gpt_oss", "half"), ("gemma4", "llama"), ("gptj", "gptj")])
+                                          ("gpt_oss", "half"), ("gemma4", "llama"), ("gptj", "gptj"),
+                                          ("deepseek_v3", "deinterleave_half"), ("before 5.25", "deinterleave")])
 def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind):
     """The family's own apply_rotary_pos_emb is recognised as ``kind`` on probes, and its replacement, which
     runs the rope kernel on rewritten tables, equals it: in float32, both layouts (heads before or after the
     tokens), grouped k heads; in float64 the formula, forward and backward; in bfloat16 within one ulp of the
     exact result. A
     table width the kind was not established for goes to the family's own function. Gemma 4's takes one
-    tensor, q and k in two calls; GPT-J's one tensor [B, T, H, R] and per-pair tables, as (tensor, sin, cos)."""
+    tensor, q and k in two calls; GPT-J's one tensor [B, T, H, R] and per-pair tables, as (tensor, sin, cos);
+    DeepSeek's interleaved one takes position_ids before unsqueeze_dim."""
     import torch
 
     from tritongrad import _hf
 
-    fn = vars(_hf.modeling_module(family))["apply_rotary_pos_emb"]
+    if kind.startswith("deinterleave"):
+        fn = (_deepseek_interleave_with_full_tables if family == "before 5.25"
+              else vars(_hf.modeling_module(family))["apply_rotary_pos_emb_interleave"])
+    else:
+        fn = vars(_hf.modeling_module(family))["apply_rotary_pos_emb"]
     assert _hf.rope_kind(fn) == (kind, None)
     replaced = _hf.rope_function(fn)
+    if kind.startswith("deinterleave"):
+        six_fn, six_replaced = fn, replaced
+        fn = lambda q, k, c, s, d: six_fn(q, k, c, s, None, d)  # noqa: E731
+        replaced = lambda q, k, c, s, d: six_replaced(q, k, c, s, None, d)  # noqa: E731
     if _hf._rope_single(fn):
         one_fn, one_replaced = fn, replaced
         fn = lambda q, k, c, s, d: (one_fn(q, c, s, d), one_fn(k, c, s, d))  # noqa: E731
@@ -241,7 +279,7 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
                                                                                        dtype=torch.float64)
         # float64: the established formula (Ernie's own function computes in float32 whatever it is given)
         got = replaced(q, k, cos, sin, dim)
-        assert all(type(t.grad_fn).__name__ == "ApplyRotaryPosEmbBackward" for t in got)  # the op's own node
+        assert all(_reaches(t.grad_fn, "ApplyRotaryPosEmbBackward") for t in got)  # the op's own node
         want = tuple(_hf._rope_formula(kind, x, cos.unsqueeze(dim), sin.unsqueeze(dim)) for x in (q, k))
         gq, gk = torch.randn_like(want[0]), torch.randn_like(want[1])
         for a, b in zip(got, want):

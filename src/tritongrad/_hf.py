@@ -479,7 +479,15 @@ def _rope_formula(kind: str, x, cos, sin):
     pairs rotate), ``flipped`` (NanoChat: rotate_half with its signs flipped, ``[x2, -x1]``) and ``half``
     (gpt-oss: tables of half the head's width, each half of the head rotated with them:
     ``[x1 c - x2 s, x2 c + x1 s]``, Llama's with the tables written twice); ``gptj`` (GPT-J, CodeGen: one
-    table entry per feature pair, repeat-interleaved, pairs rotated over the whole width of what it is given)."""
+    table entry per feature pair, repeat-interleaved, pairs rotated over the whole width of what it is given);
+    ``deinterleave`` (DeepSeek's ``apply_rotary_pos_emb_interleave``: the head's features reordered evens first,
+    then odds, then Llama's, over the whole head; ``deinterleave_half``: the same with the tables' first half
+    for both halves, as transformers 5.25 computes it, on the even and odd features directly)."""
+    if kind == "deinterleave_half":
+        half = cos.shape[-1] // 2
+        cos, sin = torch.cat((cos[..., :half],) * 2, -1), torch.cat((sin[..., :half],) * 2, -1)
+    if kind in ("deinterleave", "deinterleave_half"):
+        x = x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
     if kind == "gptj":
         cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
     if kind == "half":
@@ -505,9 +513,15 @@ ROPE_DETAIL = {"llama": "rotate_half over the whole head (Llama)",
                "flipped": "rotate_half with its signs flipped over the whole head (NanoChat): sin negated",
                "half": "cos/sin of half the head's width for each half of it (gpt-oss): the tables written twice",
                "gptj": "apply_rotary_pos_emb(tensor, sin, cos), one table entry per feature pair (GPT-J, CodeGen): "
-                       "the tables repeat-interleaved, pairs rotated"}
+                       "the tables repeat-interleaved, pairs rotated",
+               "deinterleave": "DeepSeek's apply_rotary_pos_emb_interleave: features reordered evens then odds, "
+                               "then rotate_half; the kernel's pairs with the tables' halves interleaved, its "
+                               "output reordered",
+               "deinterleave_half": "DeepSeek's apply_rotary_pos_emb_interleave on the even and odd features with "
+                                    "the tables' first half: the kernel's pairs with that half repeat-interleaved, "
+                                    "its output reordered"}
 # Kinds established for one width of cos/sin only: the whole head (or, for "half", half of it).
-_FULL_WIDTH = ("llama", "interleaved", "glm_full", "flipped")
+_FULL_WIDTH = ("llama", "interleaved", "glm_full", "flipped", "deinterleave", "deinterleave_half")
 
 
 def _rope_matches(fn, kind: str, r: int, dims=(1, 2)) -> bool:
@@ -556,6 +570,13 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
     except (TypeError, ValueError):
         return None, "apply_rotary_pos_emb has no readable signature"
     params = list(sig.parameters.values())
+    if [p.name for p in params] == ["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"]:  # DeepSeek's
+        pair = lambda q, k, cos, sin, dim: fn(q, k, cos, sin, None, dim)  # noqa: E731
+        for kind in ("deinterleave", "deinterleave_half"):
+            if params[5].default == 1 and _rope_matches(pair, kind, 8):
+                return kind, None
+        return None, (f"apply_rotary_pos_emb_interleave{sig} does not compute DeepSeek's interleaved rotary (evens "
+                      "then odds, then rotate_half)")
     if [p.name for p in params] == ["tensor", "sin", "cos"]:  # GPT-J's: [B, T, H, R] and per-pair tables
         pair = lambda q, k, cos, sin, dim: (fn(q, sin, cos), fn(k, sin, cos))  # noqa: E731
         if _rope_matches(pair, "gptj", 4, dims=(2,)):
@@ -589,6 +610,24 @@ def rope_function(original):
     keep the original. The one-tensor form rotates x as q, with one head of x, detached, as the k the kernel
     rotates alongside (its result unused): 1/H more of the kernel's work, no gradient through it."""
     kind = rope_kind(original)[0]
+    if kind in ("deinterleave", "deinterleave_half"):
+        def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+            if (q.dim() != 4 or k.dim() != 4 or q.dtype != cos.dtype or k.dtype != cos.dtype
+                    or sin.dtype != cos.dtype or cos.requires_grad or sin.requires_grad or cos.dim() != 3
+                    or unsqueeze_dim not in (1, 2, -2, -3) or cos.shape[-1] != q.shape[-1]):
+                return original(q, k, cos, sin, position_ids, unsqueeze_dim)
+            half = q.shape[-1] // 2
+            # out[j] = q[2j] c[j] - q[2j+1] s[j], out[j + D/2] = q[2j+1] c[j'] + q[2j] s[j'] (j' = j + D/2, or j
+            # for the half kind): the kernel's pairs with table entries j and j' side by side, its output
+            # reordered.
+            second = slice(0, half) if kind == "deinterleave_half" else slice(half, None)
+            c = torch.stack((cos[..., :half], cos[..., second]), -1).flatten(-2)
+            s = torch.stack((sin[..., :half], sin[..., second]), -1).flatten(-2)
+            q_embed, k_embed = tritongrad.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim, interleaved=True)
+            return tuple(y.unflatten(-1, (half, 2)).transpose(-1, -2).flatten(-2) for y in (q_embed, k_embed))
+
+        apply_rotary_pos_emb_interleave._tritongrad_original = original
+        return marked(apply_rotary_pos_emb_interleave, "rope")
     if kind == "gptj":
         def apply_rotary_pos_emb_gptj(tensor, sin, cos):
             if (tensor.dim() != 4 or cos.dim() != 3 or tensor.dtype != cos.dtype or sin.dtype != cos.dtype

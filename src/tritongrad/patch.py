@@ -34,11 +34,9 @@ _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps
                "cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
                "linear_cross_entropy": "no *ForCausalLM module (or one with lm_head and model)",
                "fused_add_rms_norm": "no *DecoderLayer with a post_attention_layernorm"}
-# DeepSeek's interleaved rotary, which MLA families call where the config sets rope_interleave: said in the
-# report, since the module's apply_rotary_pos_emb, replaced, is then not what their attention runs.
-_INTERLEAVE = "apply_rotary_pos_emb_interleave"
-_INTERLEAVE_WHY = ("DeepSeek's interleaved rotary (pairs rotated, written evens then odds), which the rope kernel "
-                   "does not compute: attention that calls it (rope_interleave) keeps it")
+# The module-level rotary functions an attention class calls: DeepSeek's interleaved one is what MLA families
+# run where the config sets rope_interleave. Each is established and replaced on its own.
+_ROPE_FNS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
 _MASK_MODULE = "transformers.masking_utils"
 # causal_mask's module-wide replacements: function -> (why_not, replacement, detail), names in _hf.
 _MASK_FNS = {
@@ -172,7 +170,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
     - ``swiglu``: Hugging Face gated MLPs (``gate_proj``, ``up_proj``, ``down_proj``) with a SiLU
       activation -> :func:`tritongrad.swiglu`;
     - ``geglu``: the same MLPs with a GELU activation (exact or tanh, Gemma's) -> :func:`tritongrad.geglu`;
-    - ``rope``: the modeling module's ``apply_rotary_pos_emb`` -> :func:`tritongrad.apply_rotary_pos_emb`.
+    - ``rope``: the modeling module's ``apply_rotary_pos_emb`` (and DeepSeek's ``apply_rotary_pos_emb_interleave``)
+      -> :func:`tritongrad.apply_rotary_pos_emb`.
       A module-level function: every model of that family in the process gets it;
     - ``cross_entropy``: the causal-LM loss on the logits -> :func:`tritongrad.cross_entropy`;
     - ``linear_cross_entropy``: in training with ``labels``, the causal-LM loss from the last hidden states
@@ -208,7 +207,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
                      causal_mask=causal_mask, fused_add_rms_norm=fused_add_rms_norm))
     report = PatchReport()
     plan, modeling_modules, attention = _plan_modules(hf, model, on, report)
-    rope_plan = [mod for mod in modeling_modules.values() if _plan_rope(hf, mod, report)]
+    rope_plan = [(mod, attr) for mod in modeling_modules.values() for attr in _ROPE_FNS
+                 if attr in vars(mod) and _plan_rope(hf, mod, report, attr)]
     mask_plan = _plan_mask(hf, report) if attention and "causal_mask" in on else []
     if any(_from_transformers(type(m)) for m in model.modules()):
         _report_absent(on, report)
@@ -216,8 +216,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = T
         _require(op)
     for m, sub in plan:
         m.__class__ = sub
-    for mod in rope_plan:
-        _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "instance")
+    for mod, attr in rope_plan:
+        _apply_function(hf, mod, attr, hf.rope_function, "instance")
     for attr in mask_plan:
         _apply_function(hf, sys.modules[_MASK_MODULE], attr, getattr(hf, _MASK_FNS[attr][1]), "instance")
     _nothing(report, type(model).__name__, strict)
@@ -229,7 +229,6 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
     attention applies the rotary embedding (by name), and whether any attention class was seen."""
     plan = []
     modeling_modules = {}
-    interleaved = set()  # modules that define DeepSeek's interleaved rotary beside their attention
     attention = False
     for name, m in model.named_modules():
         cls = type(m)
@@ -242,10 +241,8 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
         mod = sys.modules.get(base.__module__)
         if base.__name__.endswith("Attention"):
             attention = True
-            if "rope" in on and "apply_rotary_pos_emb" in vars(mod or {}):
+            if "rope" in on and any(f in vars(mod or {}) for f in _ROPE_FNS):
                 modeling_modules[mod.__name__] = mod  # an attention class whose module applies the rotary embedding
-            if "rope" in on and _INTERLEAVE in vars(mod or {}):
-                interleaved.add(mod.__name__)
         attrs, ops = _hf_attrs(hf, m, cls, base, name, on, report)
         new = [op for op in ops if not _patched_before(hf, cls, op)]
         for op in ops:
@@ -255,8 +252,6 @@ def _plan_modules(hf, model, on, report) -> tuple[list, dict, bool]:
             plan.append((m, _subclass(base, {**_own_attrs(cls), **attrs})))
             for op in new:
                 report._add("replaced", op, name, f"{base.__name__}: {ops[op]}")
-    for mod_name in sorted(interleaved):
-        report._add("skipped", "rope", f"{mod_name}.{_INTERLEAVE}", _INTERLEAVE_WHY)
     return plan, modeling_modules, attention
 
 
@@ -415,11 +410,11 @@ def _plan_function(mod, attr: str, op: str, why_not, detail: str, report) -> boo
     return True
 
 
-def _plan_rope(hf, mod, report) -> bool:
-    kind = hf.rope_kind(vars(mod)["apply_rotary_pos_emb"])[0]
+def _plan_rope(hf, mod, report, attr: str = "apply_rotary_pos_emb") -> bool:
+    kind = hf.rope_kind(vars(mod)[attr])[0]
     detail = hf.ROPE_DETAIL.get(kind, "")
-    return _plan_function(mod, "apply_rotary_pos_emb", "rope", hf.rope_why_not,
-                          f"apply_rotary_pos_emb, {detail} (module-wide: every model of this family)", report)
+    return _plan_function(mod, attr, "rope", hf.rope_why_not,
+                          f"{attr}, {detail} (module-wide: every model of this family)", report)
 
 
 def _plan_mask(hf, report) -> list[str]:
@@ -555,13 +550,11 @@ def patch_transformers(family: str, *, rms_norm: bool = True, swiglu: bool = Tru
     for cls in classes:
         _patch_class(hf, mod, cls, causal, on, report)
     if "rope" in on:
-        if _INTERLEAVE in vars(mod):
-            report._add("skipped", "rope", f"{mod.__name__}.{_INTERLEAVE}", _INTERLEAVE_WHY)
-        if "apply_rotary_pos_emb" in vars(mod):
-            if _plan_rope(hf, mod, report):
+        for attr in _ROPE_FNS:
+            if attr in vars(mod) and _plan_rope(hf, mod, report, attr):
                 _require("rope")
-                _apply_function(hf, mod, "apply_rotary_pos_emb", hf.rope_function, "class")
-        else:
+                _apply_function(hf, mod, attr, hf.rope_function, "class")
+        if "apply_rotary_pos_emb" not in vars(mod):
             report._add("skipped", "rope", mod.__name__, "no module-level apply_rotary_pos_emb")
     if "causal_mask" in on:
         for attr in _plan_mask(hf, report):
