@@ -132,6 +132,16 @@ def test_family_with_kernels(family, mode):
     assert v.status == "exact", f"{family} ({KERNEL_FAMILIES[family]}), {mode}: {v.line()}\n{v.ops}"
 
 
+def test_a_tiny_model_without_the_familys_attention_is_an_error(monkeypatch):
+    # Qwen3-Next's default layers start with three linear-attention layers: a 2-layer model of them has no
+    # attention, so its rope and q/k norms would go unchecked while the verdict said exact.
+    monkeypatch.delitem(zoo.FAMILY_CONFIG, "qwen3_next")
+    v = zoo.check("qwen3_next", "eager", device="cpu", only=zoo.TRAINING_CHECKS)
+    assert v.status == "error" and "Qwen3NextAttention" in v.detail and "FAMILY_CONFIG" in v.detail, v.line()
+    monkeypatch.undo()
+    assert zoo.unbuilt_attention(zoo.build("qwen3_next")) == []
+
+
 def test_grouped_rms_norm_is_left_alone():
     """An RMSNorm instance whose plain attributes change its math (a group_size that normalises groups of
     features, not the row) is probed as that instance, not as its class's default: left alone, with the

@@ -587,16 +587,29 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
         fn = lambda q, k, cos, sin, dim: (one(q, cos, sin, dim), one(k, cos, sin, dim))  # noqa: E731
     elif [p.name for p in params] != ["q", "k", "cos", "sin", "unsqueeze_dim"] or params[4].default != 1:
         return None, f"apply_rotary_pos_emb{sig} is not (q, k, cos, sin, unsqueeze_dim=1) nor (x, cos, sin, unsqueeze_dim=1)"
+    kind = _pair_kind(fn)
+    if kind is None:
+        return None, ("apply_rotary_pos_emb computes none of the known rotary embeddings (Llama's rotate_half, "
+                      "partial rotary, GLM's or Cohere's interleaved pairs, NanoChat's flipped signs, gpt-oss's "
+                      "half-width tables)")
+    if params[0].name == "q" and params[1].default is None:
+        # k=None rotates q alone (Qwen4-exp's indexer calls it so): established as well, or not replaced.
+        alone = lambda q, k, cos, sin, dim: (fn(q, None, cos, sin, dim), fn(k, None, cos, sin, dim))  # noqa: E731
+        if _pair_kind(alone) != kind:
+            return None, f"apply_rotary_pos_emb{sig} called with k=None computes something else than with k"
+    return kind, None
+
+
+def _pair_kind(fn) -> str | None:
+    """The kind (:func:`_rope_formula`) that ``fn(q, k, cos, sin, unsqueeze_dim)`` computes on probes, or None."""
     if _rope_matches(fn, "llama", 8):
-        return ("partial" if _rope_matches(fn, "partial", 4) else "llama"), None
+        return "partial" if _rope_matches(fn, "partial", 4) else "llama"
     if _rope_matches(fn, "glm", 8):
-        return ("glm" if _rope_matches(fn, "glm", 4) else "glm_full"), None
+        return "glm" if _rope_matches(fn, "glm", 4) else "glm_full"
     for kind, width in (("interleaved", 8), ("flipped", 8), ("half", 4)):
         if _rope_matches(fn, kind, width):
-            return kind, None
-    return None, ("apply_rotary_pos_emb computes none of the known rotary embeddings (Llama's rotate_half, "
-                  "partial rotary, GLM's or Cohere's interleaved pairs, NanoChat's flipped signs, gpt-oss's "
-                  "half-width tables)")
+            return kind
+    return None
 
 
 def rope_why_not(fn) -> str | None:
@@ -648,7 +661,17 @@ def rope_function(original):
                 original(q, c, s, d), None))
             return two[0]
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, _original=original):
+    k_optional = "k" in signature(original).parameters and signature(original).parameters["k"].default is None
+
+    def apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1, _original=original):
+        if k is None:
+            # q alone, where the original takes k=None (rope_kind established that form too); else its error.
+            if (cos is None or sin is None or q.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3)
+                    or not k_optional):
+                return original(q, k, cos, sin, unsqueeze_dim)
+            one = (q[:, :1] if unsqueeze_dim in (1, -3) else q[:, :, :1]).detach()
+            return apply_rotary_pos_emb(q, one, cos, sin, unsqueeze_dim,
+                                        _original=lambda q_, k_, c, s, d: (original(q_, None, c, s, d), None))[0]
         if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
                 or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]

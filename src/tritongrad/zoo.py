@@ -56,7 +56,7 @@ TINY = dict(
 # Per family: values its defaults need beyond TINY (e.g. a vocabulary its special tokens fit in).
 FAMILY_CONFIG: dict[str, dict] = {
     # Mamba mixers at the tiny width (the defaults' 128 heads of 64 and 256 states cost seconds a step on CPU).
-    "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8, attn_layer_indices=[1]),
     "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8),
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=8),
     # Scales and caps away from 1 and None, so that a patch that drops them shows.
@@ -94,6 +94,16 @@ FAMILY_CONFIG: dict[str, dict] = {
                      attn_layers=["local", "local"], chunk_size_lm_hd=0),
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # Hybrids whose first two default layers have no attention: one of each, so that attention (and the rope,
+    # norms and masks it reaches) runs (tests/test_zoo.py checks that every text attention class is built).
+    **{f: dict(layer_types=["linear_attention", "full_attention"])
+       for f in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, head_dim=8),
+    **{f: dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+               indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2)
+       for f in ("qwen4_exp", "qwen4_exp_text")},
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_state=16,
                              mamba_chunk_size=8),
     "dots3_note_text": dict(num_key_value_heads=4),
@@ -446,6 +456,33 @@ def _report_ops(report) -> dict:
 TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward")
 
 
+def unbuilt_attention(model) -> list[str]:
+    """The text attention classes of ``model``'s modeling modules whose forward applies the rotary embedding
+    and that ``model`` has no instance of: a hybrid's tiny config whose layers are all of another kind leaves
+    its attention, rope and the norms they reach unchecked (vision and audio towers aside: a text batch never
+    runs them)."""
+    import inspect
+    import re
+    import sys
+
+    present = {type(m) for m in model.modules()}
+    modules = {sys.modules[c.__module__] for c in present if c.__module__.startswith("transformers.models.")}
+    missing = set()
+    for mod in modules:
+        for name, cls in vars(mod).items():
+            if (not inspect.isclass(cls) or cls.__module__ != mod.__name__ or not name.endswith("Attention")
+                    or cls in present or "Vision" in name or "Audio" in name
+                    or not issubclass(cls, torch.nn.Module)):
+                continue
+            try:
+                source = inspect.getsource(cls.forward)
+            except (OSError, TypeError):
+                continue
+            if re.search(r"\bapply_rotary_pos_emb(_interleave)?\(", source):
+                missing.add(name)
+    return sorted(missing)
+
+
 def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
     """One family in one mode (``"eager"`` or ``"compiled"``): see the module docstring. ``only``: the names
     of the checks to run (e.g. :data:`TRAINING_CHECKS`), default all."""
@@ -457,6 +494,10 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
         model = build(family).to(device)
     except Exception as e:  # noqa: BLE001 - a family that cannot be built is reported, not dropped
         return Verdict(family, mode, "error", f"cannot build a tiny model: {type(e).__name__}: {_short(e)}")
+    missing = unbuilt_attention(model)
+    if missing:
+        return Verdict(family, mode, "error", f"the tiny model builds no {', '.join(missing)}, which applies the "
+                                              "rotary embedding: zoo.FAMILY_CONFIG needs a layer pattern with one")
     batch, fns, ref = _check_plan(model, device, compiled, only)
     want, failed = _checks(model, ref)
     if "loss" in failed or "grads" in failed:
