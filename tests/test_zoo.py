@@ -311,6 +311,31 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
             replaced(q, k, torch.randn(2, 5, D, dtype=torch.float64), torch.randn(2, 5, D, dtype=torch.float64), 2)
 
 
+def test_rotary_called_without_k_rotates_q_alone():
+    """Qwen4-exp's apply_rotary_pos_emb(q, k=None, ...) returns q alone when called without k (its indexer does);
+    the replacement does too, through the kernel. Where k is required (Llama's), both raise alike."""
+    import torch
+
+    from tritongrad import _hf
+
+    fn = vars(_hf.modeling_module("qwen4_exp"))["apply_rotary_pos_emb"]
+    assert _hf.rope_kind(fn) == ("partial", None)
+    replaced = _hf.rope_function(fn)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    cos, sin = (torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    got, want = replaced(q, cos=cos, sin=sin, unsqueeze_dim=2), fn(q, cos=cos, sin=sin, unsqueeze_dim=2)
+    assert isinstance(got, torch.Tensor) and _reaches(got.grad_fn, "ApplyRotaryPosEmbBackward")
+    torch.testing.assert_close(got, want)
+    gy = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(got, q, gy)[0], torch.autograd.grad(want, q, gy)[0])
+    llama = vars(_hf.modeling_module("llama"))["apply_rotary_pos_emb"]
+    cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    for f in (llama, _hf.rope_function(llama)):
+        with pytest.raises(TypeError):  # k * cos with k None
+            f(q, cos=cos, sin=sin, unsqueeze_dim=2)
+
+
 def test_gated_rms_norm_called_with_its_gate_runs_its_own_forward():
     """A norm established on its input alone (Bamba's and Mamba2's gated RMSNorm, forward(x, gate=None)) is
     replaced for forward(x); called with the gate, as the compiled mixer calls it, it computes its own
