@@ -625,8 +625,10 @@ def rope_function(original):
     kind = rope_kind(original)[0]
     if kind in ("deinterleave", "deinterleave_half"):
         def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-            if (q.dim() != 4 or k.dim() != 4 or q.dtype != cos.dtype or k.dtype != cos.dtype
-                    or sin.dtype != cos.dtype or cos.requires_grad or sin.requires_grad or cos.dim() != 3
+            # position_ids: established as None (transformers' own callers pass none; the function ignores it).
+            if (position_ids is not None or q.dim() != 4 or k.dim() != 4 or q.dtype != cos.dtype
+                    or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad or sin.requires_grad
+                    or cos.dim() != 3
                     or unsqueeze_dim not in (1, 2, -2, -3) or cos.shape[-1] != q.shape[-1]):
                 return original(q, k, cos, sin, position_ids, unsqueeze_dim)
             half = q.shape[-1] // 2

@@ -12,8 +12,8 @@ row-sliced, col-strided, permuted), with an extra leading dim, and in mixed prec
 input inside a larger buffer padded with NaN (guard bands: an unmasked read past an edge shows as NaN);
 upstream gradients expanded (stride 0) and transposed; gradients for each subset of inputs
 (``needs_input_grad``); no graph under ``torch.no_grad``; for an op with a ``native`` small-input version, no
-more bytes kept for the backward than the kernels keep (``native-memory``); torch.func ``jvp``, ``vmap`` and ``grad`` against
-the reference (or a clear refusal); a backward repeated through a retained graph (bitwise equal), after the
+more bytes kept for the backward than the kernels keep (``native-memory``); torch.func ``jvp``, ``vmap`` and
+``grad`` against the reference (or a clear refusal); a backward repeated through a retained graph (bitwise equal), after the
 caller mutated a returned gradient, and accumulated into existing ``.grad``; ``torch.autograd.gradcheck`` in
 float64 on a few elements of each input, with a time cap; ``torch.library.opcheck`` on the registered ops;
 ``torch.compile(fullgraph=True)``, static and dynamic, forward and backward, with expanded and transposed
