@@ -311,6 +311,38 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
             replaced(q, k, torch.randn(2, 5, D, dtype=torch.float64), torch.randn(2, 5, D, dtype=torch.float64), 2)
 
 
+@pytest.mark.parametrize("family, kind", [("llama4", "complex_bthd"), ("deepseek_v2", "complex_bhtd")])
+def test_complex_rotary_is_established_and_computed_by_the_kernel(family, kind):
+    """Llama 4's and DeepSeek-V2's apply_rotary_emb(xq, xk, freqs_cis) rotate feature pairs by a complex table
+    in float32 and round once to xq's dtype; the replacement runs the kernel on its real and imaginary parts:
+    float32 to rounding, forward and backward, bfloat16 within one ulp of the float32 product."""
+    import torch
+
+    from tritongrad import _hf
+
+    fn = vars(_hf.modeling_module(family))["apply_rotary_emb"]
+    assert _hf.rope_kind(fn) == (kind, None)
+    replaced = _hf.rope_function(fn)
+    g = torch.Generator().manual_seed(0)
+    shape_q, shape_k = ((2, 4, 5, 16), (2, 2, 5, 16)) if kind == "complex_bhtd" else ((2, 5, 4, 16), (2, 5, 2, 16))
+    q = torch.randn(*shape_q, generator=g, requires_grad=True)
+    k = torch.randn(*shape_k, generator=g, requires_grad=True)
+    freqs = torch.polar(torch.ones(2, 5, 8), 6 * torch.rand(2, 5, 8, generator=g))
+    got, want = replaced(q, k, freqs), fn(q, k, freqs)
+    assert all(_reaches(t.grad_fn, "ApplyRotaryPosEmbBackward") for t in got)
+    gq, gk = torch.randn_like(want[0]), torch.randn_like(want[1])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(torch.autograd.grad(got, (q, k), (gq, gk)), torch.autograd.grad(want, (q, k), (gq, gk))):
+        torch.testing.assert_close(a, b)
+    low = [t.detach().to(torch.bfloat16) for t in (q, k)]
+    exact = fn(*[t.double() for t in low], freqs.to(torch.complex128))  # the float32 product, unrounded
+    for a, b in zip(replaced(*low, freqs), exact):
+        assert a.dtype == torch.bfloat16
+        ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0**-100))) - 7)
+        assert ((a.double() - b).abs() <= ulp).all(), ((a.double() - b).abs() / ulp).max()
+
+
 def test_rotary_called_without_k_rotates_q_alone():
     """Qwen4-exp's apply_rotary_pos_emb(q, k=None, ...) returns q alone when called without k (its indexer does);
     the replacement does too, through the kernel. Where k is required (Llama's), both raise alike."""

@@ -479,7 +479,9 @@ def _rope_formula(kind: str, x, cos, sin):
     pairs rotate), ``flipped`` (NanoChat: rotate_half with its signs flipped, ``[x2, -x1]``) and ``half``
     (gpt-oss: tables of half the head's width, each half of the head rotated with them:
     ``[x1 c - x2 s, x2 c + x1 s]``, Llama's with the tables written twice); ``gptj`` (GPT-J, CodeGen: one
-    table entry per feature pair, repeat-interleaved, pairs rotated over the whole width of what it is given);
+    table entry per feature pair, repeat-interleaved, pairs rotated over the whole width of what it is given;
+    ``complex_bhtd`` and ``complex_bthd``, Llama 4's and DeepSeek-V2's ``apply_rotary_emb(xq, xk, freqs_cis)``:
+    the same, the tables being ``freqs_cis``'s real and imaginary parts, in the two layouts);
     ``deinterleave`` (DeepSeek's ``apply_rotary_pos_emb_interleave``: the head's features reordered evens first,
     then odds, then Llama's, over the whole head; ``deinterleave_half``: the same with the tables' first half
     for both halves, as transformers 5.25 computes it, on the even and odd features directly)."""
@@ -488,6 +490,9 @@ def _rope_formula(kind: str, x, cos, sin):
         cos, sin = torch.cat((cos[..., :half],) * 2, -1), torch.cat((sin[..., :half],) * 2, -1)
     if kind in ("deinterleave", "deinterleave_half"):
         x = x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+    if kind in ("complex_bhtd", "complex_bthd"):  # PyTorch's complex product, in float32, rounded once
+        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(z * torch.complex(cos.float(), sin.float())).flatten(-2).to(x.dtype)
     if kind == "gptj":
         cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
     if kind == "half":
@@ -514,6 +519,10 @@ ROPE_DETAIL = {"llama": "rotate_half over the whole head (Llama)",
                "half": "cos/sin of half the head's width for each half of it (gpt-oss): the tables written twice",
                "gptj": "apply_rotary_pos_emb(tensor, sin, cos), one table entry per feature pair (GPT-J, CodeGen): "
                        "the tables repeat-interleaved, pairs rotated",
+               "complex_bhtd": "apply_rotary_emb(xq, xk, freqs_cis) on [B, H, T, D] (DeepSeek-V2): pairs rotated by "
+                               "the complex table's real and imaginary parts, in float32",
+               "complex_bthd": "apply_rotary_emb(xq, xk, freqs_cis) on [B, T, H, D] (Llama 4): pairs rotated by "
+                               "the complex table's real and imaginary parts, in float32",
                "deinterleave": "DeepSeek's apply_rotary_pos_emb_interleave: features reordered evens then odds, "
                                "then rotate_half; the kernel's pairs with the tables' halves interleaved, its "
                                "output reordered",
@@ -577,6 +586,12 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
                 return kind, None
         return None, (f"apply_rotary_pos_emb_interleave{sig} does not compute DeepSeek's interleaved rotary (evens "
                       "then odds, then rotate_half)")
+    if [p.name for p in params] == ["xq", "xk", "freqs_cis"]:  # Llama 4's and DeepSeek-V2's complex tables
+        pair = lambda q, k, cos, sin, dim: fn(q, k, torch.complex(cos.float(), sin.float()))  # noqa: E731
+        for kind, dim in (("complex_bhtd", 1), ("complex_bthd", 2)):
+            if _rope_matches(pair, kind, 4, dims=(dim,)):
+                return kind, None
+        return None, f"apply_rotary_emb{sig} does not compute pairs rotated by its complex table in either layout"
     if [p.name for p in params] == ["tensor", "sin", "cos"]:  # GPT-J's: [B, T, H, R] and per-pair tables
         pair = lambda q, k, cos, sin, dim: (fn(q, sin, cos), fn(k, sin, cos))  # noqa: E731
         if _rope_matches(pair, "gptj", 4, dims=(2,)):
@@ -623,6 +638,23 @@ def rope_function(original):
     keep the original. The one-tensor form rotates x as q, with one head of x, detached, as the k the kernel
     rotates alongside (its result unused): 1/H more of the kernel's work, no gradient through it."""
     kind = rope_kind(original)[0]
+    if kind in ("complex_bhtd", "complex_bthd"):
+        dim = 1 if kind == "complex_bhtd" else 2
+
+        def apply_rotary_emb(xq, xk, freqs_cis):
+            if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dtype != torch.complex64
+                    or freqs_cis.dim() != 3 or xq.dim() != 4 or xk.dim() != 4 or freqs_cis.requires_grad
+                    or 2 * freqs_cis.shape[-1] != xq.shape[-1] or xq.dtype not in (torch.float16, torch.bfloat16,
+                                                                                  torch.float32)):
+                return original(xq, xk, freqs_cis)
+            # The original multiplies in float32 and rounds once to xq's dtype: float32 tables, then the cast.
+            cos = freqs_cis.real.repeat_interleave(2, -1)
+            sin = freqs_cis.imag.repeat_interleave(2, -1)
+            q, k = tritongrad.apply_rotary_pos_emb(xq, xk, cos, sin, dim, interleaved=True)
+            return q.type_as(xq), k.type_as(xk)
+
+        apply_rotary_emb._tritongrad_original = original
+        return marked(apply_rotary_emb, "rope")
     if kind in ("deinterleave", "deinterleave_half"):
         def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
             # position_ids: established as None (transformers' own callers pass none; the function ignores it).

@@ -36,7 +36,7 @@ _CANDIDATES = {"rms_norm": "no *RMSNorm module with a 1-D weight and a float eps
                "fused_add_rms_norm": "no *DecoderLayer with a post_attention_layernorm"}
 # The module-level rotary functions an attention class calls: DeepSeek's interleaved one is what MLA families
 # run where the config sets rope_interleave. Each is established and replaced on its own.
-_ROPE_FNS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+_ROPE_FNS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 _MASK_MODULE = "transformers.masking_utils"
 # causal_mask's module-wide replacements: function -> (why_not, replacement, detail), names in _hf.
 _MASK_FNS = {

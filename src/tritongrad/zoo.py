@@ -478,7 +478,7 @@ def unbuilt_attention(model) -> list[str]:
                 source = inspect.getsource(cls.forward)
             except (OSError, TypeError):
                 continue
-            if re.search(r"\bapply_rotary_pos_emb(_interleave)?\(", source):
+            if re.search(r"\bapply_rotary_(pos_emb(_interleave)?|emb)\(", source):
                 missing.add(name)
     return sorted(missing)
 
