@@ -62,7 +62,6 @@ FAMILY_CONFIG: dict[str, dict] = {
     # Scales and caps away from 1 and None, so that a patch that drops them shows.
     "granite": dict(logits_scaling=4.0),
     "granitemoe": dict(logits_scaling=4.0),
-    "granitemoeshared": dict(logits_scaling=4.0),
     "gemma3_text": dict(final_logit_softcapping=30.0),
     "phi3": dict(partial_rotary_factor=0.5),
     "stablelm": dict(partial_rotary_factor=0.5),
@@ -88,7 +87,7 @@ FAMILY_CONFIG: dict[str, dict] = {
     # tiny model's query heads.
     "ergo": dict(first_dense_intermediate_size=128, shared_intermediate_size=64, moe_intermediate_size=32,
                  num_experts=4, num_experts_per_tok=2),
-    "kolibri1_1": dict(index_num_heads=2, index_topk=8),
+    "kolibri1_1": dict(index_num_heads=2, index_topk=8, mlp_only_layers=[0]),
     # Local attention only: LSH attention hashes into buckets, and a rounding-level change moves a token.
     "reformer": dict(is_decoder=True, axial_pos_shape=[3, 4], axial_pos_embds_dim=[32, 32],
                      attn_layers=["local", "local"], chunk_size_lm_hd=0),
@@ -103,6 +102,16 @@ FAMILY_CONFIG: dict[str, dict] = {
                indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2)
        for f in ("qwen4_exp", "qwen4_exp_text")},
     "lfm3": dict(layer_types=["conv", "full_attention"]),
+    # MoE families whose first default layers are dense, or whose experts, shared expert or attention layer are
+    # off by default: one of each in two layers, so that the experts' gate (and what else the patch reaches
+    # there) runs.
+    "beam": dict(mlp_layer_types=["dense", "sparse"]),
+    "flint": dict(mlp_only_layers=[0]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "granitemoeshared": dict(logits_scaling=4.0, shared_intermediate_size=32),
+    "granitemoe_swa": dict(shared_intermediate_size=32),
+    "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, enable_moe_block=True,
+                        num_experts=4, top_k_experts=2, moe_intermediate_size=32),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_state=16,
                              mamba_chunk_size=8),
@@ -125,7 +134,6 @@ FAMILY_CONFIG: dict[str, dict] = {
     "inkling2_loop_text": dict(unpadded_vocab_size=256),
     "longcat_flash": dict(num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4,
                           moe_topk=2, zero_expert_num=2, num_key_value_heads=4, head_dim=8),
-    "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "gemma3n_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, num_kv_shared_layers=0),
     # Multimodal: the towers the text-only batch never runs, shrunk too.
     "gemma3": dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
