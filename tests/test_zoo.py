@@ -139,7 +139,10 @@ def test_a_tiny_model_without_the_familys_attention_is_an_error(monkeypatch):
     v = zoo.check("qwen3_next", "eager", device="cpu", only=zoo.TRAINING_CHECKS)
     assert v.status == "error" and "Qwen3NextAttention" in v.detail and "FAMILY_CONFIG" in v.detail, v.line()
     monkeypatch.undo()
-    assert zoo.unbuilt_attention(zoo.build("qwen3_next")) == []
+    assert zoo.unbuilt(zoo.build("qwen3_next")) == []
+    # Beam's first default layers are dense: its experts too must be built.
+    monkeypatch.delitem(zoo.FAMILY_CONFIG, "beam")
+    assert zoo.unbuilt(zoo.build("beam")) == ["BeamExperts"]
 
 
 def test_grouped_rms_norm_is_left_alone():
