@@ -631,19 +631,25 @@ def rope_why_not(fn) -> str | None:
     return rope_kind(fn)[1]
 
 
+def _one_head(x, unsqueeze_dim):
+    """One head of x, detached: the k the rope kernel rotates beside a lone x, its result dropped (1/H more of
+    the kernel's work, no gradient through it)."""
+    return (x[:, :1] if unsqueeze_dim in (1, -3) else x[:, :, :1]).detach()
+
+
 def rope_function(original):
     """The replacement of a module's ``apply_rotary_pos_emb``, for the kind :func:`rope_kind` established.
     Inputs of mixed dtypes (where the original's own promotion rules decide the result), cos/sin that
     require grad, layouts other than ``unsqueeze_dim`` 1 or 2, and widths the kind was not established for
-    keep the original. The one-tensor form rotates x as q, with one head of x, detached, as the k the kernel
-    rotates alongside (its result unused): 1/H more of the kernel's work, no gradient through it."""
+    keep the original. The one-tensor form, and q alone where the original's k defaults to None, rotate q
+    beside one head of it (:func:`_one_head`)."""
     kind = rope_kind(original)[0]
     if kind in ("complex_bhtd", "complex_bthd"):
         dim = 1 if kind == "complex_bhtd" else 2
 
         def apply_rotary_emb(xq, xk, freqs_cis):
             if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dtype != torch.complex64
-                    or freqs_cis.dim() != 3 or xq.dim() != 4 or xk.dim() != 4 or freqs_cis.requires_grad
+                    or freqs_cis.device != xq.device or freqs_cis.dim() != 3 or xq.dim() != 4 or xk.dim() != 4 or freqs_cis.requires_grad
                     or 2 * freqs_cis.shape[-1] != xq.shape[-1] or xq.dtype not in (torch.float16, torch.bfloat16,
                                                                                   torch.float32)):
                 return original(xq, xk, freqs_cis)
@@ -681,31 +687,27 @@ def rope_function(original):
                     or cos.requires_grad or sin.requires_grad or 2 * cos.shape[-1] != tensor.shape[-1]):
                 return original(tensor, sin, cos)
             cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
-            one = tensor[:, :, :1].detach()  # [B, T, H, R]: one head as the k the kernel rotates alongside
-            return tritongrad.apply_rotary_pos_emb(tensor, one, cos, sin, 2, interleaved=True)[0]
+            return tritongrad.apply_rotary_pos_emb(tensor, _one_head(tensor, 2), cos, sin, 2, interleaved=True)[0]
 
         apply_rotary_pos_emb_gptj._tritongrad_original = original
         return marked(apply_rotary_pos_emb_gptj, "rope")
+    # The original on q alone: the one-tensor form, or a k that defaults to None (rope_kind established both).
+    params = signature(original).parameters
     if _rope_single(original):
-        def apply_rotary_pos_emb_one(x, cos, sin, unsqueeze_dim=1):
-            if x.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3):
-                return original(x, cos, sin, unsqueeze_dim)
-            one = (x[:, :1] if unsqueeze_dim in (1, -3) else x[:, :, :1]).detach()
-            two = apply_rotary_pos_emb(x, one, cos, sin, unsqueeze_dim, _original=lambda q, k, c, s, d: (
-                original(q, c, s, d), None))
-            return two[0]
-
-    k_optional = "k" in signature(original).parameters and signature(original).parameters["k"].default is None
+        alone = original
+    elif "k" in params and params["k"].default is None:
+        alone = lambda q, cos, sin, dim: original(q, None, cos, sin, dim)  # noqa: E731
+    else:
+        alone = None
 
     def apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1, _original=original):
         if k is None:
-            # q alone, where the original takes k=None (rope_kind established that form too); else its error.
-            if (cos is None or sin is None or q.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3)
-                    or not k_optional):
+            if alone is None:  # k is required: the original's error
                 return original(q, k, cos, sin, unsqueeze_dim)
-            one = (q[:, :1] if unsqueeze_dim in (1, -3) else q[:, :, :1]).detach()
-            return apply_rotary_pos_emb(q, one, cos, sin, unsqueeze_dim,
-                                        _original=lambda q_, k_, c, s, d: (original(q_, None, c, s, d), None))[0]
+            if cos is None or sin is None or q.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3):
+                return alone(q, cos, sin, unsqueeze_dim)
+            return apply_rotary_pos_emb(q, _one_head(q, unsqueeze_dim), cos, sin, unsqueeze_dim,
+                                        _original=lambda q_, k_, c, s, d: (alone(q_, c, s, d), None))[0]
         if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
                 or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]
@@ -723,6 +725,9 @@ def rope_function(original):
         return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
     if _rope_single(original):
+        def apply_rotary_pos_emb_one(x, cos, sin, unsqueeze_dim=1):
+            return apply_rotary_pos_emb(x, None, cos, sin, unsqueeze_dim)
+
         apply_rotary_pos_emb_one._tritongrad_original = original
         return marked(apply_rotary_pos_emb_one, "rope")
     apply_rotary_pos_emb._tritongrad_original = original
