@@ -7,6 +7,8 @@ heads, vocab 32000) with ``--layers`` layers, bf16, batch 4 x 2048 tokens; runs 
 for the second, every storage that autograd saved (parameters left out: size, shape, dtype, where it was
 saved), their sum, the memory allocated after the forward and the step's peak (parameter gradients included), both
 above the model and its inputs. Two providers' listings side by side show which op keeps what the other does not.
+``--peaks`` also prints the forward's peak and, for the backward nodes whose run set the step's highest peaks,
+the peak reached while each ran (hooks on every node of the second step's graph).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     p.add_argument("family")
     p.add_argument("provider", choices=("hf", "tritongrad", "liger"))
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--peaks", action="store_true", help="the forward's peak and the backward's, node by node")
     args = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -60,16 +63,49 @@ def main() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(input_ids=ids, labels=ids).loss
         after_forward = torch.cuda.memory_allocated() - base
+        forward_peak = torch.cuda.max_memory_allocated() - base
+        nodes = _hook_nodes(loss.grad_fn, base) if args.peaks else []
         loss.backward()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = max([torch.cuda.max_memory_allocated() - base, forward_peak] + [r[2] for r in nodes])
         model.zero_grad(set_to_none=True)
         del loss
     mib = 2.0**20
     for n, shape, dtype, where in sorted(seen.values(), key=lambda r: r[3]):
         print(f"  {n / mib:9.2f} MiB {str(shape):24s} {dtype:9s} {where}")
+    if args.peaks:
+        print(f"forward peak {forward_peak / mib:.1f} MiB; backward nodes by the peak while each ran:")
+        for name, before, top in sorted(nodes, key=lambda r: -r[2])[:12]:
+            print(f"  {top / mib:9.1f} MiB peak, {before / mib:9.1f} MiB when it began  {name}")
     print(f"{args.family} {args.provider}, {args.layers} layers: saved {sum(r[0] for r in seen.values()) / mib:.1f} MiB "
           f"in {len(seen)} storages; after the forward {after_forward / mib:.1f} MiB, step peak {peak / mib:.1f} MiB")
+
+
+def _hook_nodes(root, base: int) -> list:
+    """Hooks on every autograd node under ``root``; each appends (name, allocated when it began, peak while it
+    ran), both above ``base``, to the list returned, as the backward runs it, and the same for the gap before
+    it. The hooks reset the peak counter."""
+    out, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+        began = {}
+
+        def pre(grads, node=node, began=began):
+            began["at"] = torch.cuda.memory_allocated() - base
+            # since the last node ended: the engine summing gradients that meet, freeing saved tensors
+            out.append((f"(before {node.name()})", began["at"], torch.cuda.max_memory_allocated() - base))
+            torch.cuda.reset_peak_memory_stats()
+
+        def post(grads_in, grads_out, node=node, began=began):
+            out.append((node.name(), began.get("at", 0), torch.cuda.max_memory_allocated() - base))
+
+        node.register_prehook(pre)
+        node.register_hook(post)
+    return out
 
 
 if __name__ == "__main__":

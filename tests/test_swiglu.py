@@ -406,6 +406,46 @@ def test_inplace_backward_reuses_intermediates_and_gives_the_same_gradients(name
         assert torch.equal(a, b)
 
 
+def _fused(dtype=torch.bfloat16, parts=2, order=(0, 1)):
+    """gate and up as a fused MLP makes them: two of the ``parts`` chunks of one projection's output."""
+    x = torch.randn(7, 32, device=DEVICE, dtype=dtype, requires_grad=True)
+    w = torch.randn(32, 300 * parts, device=DEVICE, dtype=dtype, requires_grad=True)
+    base = x @ w
+    chunks = base.chunk(parts, dim=-1)
+    return (x, w), base, chunks[order[0]], chunks[order[1]]
+
+
+@pytest.mark.parametrize("name", list(GATED))
+@pytest.mark.parametrize("layout", ["gate first", "up first", "two of three"])
+def test_inplace_backward_writes_the_halves_of_one_projection_over_it(name, layout):
+    # Phi3's gate_up_proj(x).chunk(2, -1): the projection's output takes both gradients; two chunks of three
+    # do not cover it, so they are left alone.
+    fn = GATED[name][0]
+    parts, order = {"gate first": (2, (0, 1)), "up first": (2, (1, 0)), "two of three": (3, (0, 1))}[layout]
+    dout = torch.randn(7, 300, device=DEVICE, dtype=torch.bfloat16)
+    grads = {}
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        leaves, base, g, u = _fused(parts=parts, order=order)
+        before = base.detach().clone()
+        with KernelSpy(sw_launch._bwd_kernel) as bwd:
+            fn(g, u, inplace_backward=inplace).backward(dout)
+        grads[inplace] = [t.grad for t in leaves]
+        taken = inplace and parts == 2
+        assert (bwd.ptrs[0][3:5] == [g.data_ptr(), u.data_ptr()]) == taken
+        assert torch.equal(base.detach(), before) != taken
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
+def test_inplace_backward_on_halves_bumps_the_projections_version():
+    leaves, base, g, u = _fused(torch.float32)
+    other = base.sin().sum()  # sin saves the projection's output; its backward runs after swiglu's
+    loss = swiglu(g, u, inplace_backward=True).sum() + other
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("case", ["leaf", "view", "same_tensor"])
 def test_inplace_backward_leaves_leaves_views_and_aliases_alone(case):
     torch.manual_seed(0)
@@ -536,6 +576,26 @@ def test_inplace_backward_under_non_reentrant_checkpoint_leaves_other_saved_uses
         t.grad = None
     checkpoint(lambda *ls: _gate_also_saved(ls, _ours(name)), *leaves, use_reentrant=False).backward()
     _assert_grads([t.grad for t in leaves], want, "checkpointed, gate also saved by sin")
+
+
+def _fused_also_saved(leaves, act):
+    # The halves of one projection, whose output sin also saves (its backward runs after the gated op's).
+    x, wg, wu, wd = leaves
+    base = x @ torch.cat((wg, wu), 1)
+    g, u = base.chunk(2, -1)
+    return (((base.sin()[:, :40] + act(g, u)) @ wd) ** 2).sum()
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_on_halves_under_non_reentrant_checkpoint_leaves_other_saved_uses_intact(name):
+    from torch.utils.checkpoint import checkpoint
+
+    leaves = _mlp()
+    want = _want(name, leaves, _fused_also_saved)
+    for t in leaves:
+        t.grad = None
+    checkpoint(lambda *ls: _fused_also_saved(ls, _ours(name)), *leaves, use_reentrant=False).backward()
+    _assert_grads([t.grad for t in leaves], want, "checkpointed, the projection also saved by sin")
 
 
 def test_inplace_backward_under_reentrant_checkpoint_refuses_other_saved_uses():

@@ -409,10 +409,11 @@ FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))",
 def _fused_gated_forward(self, x):
     kind = getattr(self, GATE_ATTR, None)  # set by patch on each instance it replaced
     if kind in ("silu", "tanh", "none"):
-        # The halves are views of one projection (not reusable in place); the chunk's backward writes one
-        # [..., 2I] gradient from the two.
+        # The halves of the projection's output feed the gate alone: that output takes their gradients, which
+        # the chunk's backward then concatenates.
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        y = tritongrad.swiglu(gate, up) if kind == "silu" else tritongrad.geglu(gate, up, approximate=kind)
+        y = (tritongrad.swiglu(gate, up, inplace_backward=True) if kind == "silu"
+             else tritongrad.geglu(gate, up, approximate=kind, inplace_backward=True))
         return self.down_proj(y)
     return original_forward_of(type(self))(self, x)
 

@@ -167,8 +167,8 @@ def _gated_bwd_kernel(
     g_ptr,
     u_ptr,  # read only when HAS_DG
     dout_ptr,
-    dg_ptr,  # [N, D], contiguous; written when HAS_DG
-    du_ptr,  # [N, D], contiguous; written when HAS_DU
+    dg_ptr,  # [N, D], unit column stride; written when HAS_DG
+    du_ptr,  # [N, D], unit column stride; written when HAS_DU
     N,
     D,
     stride_g_row,
@@ -177,6 +177,8 @@ def _gated_bwd_kernel(
     stride_u_col,
     stride_dout_row,  # 0 for an expanded dout (out.sum().backward())
     stride_dout_col,
+    stride_dg_row,  # D, or 2 D where the gradients go over the halves of one fused projection
+    stride_du_row,
     D_BLOCKS,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -190,6 +192,8 @@ def _gated_bwd_kernel(
     stride_g_row = aligned(stride_g_row, ALIGN)
     stride_u_row = aligned(stride_u_row, ALIGN)
     stride_dout_row = aligned(stride_dout_row, ALIGN)
+    stride_dg_row = aligned(stride_dg_row, ALIGN)
+    stride_du_row = aligned(stride_du_row, ALIGN)
     o_n, o_d, mask = _tile(tl.program_id(0), N, D, D_BLOCKS, BLOCK_N, BLOCK_D)
     b_g = tl.load(g_ptr + o_n * stride_g_row + o_d * stride_g_col, mask=mask, other=0.0).to(ACC)
     b_dout = tl.load(dout_ptr + o_n * stride_dout_row + o_d * stride_dout_col, mask=mask, other=0.0).to(ACC)
@@ -198,7 +202,7 @@ def _gated_bwd_kernel(
     # act'(g) is dead code where only du is asked for: the compiler drops it.
     b_a, b_da = _act_and_grad(b_g, ACT)
     if HAS_DU:
-        tl.store(du_ptr + o_n * D + o_d, round_to(b_dout * b_a, du_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + o_n * stride_du_row + o_d, round_to(b_dout * b_a, du_ptr.dtype.element_ty), mask=mask)
     if HAS_DG:
         b_dg = b_dout * b_u * b_da
-        tl.store(dg_ptr + o_n * D + o_d, round_to(b_dg, dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + o_n * stride_dg_row + o_d, round_to(b_dg, dg_ptr.dtype.element_ty), mask=mask)

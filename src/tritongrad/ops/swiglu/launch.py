@@ -115,15 +115,16 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
     need_g, need_u = ctx.needs_input_grad[:2]
     # In place only where nothing can read gate or up again (_reusable); the graph check once per backward.
     reuse = ctx.inplace_backward and (need_g or need_u) and ctx.eager and not _graph_kept()
-    reuse_g = reuse and need_g and _reusable(gate, up, grad_out)
-    reuse_u = reuse and need_u and _reusable(up, gate, grad_out)
+    halves = reuse and _halves_reusable(gate, up, grad_out)
+    reuse_g = reuse and need_g and (halves or _reusable(gate, up, grad_out))
+    reuse_u = reuse and need_u and (halves or _reusable(up, gate, grad_out))
     dg = (gate.detach() if reuse_g else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)) if need_g else None
     du = (up.detach() if reuse_u else torch.empty(up.shape, dtype=up.dtype, device=up.device)) if need_u else None
     if gate.numel() == 0 or not (need_g or need_u):
         return dg, du
     key = None if type(gate) not in rt.PLAIN_TENSORS else (
         "bwd", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, grad_out.stride(), grad_out.dtype,
-        gate.device, need_g, need_u, act, P.table())
+        gate.device, dg is not None and dg.stride(), du is not None and du.stride(), act, P.table())
     _launch(key, functools.partial(_bind_backward, act), (gate, up, grad_out, dg, du))
     for t_, reused in ((gate, reuse_g), (up, reuse_u)):
         if reused:  # a later unpack of it elsewhere raises rather than reading the gradient
@@ -140,9 +141,11 @@ def _bind_backward(act: int, g2, u2, do2, dg, du) -> rt.Bound:
         (rt.cdiv(N, t.BLOCK_N) * d_blocks,),
         g2, u_ptr=u2, dout_ptr=do2, dg_ptr=dg, du_ptr=du, N=N, D=D, stride_g_row=g2.stride(0),
         stride_g_col=g2.stride(1), stride_u_row=u2.stride(0), stride_u_col=u2.stride(1),
-        stride_dout_row=do2.stride(0), stride_dout_col=do2.stride(1), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DG=dg is not None, HAS_DU=du is not None, ACT=act,
+        stride_dout_row=do2.stride(0), stride_dout_col=do2.stride(1),
+        stride_dg_row=D if dg is None else dg.stride(0), stride_du_row=D if du is None else du.stride(0), D_BLOCKS=d_blocks, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DG=dg is not None, HAS_DU=du is not None, ACT=act,
         ACC=rt.tl_acc_dtype(torch.promote_types(g2.dtype, u2.dtype)),
-        ALIGN=rt.align(D, int(g2.stride(0)), int(u2.stride(0)), int(do2.stride(0))), num_warps=t.num_warps,
+        ALIGN=rt.align(D, *(int(t_.stride(0)) for t_ in (g2, u2, do2, dg, du) if t_ is not None)),
+        num_warps=t.num_warps,
     )
 
 
@@ -173,6 +176,28 @@ def _reusable(t: torch.Tensor, *others: torch.Tensor) -> bool:
     return all(o.untyped_storage().data_ptr() != mine for o in others)
 
 
+def _halves_reusable(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """gate and up are the two halves of one projection's output (``proj(x).chunk(2, -1)``) and that output
+    may take their gradients (``inplace_backward``; the caller checks the graph): each half is the tensor the
+    forward received, without tensor hooks or retain_grad; their base is an intermediate result, contiguous,
+    without hooks or retain_grad, that they cover exactly and grad_out does not share. They share
+    its version counter, so any other use of it saved for backward raises instead of reading the gradient."""
+    base = gate._base
+    if base is None or up._base is not base or base.grad_fn is None or base._base is not None:
+        return False
+    for t in (gate, up):
+        r = _RECEIVED.get(id(t))
+        if r is None or r() is not t or t._backward_hooks or t.retains_grad:
+            return False
+    D = gate.shape[-1]
+    if not base.is_contiguous() or base._backward_hooks or base.retains_grad or base.shape[:-1] != gate.shape[:-1] \
+            or base.shape[-1] != 2 * D or gate.stride() != base.stride() or up.stride() != base.stride():
+        return False
+    if sorted((gate.storage_offset(), up.storage_offset())) != [base.storage_offset(), base.storage_offset() + D]:
+        return False
+    return grad_out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
 @op("tritongrad::swiglu", reference=swiglu_reference, validate=_validate)
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """SwiGLU's gated product ``silu(gate) * up`` (``F.silu(gate) * up``) with Triton kernels for forward
@@ -190,16 +215,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
             (not ``retain_graph=True``), for an input that is the very tensor the forward received (not one
             handed back by saved-tensor hooks, as non-reentrant checkpointing and offloading do), an
             intermediate result (not a leaf, not a view), contiguous, without tensor hooks or
-            ``retain_grad``, sharing no storage with the other input or the incoming gradient. Otherwise the
-            backward allocates, as without the option. Its version counter is bumped, so any other use of it
-            saved for backward raises instead of reading the gradient. Compiled code plans its own buffers
-            instead.
+            ``retain_grad``, sharing no storage with the other input or the incoming gradient; or gate and up
+            are the two halves of one such result (``proj(x).chunk(2, -1)``), which then takes both
+            gradients. Otherwise the backward allocates, as without the option. Its version counter is
+            bumped, so any other use of it saved for backward raises instead of reading the gradient.
+            Compiled code plans its own buffers instead.
 
     Returns:
         out: gate's shape, contiguous, in ``torch.promote_types(gate.dtype, up.dtype)``. Computed in
         float32 (float64 when an input is float64) and rounded once. Differentiable in gate and up; each
-        gradient comes back contiguous in its input's dtype. Inputs are never written unless
-        ``inplace_backward``.
+        gradient comes back in its input's dtype, contiguous, or in its input's layout where written over
+        it. Inputs are never written unless ``inplace_backward``.
     """
     return _forward(gate, up, kernels.SILU, inplace_backward)
 
