@@ -136,6 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tg-lce-chunk-mib", type=float, default=None,
                    help="linear_cross_entropy's chunk budget in MiB of logits for tritongrad's runs (default: the "
                         "table's); what a smaller chunk saves in peak memory and costs in time")
+    p.add_argument("--tg-lce-rows", type=int, default=None,
+                   help="linear_cross_entropy's fewest rows per chunk for tritongrad's runs (default: the table's "
+                        "LCE_EFFICIENT_ROWS); what fewer, larger chunks save in host time and cost in peak memory")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N steps with torch.profiler: runs/<run>-profile.txt, device time per op")
     p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
@@ -345,12 +348,17 @@ def apply_provider(provider: str, args, stage: str, model=None) -> dict:
                     if op in TG_OPS and op not in accepted]
         ops = {op: op in wanted and not any(m.startswith(op + " ") for m in missing)
                for op in TG_OPS if op in accepted}
-        if args.tg_lce_chunk_mib is not None:  # this worker process runs this run alone: set, not scoped
+        if args.tg_lce_chunk_mib is not None or args.tg_lce_rows is not None:
+            # this worker process runs this run alone: set, not scoped
             from tritongrad.ops.cross_entropy import plans as ce_plans
 
-            ce_plans._table.value = dataclasses.replace(ce_plans.TABLE,
-                                                        LCE_CHUNK_BYTES=int(args.tg_lce_chunk_mib * 2**20))
-            info["lce_chunk_bytes"] = ce_plans.table().LCE_CHUNK_BYTES
+            t = ce_plans.TABLE
+            if args.tg_lce_chunk_mib is not None:
+                t = dataclasses.replace(t, LCE_CHUNK_BYTES=int(args.tg_lce_chunk_mib * 2**20))
+            if args.tg_lce_rows is not None:
+                t = dataclasses.replace(t, LCE_EFFICIENT_ROWS=args.tg_lce_rows)
+            ce_plans._table.value = t
+            info["lce_chunk_bytes"], info["lce_rows"] = t.LCE_CHUNK_BYTES, t.LCE_EFFICIENT_ROWS
         report = tritongrad.patch(model, layer_norm=False, strict=True, **ops)
         info.update(tritongrad_ops=[op for op, on in ops.items() if on], tritongrad_missing=missing,
                     patch_report=str(report).splitlines())
