@@ -3,12 +3,12 @@
     python benchmarks/saved_bytes.py FAMILY PROVIDER [--layers 2]      # PROVIDER: hf, tritongrad, liger
 
 Builds FAMILY at the training benchmark's ``300m`` widths (hidden 1536, intermediate 4096, 12 heads, 4 KV
-heads, vocab 32000) with ``--layers`` layers, bf16, batch 4 x 2048 tokens; runs two training steps and prints,
+heads, vocab 32000) with ``--layers`` layers, bf16, batch 4 x 2048 tokens; runs three training steps and prints,
 for the second, every storage that autograd saved (parameters left out: size, shape, dtype, where it was
-saved), their sum, the memory allocated after the forward and the step's peak (parameter gradients included), both
-above the model and its inputs. Two providers' listings side by side show which op keeps what the other does not.
-``--peaks`` also prints the forward's peak and, for the backward nodes whose run set the step's highest peaks,
-the peak reached while each ran (hooks on every node of the second step's graph).
+saved), their sum, and for the third (no saved-tensor hooks) the memory allocated after the forward and the
+step's peak (parameter gradients included), both above the model and its inputs. Two providers' listings side
+by side show which op keeps what the other does not. ``--peaks`` also prints the third step's forward peak and,
+for the backward nodes whose run set its highest peaks, the peak reached while each ran (hooks on its nodes).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import traceback
+from contextlib import nullcontext
 
 import torch
 
@@ -55,21 +56,28 @@ def main() -> None:
             seen[st.data_ptr()] = (st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."), where)
         return t
 
-    for _ in range(2):  # the first step warms up (kernels compiled, the allocator's cache); the second counts
+    # The first step warms up (kernels compiled, the allocator's cache); the second lists what is saved; the
+    # third measures, without saved-tensor hooks: under them a tensor unpacked may not be the one saved, and
+    # an op that writes a gradient over its own input (swiglu's inplace_backward) then allocates instead.
+    for step in ("warm-up", "listing", "peaks"):
         seen.clear()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if step == "listing" else nullcontext()
+        with hooks:
             loss = model(input_ids=ids, labels=ids).loss
+        if step == "listing":
+            listed = dict(seen)
         after_forward = torch.cuda.memory_allocated() - base
         forward_peak = torch.cuda.max_memory_allocated() - base
-        nodes = _hook_nodes(loss.grad_fn, base) if args.peaks else []
+        nodes = _hook_nodes(loss.grad_fn, base) if args.peaks and step == "peaks" else []
         loss.backward()
         torch.cuda.synchronize()
         peak = max([torch.cuda.max_memory_allocated() - base, forward_peak] + [r[2] for r in nodes])
         model.zero_grad(set_to_none=True)
         del loss
+    seen = listed
     mib = 2.0**20
     for n, shape, dtype, where in sorted(seen.values(), key=lambda r: r[3]):
         print(f"  {n / mib:9.2f} MiB {str(shape):24s} {dtype:9s} {where}")
