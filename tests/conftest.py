@@ -1,7 +1,21 @@
 """Shared by every test module. Without a GPU the Triton kernels run in Triton's interpreter, a choice Triton
 reads once, when it is imported: ``use_interpreter()`` comes first, before anything imports tritongrad's ops."""
 
-from tritongrad.testing import default_device, use_interpreter
+import os
+import sys
+
+# Bytecode, where the environment says not to write it (PYTHONDONTWRITEBYTECODE): every process the suite
+# starts (the workers, the subprocesses of the model matrix and the examples) would compile torch's and
+# transformers' modules from source again. They go to one cache in .pytest_cache instead, compiled once per
+# checkout and never beside the sources (docs/measuring.md#the-test-suite). Before anything imports torch.
+if sys.dont_write_bytecode:
+    sys.pycache_prefix = sys.pycache_prefix or os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), ".pytest_cache", "pycache")
+    sys.dont_write_bytecode = False
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from tritongrad.testing import default_device, use_interpreter  # noqa: E402
 
 use_interpreter()
 
@@ -9,9 +23,7 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import fnmatch  # noqa: E402
 import importlib.util  # noqa: E402
-import os  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
