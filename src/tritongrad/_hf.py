@@ -448,10 +448,11 @@ def experts_why_not(m: torch.nn.Module, base: type) -> str | None:
 def _experts_gate(self, gate_up_out):
     gate, up = gate_up_out.chunk(2, dim=-1)
     kind = getattr(self, GATE_ATTR, None)
+    # The experts' [gate; up] product feeds the gate alone: it takes the halves' gradients (as the fused MLP).
     if kind == "silu":
-        return tritongrad.swiglu(gate, up)
+        return tritongrad.swiglu(gate, up, inplace_backward=True)
     if kind in ("tanh", "none"):
-        return tritongrad.geglu(gate, up, approximate=kind)
+        return tritongrad.geglu(gate, up, approximate=kind, inplace_backward=True)
     return self.act_fn(gate) * up
 
 
