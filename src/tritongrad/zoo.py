@@ -356,23 +356,23 @@ def _generate(model, batch):
 
 def _check_fns(batch, compiled: bool) -> dict:
     """The checks, by name: each a function of the model returning tensors to compare."""
+    steps = {}  # one training step per model gives both its loss and its gradients (the model held: its id)
+
+    def step(m):
+        if id(m) not in steps:
+            steps.clear()
+            steps[id(m)] = (m, _step(m, batch, compiled))
+        return steps[id(m)][1]
+
     if compiled:
-        steps = {}  # one compiled step per model gives both its loss and its gradients
-
-        def step(m):
-            if id(m) not in steps:
-                steps.clear()
-                steps[id(m)] = (m, _step(m, batch, True))
-            return steps[id(m)][1]
-
         return {"loss": lambda m: step(m)[0], "grads": lambda m: step(m)[1]}
     ids = batch["input_ids"]
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     return {
-        "loss": lambda m: _step(m, batch, False)[0],
-        "grads": lambda m: _step(m, batch, False)[1],
+        "loss": lambda m: step(m)[0],
+        "grads": lambda m: step(m)[1],
         "logits": lambda m: _logits(m, batch),
         "logits, padding mask": lambda m: _logits(m, batch, attention_mask=mask),
         "logits, position_ids": lambda m: _logits(m, batch, position_ids=pos),
