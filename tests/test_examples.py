@@ -108,16 +108,20 @@ def test_bench_refuses_what_cannot_be_loaded(capsys, monkeypatch):
 
 
 def test_examples_run_as_scripts():
-    """``python examples/<name>.py`` (in the interpreter without a GPU) prints its op's node and errors."""
+    """``python examples/<name>.py`` (in the interpreter without a GPU) prints its op's node and its errors
+    against the reference, each under 1e-5."""
+    import re
     import subprocess
 
-    for name in ("softcap", "weighted_sum"):
+    for name, node, n_errors in (("softcap", "SoftcapBackward", 2), ("weighted_sum", "WeightedSumBackward", 3)):
         # PYTHONPATH: tritongrad from src/ where it is not installed; the interpreter where there is no GPU
         env = {"PATH": "/usr/bin:/bin", **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ},
                **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})}
         out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py")], capture_output=True, text=True,
                              env=env, timeout=300, cwd=ROOT)
-        assert out.returncode == 0 and "Backward object" in out.stdout, out.stderr[-2000:]
+        assert out.returncode == 0 and f"{node} object" in out.stdout, out.stderr[-2000:]
+        errors = [float(v) for v in re.findall(r"= ([0-9.e+-]+)$", out.stdout, re.M)]
+        assert len(errors) == n_errors and max(errors) < 1e-5, out.stdout
 
 
 @pytest.mark.gpu
