@@ -122,7 +122,12 @@ FAMILY_CONFIG: dict[str, dict] = {
     **{f: dict(text_config=dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=256),
                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16))
-       for f in ("gemma4", "gemma4_unified", "gemma4_unified_assistant")},
+       for f in ("gemma4", "gemma4_unified_assistant")},
+    # Gemma 4 unified's encoder-free vision embedder: merged patches of 2x2 pixels into 32 features.
+    "gemma4_unified": dict(text_config=dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=256),
+                           vision_config=dict(patch_size=2, pooling_kernel_size=2, mm_embed_dim=32,
+                                              mm_posemb_size=16, output_proj_dims=32),
+                           audio_config=dict(audio_embed_dim=16)),
     "xmod": dict(default_language="en_XX"),
     "musicgen": dict(num_codebooks=1),
     "musicgen_melody": dict(num_codebooks=1),
@@ -146,25 +151,37 @@ FAMILY_CONFIG: dict[str, dict] = {
                                                       encoder_attention_heads=2)),
     "roc_bert": dict(shape_vocab_size=64, pronunciation_vocab_size=64, shape_embed_dim=16,
                      pronunciation_embed_dim=16),
+    "phi4_multimodal": dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, crop_size=28, patch_size=14),
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                          ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32)),
+    # The byte latent transformer: its entropy patcher, local encoder and decoder and global transformer, each
+    # a small model of its own, and hash embeddings of two n-gram sizes.
+    "blt": dict(encoder_hash_byte_group_vocab=256, encoder_hash_byte_group_size=[3, 4],
+                patcher_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2, intermediate_size=64, head_dim=16),
+                encoder_config=dict(hidden_size=32, hidden_size_global=64, num_attention_heads=2,
+                                    num_key_value_heads=2, num_hidden_layers=1, intermediate_size=64),
+                decoder_config=dict(hidden_size=32, hidden_size_global=64, num_attention_heads=2,
+                                    num_key_value_heads=2, num_hidden_layers=1, intermediate_size=64, head_dim=16),
+                global_config=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                                   intermediate_size=128, head_dim=16)),
 }
 
 # Per family: why the matrix cannot check it, where no tiny config of the kind above makes it build and train
 # unpatched on CPU. Appended to its error.
 FAMILY_NOTE: dict[str, str] = {
-    "blt": "the byte latent transformer's hash-embedding, local encoder/decoder and global sub-configs are not "
-           "shrunk by these values",
     "gemma3n": "its vision tower is a TimmWrapperModel, which needs the timm package",
     "gemma4_assistant": "an assistant (drafter) model: its forward takes the target model's inputs_embeds and "
                         "shared_kv_states, which a text batch does not have",
     "gemma4_unified_assistant": "an assistant (drafter) model: its forward takes the target model's "
                                 "inputs_embeds and shared_kv_states, which a text batch does not have",
-    "gemma4_unified": "its vision embedder (patch_dense, pos_embedding) is not shrunk by these values",
     "git": "its causal LM needs pixel values (image tokens prefix the text): a text batch does not fit",
     "musicgen": "its causal LM takes input_ids per codebook and labels [batch, length, codebooks]: a text batch "
                 "does not fit",
     "musicgen_melody": "its causal LM takes input_ids per codebook and labels [batch, length, codebooks]: a text "
                        "batch does not fit",
-    "phi4_multimodal": "its vision and audio towers are not shrunk by these values",
 }
 
 
