@@ -256,7 +256,8 @@ def _deepseek_interleave_with_full_tables(q, k, cos, sin, position_ids=None, uns
 
 @pytest.mark.parametrize("family, kind", [("helium", "glm_full"), ("ernie4_5", "glm_full"), ("nanochat", "flipped"),
                                           ("gpt_oss", "half"), ("gemma4", "llama"), ("gptj", "gptj"),
-                                          ("deepseek_v3", "deinterleave_half"), ("before 5.25", "deinterleave")])
+                                          ("deepseek_v3", "deinterleave_half"), ("before 5.25", "deinterleave"),
+                                          ("deepseek_v4", "trailing_pairs")])
 def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind):
     """The family's own apply_rotary_pos_emb is recognised as ``kind`` on probes, and its replacement, which
     runs the rope kernel on rewritten tables, equals it: in float32, both layouts (heads before or after the
@@ -264,7 +265,8 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
     exact result. A
     table width the kind was not established for goes to the family's own function. Gemma 4's takes one
     tensor, q and k in two calls; GPT-J's one tensor [B, T, H, R] and per-pair tables, as (tensor, sin, cos);
-    DeepSeek's interleaved one takes position_ids before unsqueeze_dim."""
+    DeepSeek's interleaved one takes position_ids before unsqueeze_dim; DeepSeek-V4's rotates pairs over the
+    head's last features (here half of them), one tensor at a time."""
     import torch
 
     from tritongrad import _hf
@@ -290,7 +292,7 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
         replaced = lambda q, k, c, s, d: (one_replaced(q, s, c), one_replaced(k, s, c))  # noqa: E731
     g = torch.Generator().manual_seed(0)
     D = 16
-    R = D // 2 if kind in ("half", "gptj") else D
+    R = D // 2 if kind in ("half", "gptj") else D // 4 if kind == "trailing_pairs" else D
     for dim in (2,) if kind == "gptj" else (1, 2):
         shape_q, shape_k = ((2, 4, 5, D), (2, 2, 5, D)) if dim == 1 else ((2, 5, 4, D), (2, 5, 2, D))
         q, k = (_on_device(torch.randn(*shape, generator=g, dtype=torch.float64), True)

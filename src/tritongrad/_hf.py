@@ -486,7 +486,9 @@ def _rope_formula(kind: str, x, cos, sin):
     the same, the tables being ``freqs_cis``'s real and imaginary parts, in the two layouts);
     ``deinterleave`` (DeepSeek's ``apply_rotary_pos_emb_interleave``: the head's features reordered evens first,
     then odds, then Llama's, over the whole head; ``deinterleave_half``: the same with the tables' first half
-    for both halves, as transformers 5.25 computes it, on the even and odd features directly)."""
+    for both halves, as transformers 5.25 computes it, on the even and odd features directly);
+    ``trailing_pairs`` (DeepSeek-V4's: one table entry per feature pair, repeat-interleaved, pairs rotated over
+    the head's last ``2 cos.shape[-1]`` features, the leading ones passed)."""
     if kind == "deinterleave_half":
         half = cos.shape[-1] // 2
         cos, sin = torch.cat((cos[..., :half],) * 2, -1), torch.cat((sin[..., :half],) * 2, -1)
@@ -495,8 +497,12 @@ def _rope_formula(kind: str, x, cos, sin):
     if kind in ("complex_bhtd", "complex_bthd"):  # PyTorch's complex product, in float32, rounded once
         z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
         return torch.view_as_real(z * torch.complex(cos.float(), sin.float())).flatten(-2).to(x.dtype)
-    if kind == "gptj":
+    if kind in ("gptj", "trailing_pairs"):
         cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    if kind == "trailing_pairs":  # the last 2 cos.shape[-1] features rotate, in pairs; the leading ones pass
+        r = cos.shape[-1]
+        rest, rot = x[..., :x.shape[-1] - r], x[..., x.shape[-1] - r:]
+        return torch.cat((rest, rot * cos + _rotate_pairs(rot) * sin), dim=-1)
     if kind == "half":
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     if kind in ("glm", "glm_full"):
@@ -530,7 +536,10 @@ ROPE_DETAIL = {"llama": "rotate_half over the whole head (Llama)",
                                "output reordered",
                "deinterleave_half": "DeepSeek's apply_rotary_pos_emb_interleave on the even and odd features with "
                                     "the tables' first half: the kernel's pairs with that half repeat-interleaved, "
-                                    "its output reordered"}
+                                    "its output reordered",
+               "trailing_pairs": "one table entry per feature pair, pairs rotated over the head's last 2 "
+                                 "cos.shape[-1] features, the leading ones passed (DeepSeek-V4): the kernel on "
+                                 "that slice"}
 # Kinds established for one width of cos/sin only: the whole head (or, for "half", half of it).
 _FULL_WIDTH = ("llama", "interleaved", "glm_full", "flipped", "deinterleave", "deinterleave_half")
 
@@ -608,7 +617,7 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
     if kind is None:
         return None, ("apply_rotary_pos_emb computes none of the known rotary embeddings (Llama's rotate_half, "
                       "partial rotary, GLM's or Cohere's interleaved pairs, NanoChat's flipped signs, gpt-oss's "
-                      "half-width tables)")
+                      "half-width tables, DeepSeek-V4's pairs over the head's last features)")
     if params[0].name == "q" and params[1].default is None:
         # k=None rotates q alone (Qwen4-exp's indexer calls it so): established as well, or not replaced.
         alone = lambda q, k, cos, sin, dim: (fn(q, None, cos, sin, dim), fn(k, None, cos, sin, dim))  # noqa: E731
@@ -626,6 +635,8 @@ def _pair_kind(fn) -> str | None:
     for kind, width in (("interleaved", 8), ("flipped", 8), ("half", 4)):
         if _rope_matches(fn, kind, width):
             return kind
+    if _rope_matches(fn, "trailing_pairs", 2) and _rope_matches(fn, "trailing_pairs", 4):  # part, whole head
+        return "trailing_pairs"
     return None
 
 
@@ -713,8 +724,16 @@ def rope_function(original):
         if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
                 or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]
-                or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]):
+                or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]
+                or kind == "trailing_pairs" and (2 * cos.shape[-1] > q.shape[-1] or q.shape[-1] != k.shape[-1])):
             return _original(q, k, cos, sin, unsqueeze_dim)
+        if kind == "trailing_pairs":  # the kernel on the last r features, read in place; the leading ones pass
+            r = 2 * cos.shape[-1]
+            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+            D = q.shape[-1]
+            q_rot, k_rot = tritongrad.apply_rotary_pos_emb(q[..., D - r:], k[..., D - r:], cos, sin, unsqueeze_dim,
+                                                           interleaved=True)
+            return torch.cat((q[..., :D - r], q_rot), -1), torch.cat((k[..., :D - r], k_rot), -1)
         if kind == "half":
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
         elif kind == "flipped":
