@@ -53,7 +53,8 @@ saturates the same way (s = 0 or 1), and erf to -1 or 1. Like PyTorch's, GELU's 
 where g^2 itself overflows (|g| > 1.8e19 in float32).
 
 Inputs are read in place through both strides (row and column), so the two halves of one fused
-``[..., 2I]`` projection need no copy; outputs and gradients are contiguous. Programs cover
+``[..., 2I]`` projection need no copy; outputs are contiguous, and so are gradients, except where the
+launcher has them written over those two halves (with the projection's row stride). Programs cover
 [BLOCK_N, BLOCK_D] tiles on a 1-D grid, the column block fastest, so that neighbouring programs read
 neighbouring memory.
 """
