@@ -51,13 +51,21 @@ def _ce_calls(dtype, N, C, padded: int = 0):
             cross_entropy(x, t, **kw)  # no gradient
 
 
-def _lce_calls(dtype, N, H, V, bias: bool):
+def _lce_calls(dtype, N, H, V, bias: bool, recompute: bool):
+    """The linear op's launches; ``recompute``: a forward that computes no gradient (the registered op called
+    with ``grads=None``), so that the backward recomputes the logits with a scalar upstream gradient. (Forced
+    GONE buffers no longer reach that path: a forward that computed every gradient keeps no hidden states.)"""
     h = torch.randn(N, H, dtype=torch.float32).to(dtype).requires_grad_()
     W = (torch.randn(V, H, dtype=torch.float32) / H**0.5).to(dtype).requires_grad_()
     b = torch.randn(V, dtype=torch.float32).to(dtype).requires_grad_() if bias else None
     t = torch.randint(0, V, (N,))
     for kw in ({}, {"label_smoothing": 0.1, "logit_softcap": 30.0, "z_loss": 1e-4}, {"reduction": "none"}):
-        loss = linear_cross_entropy(h, W, t, b, **kw)
+        if recompute:
+            kw = {"reduction": "mean", "label_smoothing": 0.0, "logit_softcap": None, "z_loss": 0.0, **kw}
+            loss = launch.linear_cross_entropy_op(h, W, t, b, -100, kw["reduction"], kw["label_smoothing"],
+                                                  kw["logit_softcap"], kw["z_loss"], None, None, 1.0, False)
+        else:
+            loss = linear_cross_entropy(h, W, t, b, **kw)
         loss.backward(torch.full_like(loss, 0.5))  # an upstream gradient != 1: the scale kernel works
 
 
@@ -79,7 +87,7 @@ def main() -> int:
             _ce_calls(dtype, N, C, padded)
         # The linear op's chunks at the target vocabulary (the hidden size does not change the loss kernels).
         for dtype, bias in ((bf, False), (bf, True), (f32, False)):
-            _lce_calls(dtype, 96, 32, 128256, bias)
+            _lce_calls(dtype, 96, 32, 128256, bias, recompute=take is launch.Buffers.GONE)
     return compiler.report()
 
 
