@@ -578,6 +578,25 @@ def test_inplace_backward_under_non_reentrant_checkpoint_leaves_other_saved_uses
     _assert_grads([t.grad for t in leaves], want, "checkpointed, gate also saved by sin")
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("name", list(GATED))
+def test_inplace_backward_on_halves_under_activation_checkpointing(name, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    leaves = _mlp()
+
+    def fused(leaves, act):
+        return ((act(*(leaves[0] @ torch.cat((leaves[1], leaves[2]), 1)).chunk(2, -1)) @ leaves[3]) ** 2).sum()
+
+    want = _want(name, leaves, fused)
+    loss = checkpoint(lambda *ls: fused(ls, _ours(name)), *leaves, use_reentrant=reentrant)
+    loss.backward(retain_graph=True)  # recomputed each time: the second backward recomputes the projection
+    first = [t.grad.clone() for t in leaves]
+    loss.backward()
+    _assert_grads(first, want, "checkpointed backward")
+    _assert_grads([t.grad for t in leaves], [2 * w for w in want], "second checkpointed backward")
+
+
 def _fused_also_saved(leaves, act):
     # The halves of one projection, whose output sin also saves (its backward runs after the gated op's).
     x, wg, wu, wd = leaves
