@@ -536,20 +536,21 @@ def test_inplace_backward_autograd_grad_with_retain_graph_is_bitwise_repeatable(
     assert written == [False, False, False, True], written
 
 
+def _fused_mlp_loss(leaves, act):
+    # _mlp_loss's MLP with gate and up the halves of one projection (Phi3's gate_up_proj(x).chunk(2, -1)).
+    x, wg, wu, wd = leaves
+    return ((act(*(x @ torch.cat((wg, wu), 1)).chunk(2, -1)) @ wd) ** 2).sum()
+
+
+@pytest.mark.parametrize("loss_fn", [_mlp_loss, _fused_mlp_loss], ids=["two projections", "halves of one"])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("name", list(GATED))
-def test_inplace_backward_under_activation_checkpointing(name, reentrant):
+def test_inplace_backward_under_activation_checkpointing(name, reentrant, loss_fn):
     from torch.utils.checkpoint import checkpoint
 
     leaves = _mlp()
-    want = _want(name, leaves)
-    x, wg, wu, wd = leaves
-    act = _ours(name)
-
-    def block(x):
-        return act(x @ wg, x @ wu) @ wd
-
-    loss = (checkpoint(block, x, use_reentrant=reentrant) ** 2).sum()
+    want = _want(name, leaves, loss_fn)
+    loss = checkpoint(lambda *ls: loss_fn(ls, _ours(name)), *leaves, use_reentrant=reentrant)
     loss.backward(retain_graph=True)  # recomputed each time: the second backward recomputes gate and up
     first = [t.grad.clone() for t in leaves]
     loss.backward()
@@ -564,39 +565,6 @@ def _gate_also_saved(leaves, act):
     return (((g.sin() + act(g, u)) @ wd) ** 2).sum()
 
 
-@pytest.mark.parametrize("name", list(GATED))
-def test_inplace_backward_under_non_reentrant_checkpoint_leaves_other_saved_uses_intact(name):
-    # Recomputed tensors come back through saved-tensor hooks, which skip the version check: written in place,
-    # sin's backward read the gradient, silently.
-    from torch.utils.checkpoint import checkpoint
-
-    leaves = _mlp()
-    want = _want(name, leaves, _gate_also_saved)
-    for t in leaves:
-        t.grad = None
-    checkpoint(lambda *ls: _gate_also_saved(ls, _ours(name)), *leaves, use_reentrant=False).backward()
-    _assert_grads([t.grad for t in leaves], want, "checkpointed, gate also saved by sin")
-
-
-@pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("name", list(GATED))
-def test_inplace_backward_on_halves_under_activation_checkpointing(name, reentrant):
-    from torch.utils.checkpoint import checkpoint
-
-    leaves = _mlp()
-
-    def fused(leaves, act):
-        return ((act(*(leaves[0] @ torch.cat((leaves[1], leaves[2]), 1)).chunk(2, -1)) @ leaves[3]) ** 2).sum()
-
-    want = _want(name, leaves, fused)
-    loss = checkpoint(lambda *ls: fused(ls, _ours(name)), *leaves, use_reentrant=reentrant)
-    loss.backward(retain_graph=True)  # recomputed each time: the second backward recomputes the projection
-    first = [t.grad.clone() for t in leaves]
-    loss.backward()
-    _assert_grads(first, want, "checkpointed backward")
-    _assert_grads([t.grad for t in leaves], [2 * w for w in want], "second checkpointed backward")
-
-
 def _fused_also_saved(leaves, act):
     # The halves of one projection, whose output sin also saves (its backward runs after the gated op's).
     x, wg, wu, wd = leaves
@@ -605,16 +573,19 @@ def _fused_also_saved(leaves, act):
     return (((base.sin()[:, :40] + act(g, u)) @ wd) ** 2).sum()
 
 
+@pytest.mark.parametrize("loss_fn", [_gate_also_saved, _fused_also_saved], ids=["two projections", "halves of one"])
 @pytest.mark.parametrize("name", list(GATED))
-def test_inplace_backward_on_halves_under_non_reentrant_checkpoint_leaves_other_saved_uses_intact(name):
+def test_inplace_backward_under_non_reentrant_checkpoint_leaves_other_saved_uses_intact(name, loss_fn):
+    # Recomputed tensors come back through saved-tensor hooks, which skip the version check: written in place,
+    # sin's backward read the gradient, silently.
     from torch.utils.checkpoint import checkpoint
 
     leaves = _mlp()
-    want = _want(name, leaves, _fused_also_saved)
+    want = _want(name, leaves, loss_fn)
     for t in leaves:
         t.grad = None
-    checkpoint(lambda *ls: _fused_also_saved(ls, _ours(name)), *leaves, use_reentrant=False).backward()
-    _assert_grads([t.grad for t in leaves], want, "checkpointed, the projection also saved by sin")
+    checkpoint(lambda *ls: loss_fn(ls, _ours(name)), *leaves, use_reentrant=False).backward()
+    _assert_grads([t.grad for t in leaves], want, "checkpointed, gate or projection also saved by sin")
 
 
 def test_inplace_backward_under_reentrant_checkpoint_refuses_other_saved_uses():
