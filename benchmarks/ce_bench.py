@@ -10,7 +10,8 @@ parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 12825
 tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes),
 ``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss and
 linear_dpo_loss at N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three
-products at that N).
+products at that N), ``pairs`` (linear_dpo_loss at N=8192 in chunks of whole pairs and in chunks of rows,
+against the three products).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -346,6 +347,54 @@ def chunk_budget():
     RESULTS["chunks"] = rows
 
 
+def dpo_pairs():
+    """The DPO loss at 8192 tokens (4 pairs of 1024-token sequences, the reference from its own hidden states and
+    head) in chunks of whole pairs (the policy's logits once: four products with the reference's) and in chunks
+    of 192 MiB of rows (pairs over ``pair_bytes``: the logits twice, five products), against the three products
+    alone; device time (CUDA-graph replay) and peak above the inputs, less the gradients."""
+    from tritongrad.bench.ops import OPS
+    from tritongrad.ops.post_training import plans as PT
+
+    N, H, V = 8192, 4096, 128256
+    h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
+    W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
+    dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
+    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+    gh, gw = torch.empty_like(h), torch.empty_like(W)
+
+    def gemms():
+        torch.mm(h, W.t(), out=logits)
+        torch.mm(dl, W, out=gh)
+        torch.mm(dl.t(), h, out=gw)
+
+    floor = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median")
+    rows = [dict(op="3 GEMMs", N=N, chunks=None, products=3, graph_ms=floor, x_products=1.0, peak_extra_gb=None)]
+    del h, W, dl, logits, gh, gw
+    torch.cuda.empty_cache()
+    spec = OPS["linear_dpo_loss"]
+    inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
+    h, W = inputs[0], inputs[1]
+    f = spec.bind(tritongrad.linear_dpo_loss)
+
+    def run():
+        f(*inputs)[0].backward()
+    for label, limits, products in (("whole pairs", PT.Limits(), 4), ("rows", PT.Limits(pair_bytes=0), 5)):
+        PT.LIMITS = limits
+        try:
+            run()
+            ms = triton.testing.do_bench_cudagraph(run, rep=500, grad_to_none=[h, W], return_mode="median")
+            peak = _peak(run, [h, W]) - (h.numel() + W.numel()) * 2 / 1e9
+        finally:
+            PT.LIMITS = PT.Limits()
+        x = ms / (floor * products / 3)
+        rows.append(dict(op="linear_dpo_loss", N=N, chunks=label, products=products, graph_ms=ms, x_products=x,
+                         peak_extra_gb=peak))
+        print(f"  linear_dpo_loss N={N} chunks of {label}: {ms:8.3f} ms = {x:5.3f}x its {products} products, "
+              f"peak +{peak:.3f} GB")
+    print(f"  3 GEMMs N={N}: {floor:.3f} ms")
+    RESULTS["dpo_pairs"] = rows
+
+
 def main():
     parts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["ce", "lce"]
     tritongrad.set_small_input_threshold(0)
@@ -356,7 +405,7 @@ def main():
     t0 = time.time()
     for part in parts:
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
-         "chunks": chunk_budget}[part]()
+         "chunks": chunk_budget, "pairs": dpo_pairs}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1,

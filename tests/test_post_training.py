@@ -25,6 +25,8 @@ from tritongrad.ops.post_training import (
     linear_distill_op,
     linear_distill_reference,
     linear_dpo_loss,
+    linear_dpo_op,
+    linear_dpo_reference,
     linear_grpo_loss,
     linear_grpo_op,
     linear_grpo_reference,
@@ -115,6 +117,24 @@ def grpo_off_policy_kl(dtype, device):
 
 
 test_linear_grpo_suite = pytest.mark.slow(OpSuite(linear_grpo_op, [grpo_off_policy_kl], device=DEVICE).pytest())
+
+
+def dpo_ipo_bias(dtype, device):
+    # the fused DPO op: two pairs of sequences of 3 rows (one chunk each), IPO (the token counts enter the
+    # derivative), a fractional token weight, an ignored token, a bias, a soft cap between two scales; differentiable
+    # sequence log-probabilities, so that every output's gradient is checked (the gradients made in the forward
+    # are checked by the parity tests below)
+    tw = torch.ones(4, 3, device=device)
+    tw[1, 0], tw[3, 2] = 0.5, 0.0
+    target = _targets(12, 24, (11,), device)
+    return {"input": torch.randn(12, 8, device=device).to(dtype),
+            "weight": (torch.randn(24, 8, device=device) / 2).to(dtype), "target": target, "token_weight": tw,
+            "ref_chosen_logps": -9 + torch.randn(2, device=device), "ref_rejected_logps": -9 + torch.randn(2, device=device),
+            "bias": torch.randn(24, device=device).to(dtype), "logit_scale": 1.25, "logit_softcap": 4.0,
+            "post_scale": 0.8, "beta": 0.5, "loss_type": "ipo", "differentiable_logps": True}
+
+
+test_linear_dpo_suite = pytest.mark.slow(OpSuite(linear_dpo_op, [dpo_ipo_bias], device=DEVICE).pytest())
 
 
 # ---------------------------------------------------------------- parity helpers
@@ -445,6 +465,39 @@ def test_dpo_reference_model_from_hidden_states_and_accumulation():
                                   ref_rejected_logps=ref_lp[2 + i:3 + i], num_pairs_in_batch=2)
         got += torch.autograd.grad(loss, W)[0]
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
+def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
+    # the fused op in chunks of one pair (SMALL), of two (the second ragged: one pair), and the unfused path
+    # (a pair over pair_bytes: chunks of rows, the logits made twice): the same loss, gradients and metrics, equal
+    # to the op's float64 reference; the registered op called without grads recomputes them in its backward
+    h, W, t = _head(torch.float64, B=6, T=5)
+    t[:, 0] = -100
+    t[5, 2:] = -100
+    g = torch.Generator().manual_seed(4)
+    ref_c, ref_r = (-10 + torch.randn(3, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = dict(beta=0.5 if loss_type == "ipo" else 0.1, loss_type=loss_type,
+              label_smoothing=0.2 if loss_type == "robust" else 0.0)
+    pair = P.pair_bytes(5, 40, 8)
+    results = []
+    for limits in (SMALL, P.Limits(chunk_bytes=2 * pair, row_multiple=1, min_rows=1, block_bytes=64),
+                   P.Limits(chunk_bytes=600, row_multiple=1, min_rows=1, block_bytes=64, pair_bytes=pair - 1)):
+        monkeypatch.setattr(P, "LIMITS", limits)
+        x, w = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        loss, m = linear_dpo_loss(x, w, t, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, **kw)
+        results.append((loss, *torch.autograd.grad(loss, (x, w)), m["chosen_rewards"], m["rejected_rewards"]))
+    x, w = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
+    mask = (t != -100).to(torch.float64)
+    want = linear_dpo_reference(x.reshape(-1, 16), w, t.reshape(-1), mask, ref_c, ref_r, **kw)
+    op = linear_dpo_op(x.reshape(-1, 16), w, t.reshape(-1), mask, ref_c, ref_r, **kw)  # no grads: backward recomputes
+    results.append((op[0], *torch.autograd.grad(op[0], (x, w)), kw["beta"] * (op[1] - ref_c),
+                    kw["beta"] * (op[2] - ref_r)))
+    want = (want[0], *torch.autograd.grad(want[0], (x, w)), kw["beta"] * (want[1] - ref_c),
+            kw["beta"] * (want[2] - ref_r))
+    for got in results:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
 
 
 # ---------------------------------------------------------------- distillation

@@ -5,6 +5,7 @@ none of which holds the ``[N, V]`` logits at once (docs/post-training.md)."""
 from .launch import (
     linear_distill_op,
     linear_dpo_loss,
+    linear_dpo_op,
     linear_grpo_loss,
     linear_grpo_op,
     linear_jsd,
@@ -17,12 +18,14 @@ from .reference import (
     dpo_from_logprobs,
     grpo_from_logprobs,
     linear_distill_reference,
+    linear_dpo_reference,
     linear_grpo_reference,
     linear_token_logprobs_reference,
 )
 
 __all__ = [
     "dpo_from_logprobs", "grpo_from_logprobs", "linear_distill_op", "linear_distill_reference", "linear_dpo_loss",
-    "linear_grpo_loss", "linear_grpo_op", "linear_grpo_reference", "linear_jsd", "linear_kl_div",
-    "linear_token_logprobs", "linear_token_logprobs_op", "linear_token_logprobs_reference", "patch_trl", "unpatch_trl",
+    "linear_dpo_op", "linear_dpo_reference", "linear_grpo_loss", "linear_grpo_op", "linear_grpo_reference",
+    "linear_jsd", "linear_kl_div", "linear_token_logprobs", "linear_token_logprobs_op",
+    "linear_token_logprobs_reference", "patch_trl", "unpatch_trl",
 ]

@@ -10,7 +10,10 @@ Work each call does (N rows, H hidden, V vocabulary; a "product" is one N x H x 
   linear_grpo_loss (token level): 3 products, all in the forward (the logits, grad_input, grad_weight: each
                          token's loss depends only on its own log-probability, so its derivative is known in the
                          chunk) + two reads and one write of each chunk's logits; backward: a scale.
-  linear_grpo_loss (sequence level), linear_dpo_loss: linear_token_logprobs, then O(N) elementwise work.
+  linear_dpo_loss:       3 products, all in the forward, when one pair's logits fit the budget (plans.py): chunks
+                         of whole pairs, each pair's loss and its derivative known in its chunk; else
+                         linear_token_logprobs (4 products). The reference model's scores: 1 more.
+  linear_grpo_loss (sequence level): linear_token_logprobs, then O(N) elementwise work.
   linear_jsd, linear_kl_div: forward 4 products (student and teacher logits, grad_input, grad_weight: the
                          gradients are made in the forward, for an upstream gradient of 1) + 3 reads of each
                          student chunk, 2 of each teacher chunk; backward: a scale of the gradients (nothing when
@@ -24,6 +27,7 @@ import numbers
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ... import _runtime as rt
 from ..._pattern import kernel, op
@@ -31,12 +35,14 @@ from ..cross_entropy.launch import _addmm_f32, _as_float, _host_checkable, _scal
 from . import kernels
 from . import plans as P
 from .reference import (
+    DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
     acc_dtype,
     check_targets,
     dpo_from_logprobs,
     grpo_from_logprobs,
     linear_distill_reference,
+    linear_dpo_reference,
     linear_grpo_reference,
     linear_token_logprobs_reference,
 )
@@ -188,9 +194,14 @@ class _HeadGrads:
         self.gb = torch.zeros(weight.shape[0], dtype=acc_dtype(bias), device=input.device) if self.need[2] else None
         self.first = True
 
-    def add(self, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, r0: int, r1: int) -> None:
+    def add(self, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, r0: int, r1: int, *more: int) -> None:
+        """g, h: the chunk's rows, which are input's rows ``[r0, r1)`` and then, in ``more``, further
+        ``(start, end)`` spans (a DPO chunk's chosen and rejected rows)."""
         if self.need[0]:
-            torch.mm(g, w, out=self.gi[r0:r1])
+            spans, o = (r0, r1, *more), 0
+            for a, b in zip(spans[::2], spans[1::2]):
+                torch.mm(g[o:o + b - a], w, out=self.gi[a:b])
+                o += b - a
         if self.need[1]:
             if self.gw.dtype != g.dtype:
                 _addmm_f32(self.gw, g.t(), h)
@@ -573,6 +584,169 @@ def linear_grpo_loss(
     return loss, metrics
 
 
+
+# ---------------------------------------------------------------- DPO, fused
+def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps):
+    """``(sum over pairs of the loss, its derivative by chosen, by rejected)`` per pair of TRL's DPO loss
+    (reference.py's dpo_from_logprobs, whose arithmetic this repeats), the derivatives as autograd takes them
+    through it (relu's at 0 is 0). ``d = (chosen - ref_c) - (rejected - ref_r)``."""
+    lc, lr = chosen - ref_c, rejected - ref_r
+    d = lc - lr
+    if loss_type == "ipo":
+        tc, tr = tokens_c.clamp(min=1.0), tokens_r.clamp(min=1.0)
+        u = (lc / tc - lr / tr) - 1 / (2 * beta)
+        return (u ** 2).sum(), 2 * u / tc, -2 * u / tr
+    if loss_type == "hinge":
+        m = 1 - beta * d
+        per, dd = torch.relu(m), -beta * (m > 0).to(d.dtype)
+    else:  # -(1-e) logsigmoid(b d) - e logsigmoid(-b d) (sigmoid), or its robust form
+        per, dd = -F.logsigmoid(beta * d), -beta * torch.sigmoid(-beta * d)
+        if loss_type == "sigmoid" and eps:
+            per = (1 - eps) * per - eps * F.logsigmoid(-beta * d)
+            dd = (1 - eps) * dd + eps * beta * torch.sigmoid(beta * d)
+        elif loss_type == "robust":
+            per = ((1 - eps) * per + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
+            dd = ((1 - eps) * dd - eps * beta * torch.sigmoid(beta * d)) / (1 - 2 * eps)
+    return per.sum(), dd, -dd
+
+
+def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rejected_logps, bias, ignore_index,
+                  logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
+                  differentiable_logps) -> None:
+    _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
+                  post_scale)
+    if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
+        raise ValueError(f"tritongrad.linear_dpo_loss: token_weight of shape {tuple(token_weight.shape)} must be "
+                         f"[2B, T], one per row of input {tuple(input.shape)} (B chosen sequences, then B rejected)")
+    B = token_weight.shape[0] // 2
+    for name, t in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+        if t.dim() != 1 or t.shape[0] != B:
+            raise ValueError(f"tritongrad.linear_dpo_loss: {name} of shape {tuple(t.shape)} must be [{B}], one per "
+                             "pair")
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
+                         f"{label_smoothing}")
+    if grads is not None and len(grads) != 3:
+        raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
+
+
+def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_index, logit_scale, logit_softcap,
+              post_scale, beta, loss_type, eps, need, upstream=None):
+    """Chunks of whole pairs (pair i: input's sequences i and B + i, T rows each): the logits of the chunk's
+    chosen and rejected rows (one product), the log-probabilities, each sequence's sum, each pair's loss and its
+    derivative (PyTorch, O(pairs)), then, where a gradient is asked for, the logits' gradient in place and the
+    chunk's share of the gradients, for the upstream gradients ``(of the loss, of the B chosen and the B rejected
+    log-probabilities [2B])`` (None: 1 for the loss, 0 for the others). Returns ``(loss, chosen_logps,
+    rejected_logps, (grad_input, grad_weight, grad_bias))``."""
+    N, V = input.shape[0], weight.shape[0]
+    B, T = token_weight.shape[0] // 2, token_weight.shape[1]
+    acc = acc_dtype(input)
+    tw = token_weight.to(acc)
+    ref_c, ref_r = ref_c.to(acc), ref_r.to(acc)
+    tokens = tw.sum(-1)
+    logps = torch.zeros(2 * B, dtype=acc, device=input.device)
+    lp = torch.empty(N, dtype=acc, device=input.device)
+    parts = torch.empty((2, N), dtype=acc, device=input.device)
+    dl = torch.empty(N, dtype=acc, device=input.device)
+    grads = _HeadGrads(input, weight, bias, need)
+    if N:
+        plan = P.PairPlan.for_shape(rt.hint(B), rt.hint(T), int(V), input.element_size())
+        buf = torch.empty((2 * min(plan.pairs, B) * T, V), dtype=input.dtype, device=input.device)
+        pre, cap, post, has_cap = _head_transform(logit_scale, logit_softcap, post_scale)
+        scale, cap, post = rt.split_float(pre), rt.split_float(cap), rt.split_float(post)
+        w, b = _low(weight, input.dtype), _low(bias, input.dtype)
+        launch = dict(BLOCK_V=plan.BLOCK_V, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps)
+        for p0 in range(0, B, plan.pairs):
+            p1 = min(B, p0 + plan.pairs)
+            n = (p1 - p0) * T
+            spans = ((p0 * T, p1 * T), ((B + p0) * T, (B + p1) * T))
+            h = torch.cat([input[a:e] for a, e in spans])
+            g = _logits_into(buf[: 2 * n], h, w, b)
+            for (a, e), rows in zip(spans, (g[:n], g[n:])):
+                _fwd_kernel[(n,)](
+                    rows, target, lp, None, parts, None, V, N, a, rows.stride(0), target.stride(0), ignore_index,
+                    *scale, *cap, *post, HAS_ENTROPY=False, HAS_STATS=False, **launch,
+                )
+            pair = slice(p0, p1), slice(B + p0, B + p1)
+            for sl in pair:
+                logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
+            if any(grads.need):
+                _, dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
+                                       tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps)
+                for sl, (a, e), d in zip(pair, spans, (dc, dr)):
+                    d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
+                    dl[a:e] = (d[:, None] * tw[sl]).reshape(-1)
+                for (a, e), rows in zip(spans, (g[:n], g[n:])):
+                    _bwd_kernel[(n,)](
+                        rows, target, parts, dl, None, V, N, a, rows.stride(0), target.stride(0), dl.stride(0), 0,
+                        ignore_index, *scale, *cap, *post, HAS_DENT=False, **launch,
+                    )
+                grads.add(g, h, w, *spans[0], *spans[1])
+    chosen, rejected = logps[:B].clone(), logps[B:].clone()  # outputs of a registered op: no views of each other
+    total, _, _ = _dpo_terms(chosen, rejected, ref_c, ref_r, tokens[:B], tokens[B:], beta, loss_type, eps)
+    return total / B, chosen, rejected, grads.result()
+
+
+# Opaque, as linear_token_logprobs. A pair's loss depends only on its two sequences, so a chunk of whole pairs knows
+# its derivative and the forward makes the gradients too: three products, not four (docs/post-training.md).
+@op("tritongrad::linear_dpo", reference=linear_dpo_reference, validate=_dpo_validate, index=("target",),
+    nondiff=("token_weight", "ref_chosen_logps", "ref_rejected_logps"),
+    outputs=("loss", "chosen_logps", "rejected_logps"), residuals=("grad_input", "grad_weight", "grad_bias"),
+    save=("input", "weight", "target", "token_weight", "ref_chosen_logps", "ref_rejected_logps", "bias",
+          "grad_input", "grad_weight", "grad_bias"), opaque=True)
+def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
+                  ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None, ignore_index: int = -100, logit_scale: float = 1.0,
+                  logit_softcap: Optional[float] = None, post_scale: float = 1.0, beta: float = 0.1,
+                  loss_type: str = "sigmoid", label_smoothing: float = 0.0, grads: Optional[list[bool]] = None,
+                  differentiable_logps: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused DPO loss over rows ``[2B T]`` of ``input [2B T, H]`` (B chosen sequences of T rows, then their B
+    rejected ones): ``(loss, chosen_logps [B], rejected_logps [B], grad_input, grad_weight, grad_bias)``, the
+    sequence log-probabilities ``sum_t token_weight[s, t] logprob[s, t]`` (``token_weight [2B, T]``, the mask)
+    (without gradient unless ``differentiable_logps``), the loss TRL's mean over the B pairs (0-d, float32;
+    float64 for float64). The logits as linear_token_logprobs makes them (``logit_scale``, ``logit_softcap``,
+    ``post_scale``). ``grads`` (input, weight, bias): the gradients the forward computes for an upstream
+    gradient of 1; the backward scales them (or, for one it did not make, runs the pass again). With
+    ``differentiable_logps`` the forward makes none and the backward runs the pass for every upstream gradient.
+    :func:`linear_dpo_loss` is the public function."""
+    def empty():  # a fresh one per residual: a registered op's returns may not alias each other
+        return torch.empty(0, dtype=input.dtype, device=input.device)
+
+    need = tuple(bool(g) for g in grads) if grads is not None and not differentiable_logps else (False,) * 3
+    loss, chosen, rejected, got = _dpo_pass(input, weight, target, token_weight, ref_chosen_logps,
+                                            ref_rejected_logps, bias, ignore_index, logit_scale, logit_softcap,
+                                            post_scale, beta, loss_type, label_smoothing, need)
+    return loss, chosen, rejected, *(g if g is not None else empty() for g in got)
+
+
+@linear_dpo_op.backward
+def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejected):
+    need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[6] and ctx.bias is not None)
+    if ctx.differentiable_logps:  # every upstream gradient, through the pairs' derivatives and the sums
+        *_, got = _dpo_pass(ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps,
+                            ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
+                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, need,
+                            (grad_loss, torch.cat([grad_chosen, grad_rejected])))
+        return got[0], got[1], None, None, None, None, got[2]
+    # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
+    made = (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)
+    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
+            ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
+            ctx.bias is None or ctx.grad_bias.numel() > 0 or ctx.bias.numel() == 0)
+    if all(h or not n for n, h in zip(need, have)):
+        take = _take_buffer(ctx)
+        out = [_scale(g, grad_loss, bool(take)) if n else None for n, g in zip(need, made)]
+    else:  # a gradient the forward was not asked for (the registered op called directly): recompute
+        *_, got = _dpo_pass(ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps,
+                            ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
+                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, need)
+        out = [_scale(g, grad_loss, True) if g is not None else None for g in got]
+    return out[0], out[1], None, None, None, None, out[2]
+
+
 def linear_dpo_loss(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -624,8 +798,6 @@ def linear_dpo_loss(
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
     mask = _mask_of(target, completion_mask, ignore_index, acc_dtype(input))
     tgt = torch.where(mask > 0, target, ignore_index)
-    logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index, logit_softcap=logit_softcap)
-             * mask).sum(-1)
     if ref_chosen_logps is None or ref_rejected_logps is None:
         if ref_input is None or ref_weight is None:
             raise ValueError("tritongrad.linear_dpo_loss: give ref_chosen_logps and ref_rejected_logps, or ref_input "
@@ -635,11 +807,35 @@ def linear_dpo_loss(
                                         logit_softcap=logit_softcap)
             ref = (ref * mask).sum(-1)
         ref_chosen_logps, ref_rejected_logps = ref.chunk(2)
-    chosen, rejected = logps.chunk(2)
     tokens = mask.sum(-1)
-    return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
-                             label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
-                             rejected_tokens=tokens.chunk(2)[1], num_pairs_in_batch=num_pairs_in_batch)
+    formula = dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
+                   rejected_tokens=tokens.chunk(2)[1])
+    x, w, b = _autocast_head(input, weight, bias)
+    B, T = target.shape[0] // 2, target.shape[1]
+    if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()):
+        # a pair's logits over the budget: its loss needs all its tokens first, so the log-probabilities in chunks
+        # of rows, then the formula, whose gradient flows back through them (the logits made twice)
+        logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
+                                       logit_softcap=logit_softcap) * mask).sum(-1)
+        chosen, rejected = logps.chunk(2)
+        return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps,
+                                 num_pairs_in_batch=num_pairs_in_batch, **formula)
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    grads = None
+    if torch.is_grad_enabled():
+        grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]
+    real = isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
+    loss, chosen, rejected = linear_dpo_op(
+        x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps.detach(),
+        ref_rejected_logps.detach(), b, ignore_index, 1.0, float(logit_softcap) if real else logit_softcap, 1.0,
+        _as_float(beta), loss_type, _as_float(label_smoothing), grads,
+    )
+    if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
+        loss = loss * B / num_pairs_in_batch
+    with torch.no_grad():  # the metrics, from the same sequence log-probabilities (O(pairs))
+        _, metrics = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, **formula)
+    return loss, metrics
 
 
 # ---------------------------------------------------------------- distillation

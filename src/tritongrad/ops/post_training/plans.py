@@ -27,6 +27,10 @@ class Limits:
     # A row's program steps over its vocabulary this many bytes at a time (16 bytes a thread over 8 warps for
     # 16-bit logits): one chunk in registers per step, the row itself never.
     block_bytes: int = 8192
+    # A DPO pair's logits (its chosen and its rejected rows) up to this many bytes are made once, in chunks of
+    # whole pairs: a pair's loss needs all its tokens before any gradient, so chunks of rows make the logits
+    # twice (five products with the reference's, against four).
+    pair_bytes: int = 1 << 30
 
 
 LIMITS = Limits()
@@ -49,3 +53,31 @@ class ChunkPlan:
         block = min(rt.next_pow2(max(V, 1)), max(16, lim.block_bytes // elem))
         warps = max(1, min(8, block * elem // 512))  # 16 bytes a thread and step
         return cls(max(1, min(N, rows)), block, warps)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    pairs: int  # DPO pairs whose logits are made (and held) at once: rows = 2 * pairs * T
+    BLOCK_V: int
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, B: int, T: int, V: int, elem: int, limits: Limits | None = None) -> "PairPlan":
+        """The plan for B pairs (a hint) of two sequences of T rows of V logits of ``elem`` bytes: as many
+        whole pairs as the chunk budget holds, at least one, evened out over the chunks."""
+        lim = limits or LIMITS
+        most = max(1, lim.chunk_bytes // pair_bytes(T, V, elem))
+        chunks = rt.cdiv(max(B, 1), most)
+        rows = ChunkPlan.for_shape(2 * T, V, elem, limits=lim)
+        return cls(max(1, min(B, rt.cdiv(max(B, 1), chunks))), rows.BLOCK_V, rows.num_warps)
+
+
+def pair_bytes(T: int, V: int, elem: int) -> int:
+    """The bytes of one DPO pair's logits: its chosen and its rejected sequence, T rows each."""
+    return 2 * max(T, 1) * max(V, 1) * elem
+
+
+def pairs_fit(T: int, V: int, elem: int, limits: Limits | None = None) -> bool:
+    """Whether one pair's logits are within ``pair_bytes``: then the fused DPO op (three products); else chunks
+    of rows and the logits made twice."""
+    return pair_bytes(T, V, elem) <= (limits or LIMITS).pair_bytes

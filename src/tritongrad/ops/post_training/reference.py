@@ -323,3 +323,38 @@ def dpo_from_logprobs(
         "logps/rejected": rejected_logps.detach().mean(),
     }
     return loss, metrics
+
+
+def linear_dpo_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    token_weight: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    post_scale: float = 1.0,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    grads: list[bool] | None = None,
+    differentiable_logps: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused DPO op over rows ``[2B T]`` (B chosen sequences of T rows, then their B rejected ones):
+    ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t token_weight[s, t]
+    logprob[s, t]`` (``token_weight [2B, T]``: the mask) without gradient unless ``differentiable_logps``, the loss
+    :func:`dpo_from_logprobs` of them over B pairs. ``grads`` is the registered op's hint (kernels only)."""
+    lp, _, _ = linear_token_logprobs_reference(input, weight, target, bias, ignore_index, logit_scale,
+                                               logit_softcap=logit_softcap, post_scale=post_scale)
+    tw = token_weight.to(lp.dtype)
+    chosen, rejected = (lp.reshape(tw.shape) * tw).sum(-1).chunk(2)
+    tokens = tw.sum(-1)
+    loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
+                                label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
+                                rejected_tokens=tokens.chunk(2)[1])
+    if not differentiable_logps:
+        chosen, rejected = chosen.detach(), rejected.detach()
+    return loss, chosen, rejected
