@@ -646,7 +646,10 @@ def test_kernels_compile_for_sm90_without_spills(sm90_cases):
 
 # ---------------------------------------------------------------- TRL itself
 def _trl():
-    return pytest.importorskip("trl", reason="TRL not installed")
+    trl = pytest.importorskip("trl", reason="TRL not installed")
+    for dep in ("accelerate", "datasets"):  # TRL's own requirements, which its trainers import (absent on the GPU host)
+        pytest.importorskip(dep, reason=f"TRL's trainers need {dep}, not installed")
+    return trl
 
 
 class _Acc:
