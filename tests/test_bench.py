@@ -321,3 +321,35 @@ def test_liger_dpo_row_times_the_same_function():
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _jsd_row(N=24, D=16):
+    op = OPS["linear_jsd"]
+    inputs = op.inputs(N, D, torch.float32, "cpu")
+    hs, Ws = (inputs[0].detach().requires_grad_(), inputs[1].detach().requires_grad_())
+    ours = op.bind(tritongrad.linear_jsd)(hs, Ws, *inputs[2:])
+    return op, inputs, hs, Ws, ours, torch.autograd.grad(ours, (hs, Ws))
+
+
+def test_jsd_row_baseline_is_the_same_function():
+    """The JSD row's eager and torch.compile baseline (materialised logits) is tritongrad's function: the same
+    loss and student gradients on the bench's inputs, whose two heads differ."""
+    op, inputs, hs, Ws, ours, want = _jsd_row()
+    base = op.bind(op.torch_fn)(hs, Ws, *inputs[2:])
+    assert base > 1e-3
+    torch.testing.assert_close(base, ours, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(base, (hs, Ws)), want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_liger_jsd_row_times_the_same_function():
+    """Liger's chunked JSD loss (its distillation term alone) is timed against tritongrad's only as the same
+    function: the same loss and student gradients on the bench's inputs. On CPU, Liger's loss uncompiled."""
+    pytest.importorskip("liger_kernel.chunked_loss")
+    from tritongrad.bench.providers import liger_jsd_loss
+
+    _, inputs, hs, Ws, ours, want = _jsd_row()
+    theirs = liger_jsd_loss(compiled=False)(hs, Ws, *inputs[2:])
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(theirs, (hs, Ws)), want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -217,6 +217,28 @@ def _dpo_torch(input, weight, target, bias=None, *, ref_input, ref_weight, beta=
     return dpo_from_logprobs(*logps.chunk(2), *ref.chunk(2), beta=beta)
 
 
+JSD_BETA = 0.5  # TRL's and Liger's default
+
+
+def _jsd_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """A student's hidden states and head (with gradient) and a teacher's of the same width (none): the student's,
+    perturbed, so that the two distributions differ."""
+    h, W, _ = _hidden_weight_targets(N, D, dtype, device)
+    t_h = (h.detach().float() + torch.randn(N, D, device=device) / 8).to(dtype)
+    t_W = (W.detach().float() + torch.randn(W.shape, device=device) / (2 * D**0.5)).to(dtype)
+    return h, W, t_h, t_W
+
+
+def _jsd_torch(student_input, student_weight, teacher_input, teacher_weight, temperature=1.0, beta=0.5):
+    """TRL's generalized JSD on materialised logits (the teacher's under no_grad), the mean over tokens."""
+    from ..ops.post_training.reference import _divergence_rows
+
+    zs = F.linear(student_input, student_weight).float() / temperature
+    with torch.no_grad():
+        zt = F.linear(teacher_input, teacher_weight).float() / temperature
+    return _divergence_rows(zs, zt, beta).mean()
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op. ``torch_fn`` has the op's public signature (that of ``tritongrad.<name>``) and is the eager
@@ -337,6 +359,20 @@ OPS: dict[str, OpSpec] = {
             shapes=((4096, 4096), (8192, 4096)),
             size="N tokens as pairs of sequences of gcd(N / 4, 1024), policy and reference: hidden [N, D], "
                  "weight [V, D] each (as linear_token_logprobs), sigmoid loss, beta 0.1",
+        ),
+        OpSpec(
+            "linear_jsd",
+            _jsd_inputs,
+            _jsd_torch,
+            bind=lambda f: lambda hs, Ws, ht, Wt: f(hs, Ws, ht, Wt, 1.0, JSD_BETA),
+            # read both models' hidden states and heads (tritongrad's op writes the student's gradients in the
+            # forward, moving those bytes there: fwdbwd is the figure to compare) ...
+            fwd_bytes=lambda N, D, s: 2 * (N * D * s + lce_vocab(D) * D * s),
+            # ... and write the student's gradients
+            bwd_bytes=lambda N, D, s: N * D * s + lce_vocab(D) * D * s,
+            shapes=((4096, 4096), (8192, 4096)),
+            size="N tokens: student and teacher hidden [N, D], weight [V, D] each (V as linear_token_logprobs), "
+                 "beta 0.5, temperature 1",
         ),
         OpSpec(
             "fused_add_rms_norm",

@@ -127,6 +127,9 @@ def _liger_build(op: OpSpec) -> Callable:
     def linear_dpo_loss():
         return liger_dpo_loss(compiled=True)
 
+    def linear_jsd():
+        return liger_jsd_loss(compiled=True)
+
     def swiglu():
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -138,7 +141,7 @@ def _liger_build(op: OpSpec) -> Callable:
         return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
 
     fns = {f.__name__: f for f in (rms_norm, fused_add_rms_norm, layer_norm, cross_entropy, linear_cross_entropy,
-                                   linear_grpo_loss, linear_dpo_loss, swiglu, rotary)}
+                                   linear_grpo_loss, linear_dpo_loss, linear_jsd, swiglu, rotary)}
     if op.name not in fns:
         raise Unavailable(f"liger-kernel has no {op.name}")
     try:
@@ -177,6 +180,21 @@ def liger_dpo_loss(compiled: bool) -> Callable:
     def run(h, W, t, ref_h, ref_W):
         S, T = dpo_layout(h.shape[0])
         return loss(W, h.view(S, T, -1), t.view(S, T), None, ref_h.view(S, T, -1), ref_W)[0]
+    return run
+
+
+def liger_jsd_loss(compiled: bool) -> Callable:
+    """Liger's chunked JSD loss on the bench's JSD inputs, its distillation term alone (no hard loss), beta
+    ``JSD_BETA``, every token in the mean: the same function, which tests/test_bench.py checks on CPU."""
+    from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+    from .ops import JSD_BETA
+
+    loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=JSD_BETA, compiled=compiled)
+
+    def run(hs, Ws, ht, Wt):
+        labels = torch.zeros(hs.shape[0], dtype=torch.long, device=hs.device)  # none ignored; no hard loss
+        return loss(hs, Ws, ht, Wt, labels)
     return run
 
 
