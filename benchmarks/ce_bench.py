@@ -349,8 +349,8 @@ def chunk_budget():
 
 def dpo_pairs():
     """The DPO loss at 8192 tokens (4 pairs of 1024-token sequences, the reference from its own hidden states and
-    head) in chunks of whole pairs (the policy's logits once: four products with the reference's) and in chunks
-    of 192 MiB of rows (pairs over ``pair_bytes``: the logits twice, five products), against the three products
+    head) in chunks of whole pairs (the policy's logits once: four products with the reference's), one pair (the
+    default) or two a chunk, and in chunks of 192 MiB of rows (pairs over ``pair_bytes``: the logits twice, five products), against the three products
     alone; device time (CUDA-graph replay) and peak above the inputs, less the gradients."""
     from tritongrad.bench.ops import OPS
     from tritongrad.ops.post_training import plans as PT
@@ -378,7 +378,10 @@ def dpo_pairs():
 
     def run():
         f(*inputs)[0].backward()
-    for label, limits, products in (("whole pairs", PT.Limits(), 4), ("rows", PT.Limits(pair_bytes=0), 5)):
+    pair = PT.pair_bytes(N // 8, V, 2)  # the bench's layout: 8 sequences of 1024 tokens
+    for label, limits, products in (("whole pairs", PT.Limits(), 4),
+                                    ("two whole pairs", PT.Limits(chunk_bytes=2 * pair, pair_bytes=pair), 4),
+                                    ("rows", PT.Limits(pair_bytes=0), 5)):
         PT.LIMITS = limits
         try:
             run()
