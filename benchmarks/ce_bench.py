@@ -11,7 +11,8 @@ tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plan
 ``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss and
 linear_dpo_loss at N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three
 products at that N), ``pairs`` (linear_dpo_loss at N=8192 in chunks of whole pairs and in chunks of rows,
-against the three products).
+against the three products), ``distill`` (linear_jsd at N=8192 with chunks of 192-768 MiB, against its four
+products).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -349,8 +350,8 @@ def chunk_budget():
 
 def dpo_pairs():
     """The DPO loss at 8192 tokens (4 pairs of 1024-token sequences, the reference from its own hidden states and
-    head) in chunks of whole pairs (the policy's logits once: four products with the reference's), one pair (the
-    default) or two a chunk, and in chunks of 192 MiB of rows (pairs over ``pair_bytes``: the logits twice, five products), against the three products
+    head) in chunks of whole pairs (the policy's logits once: four products with the reference's), one pair or as
+    many as ``pair_bytes`` holds (the default: two), and in chunks of 192 MiB of rows (pairs over ``pair_bytes``: the logits twice, five products), against the three products
     alone; device time (CUDA-graph replay) and peak above the inputs, less the gradients."""
     from tritongrad.bench.ops import OPS
     from tritongrad.ops.post_training import plans as PT
@@ -379,8 +380,8 @@ def dpo_pairs():
     def run():
         f(*inputs)[0].backward()
     pair = PT.pair_bytes(N // 8, V, 2)  # the bench's layout: 8 sequences of 1024 tokens
-    for label, limits, products in (("whole pairs", PT.Limits(), 4),
-                                    ("two whole pairs", PT.Limits(chunk_bytes=2 * pair, pair_bytes=pair), 4),
+    for label, limits, products in (("one whole pair", PT.Limits(pair_bytes=pair), 4),
+                                    ("whole pairs within pair_bytes (two)", PT.Limits(), 4),
                                     ("rows", PT.Limits(pair_bytes=0), 5)):
         PT.LIMITS = limits
         try:
@@ -398,6 +399,51 @@ def dpo_pairs():
     RESULTS["dpo_pairs"] = rows
 
 
+def distill_chunks():
+    """linear_jsd at 8192 tokens (student and teacher of hidden 4096, vocabulary 128256) with chunks of 192 (the
+    default), 384 and 768 MiB of logits (both heads'), against its four products (the 3 GEMMs' time, times 4/3):
+    device time (CUDA-graph replay) and peak above the inputs, less the student's gradients."""
+    from tritongrad.bench.ops import OPS
+    from tritongrad.ops.post_training import plans as PT
+
+    N, H, V = 8192, 4096, 128256
+    h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
+    W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
+    dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
+    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+    gh, gw = torch.empty_like(h), torch.empty_like(W)
+
+    def gemms():
+        torch.mm(h, W.t(), out=logits)
+        torch.mm(dl, W, out=gh)
+        torch.mm(dl.t(), h, out=gw)
+
+    floor = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median") * 4 / 3
+    rows = [dict(op="4 GEMMs", N=N, chunk_mib=None, graph_ms=floor, x_products=1.0, peak_extra_gb=None)]
+    del h, W, dl, logits, gh, gw
+    torch.cuda.empty_cache()
+    spec = OPS["linear_jsd"]
+    inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
+    h, W = inputs[0], inputs[1]
+    f = spec.bind(tritongrad.linear_jsd)
+
+    def run():
+        f(*inputs).backward()
+    for mib in (192, 384, 768):
+        PT.LIMITS = dataclasses.replace(PT.Limits(), chunk_bytes=mib << 20)
+        try:
+            run()
+            ms = triton.testing.do_bench_cudagraph(run, rep=500, grad_to_none=[h, W], return_mode="median")
+            peak = _peak(run, [h, W]) - (h.numel() + W.numel()) * 2 / 1e9
+        finally:
+            PT.LIMITS = PT.Limits()
+        rows.append(dict(op="linear_jsd", N=N, chunk_mib=mib, graph_ms=ms, x_products=ms / floor,
+                         peak_extra_gb=peak))
+        print(f"  linear_jsd N={N} {mib:>4} MiB: {ms:8.3f} ms = {ms / floor:5.3f}x its 4 products, peak +{peak:.3f} GB")
+    print(f"  4 GEMMs N={N}: {floor:.3f} ms")
+    RESULTS["distill_chunks"] = rows
+
+
 def main():
     parts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["ce", "lce"]
     tritongrad.set_small_input_threshold(0)
@@ -408,7 +454,8 @@ def main():
     t0 = time.time()
     for part in parts:
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
-         "chunks": chunk_budget, "pairs": dpo_pairs}[part]()
+         "chunks": chunk_budget, "pairs": dpo_pairs,
+         "distill": distill_chunks}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1,

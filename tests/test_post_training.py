@@ -11,6 +11,7 @@ chunk loops run several times and the last chunk and the last vocabulary step ar
 """
 
 import copy
+import dataclasses
 import math
 import os
 import types
@@ -39,8 +40,9 @@ from tritongrad.ops.post_training import (
 from tritongrad.ops.post_training import plans as P
 from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol
 
-# 600 bytes of logits a chunk: 3 rows of 40 float32 logits, 7 of bfloat16; 16 columns a vocabulary step
-SMALL = P.Limits(chunk_bytes=600, row_multiple=1, min_rows=1, block_bytes=64)
+# 600 bytes of logits a chunk: 3 rows of 40 float32 logits, 7 of bfloat16; 16 columns a vocabulary step; DPO
+# chunks of 4000 bytes of whole pairs: one pair of two 5-row sequences of 40 float64 logits, two of float32
+SMALL = P.Limits(chunk_bytes=600, row_multiple=1, min_rows=1, block_bytes=64, pair_bytes=4000)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -481,8 +483,7 @@ def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
               label_smoothing=0.2 if loss_type == "robust" else 0.0)
     pair = P.pair_bytes(5, 40, 8)
     results = []
-    for limits in (SMALL, P.Limits(chunk_bytes=2 * pair, row_multiple=1, min_rows=1, block_bytes=64),
-                   P.Limits(chunk_bytes=600, row_multiple=1, min_rows=1, block_bytes=64, pair_bytes=pair - 1)):
+    for limits in (SMALL, dataclasses.replace(SMALL, pair_bytes=2 * pair), dataclasses.replace(SMALL, pair_bytes=pair - 1)):
         monkeypatch.setattr(P, "LIMITS", limits)
         x, w = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
         loss, m = linear_dpo_loss(x, w, t, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, **kw)

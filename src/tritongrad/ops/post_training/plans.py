@@ -27,9 +27,9 @@ class Limits:
     # A row's program steps over its vocabulary this many bytes at a time (16 bytes a thread over 8 warps for
     # 16-bit logits): one chunk in registers per step, the row itself never.
     block_bytes: int = 8192
-    # A DPO pair's logits (its chosen and its rejected rows) up to this many bytes are made once, in chunks of
-    # whole pairs: a pair's loss needs all its tokens before any gradient, so chunks of rows make the logits
-    # twice (five products with the reference's, against four).
+    # DPO: a pair's loss needs all its tokens before any gradient, so its chunks hold whole pairs, as many as
+    # this many bytes of logits hold (each chunk fewer reads and writes all of grad_weight); a pair over it
+    # takes chunks of rows instead, which make the logits twice (five products with the reference's, not four).
     pair_bytes: int = 1 << 30
 
 
@@ -64,9 +64,9 @@ class PairPlan:
     @classmethod
     def for_shape(cls, B: int, T: int, V: int, elem: int, limits: Limits | None = None) -> "PairPlan":
         """The plan for B pairs (a hint) of two sequences of T rows of V logits of ``elem`` bytes: as many
-        whole pairs as the chunk budget holds, at least one, evened out over the chunks."""
+        whole pairs as ``pair_bytes`` holds, at least one, evened out over the chunks."""
         lim = limits or LIMITS
-        most = max(1, lim.chunk_bytes // pair_bytes(T, V, elem))
+        most = max(1, lim.pair_bytes // pair_bytes(T, V, elem))
         chunks = rt.cdiv(max(B, 1), most)
         rows = ChunkPlan.for_shape(2 * T, V, elem, limits=lim)
         return cls(max(1, min(B, rt.cdiv(max(B, 1), chunks))), rows.BLOCK_V, rows.num_warps)
