@@ -864,7 +864,7 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
     acc = acc_dtype(s_in)
     want = any(need)
     grads = _HeadGrads(s_in, s_w, s_b, need)
-    plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), max(s_in.element_size(), t_in.element_size()), heads=2)
+    plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), max(s_in.element_size(), t_in.element_size()))
     rows = min(plan.rows, N)
     sbuf = torch.empty((rows, V), dtype=s_in.dtype, device=s_in.device)
     tbuf = torch.empty((rows, V), dtype=t_in.dtype, device=s_in.device)

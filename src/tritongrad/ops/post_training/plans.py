@@ -16,8 +16,10 @@ from ... import _runtime as rt
 class Limits:
     """What bounds a chunk. ``LIMITS`` below is the one in force; tests replace it with a smaller one."""
 
-    # Logits buffers of one chunk, every head's together, at most this many bytes: 192 MiB is 4.6% of the
-    # 4.2 GB logits of 16384 tokens x 128256 classes in bfloat16 (the linear cross-entropy's budget) ...
+    # One head's logits buffer of a chunk at most this many bytes: 192 MiB is 4.6% of the 4.2 GB logits of 16384
+    # tokens x 128256 classes in bfloat16 (the linear cross-entropy's budget). Per head: a chunk's cost (its
+    # products' efficiency, its read and write of all of grad_weight) goes with its rows, so distillation holds
+    # the teacher's chunk beside the student's rather than halving both ...
     chunk_bytes: int = 192 << 20
     # ... in chunks of equal size (a ragged last chunk would be a small, inefficient product), a multiple of
     # this many rows ...
@@ -43,11 +45,11 @@ class ChunkPlan:
     num_warps: int
 
     @classmethod
-    def for_shape(cls, N: int, V: int, elem: int, heads: int = 1, limits: Limits | None = None) -> "ChunkPlan":
-        """The plan for N rows (a hint) of V logits of ``elem`` bytes, ``heads`` buffers of them at once (2 for
-        a student and its teacher): as many rows as the budget holds, evened out over the chunks that takes."""
+    def for_shape(cls, N: int, V: int, elem: int, limits: Limits | None = None) -> "ChunkPlan":
+        """The plan for N rows (a hint) of V logits of ``elem`` bytes a head: as many rows as the budget holds,
+        evened out over the chunks that takes."""
         lim = limits or LIMITS
-        most = max(lim.min_rows, lim.chunk_bytes // max(1, heads * V * elem))
+        most = max(lim.min_rows, lim.chunk_bytes // max(1, V * elem))
         chunks = rt.cdiv(max(N, 1), most)
         rows = rt.cdiv(rt.cdiv(max(N, 1), chunks), lim.row_multiple) * lim.row_multiple
         block = min(rt.next_pow2(max(V, 1)), max(16, lim.block_bytes // elem))
