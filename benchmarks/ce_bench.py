@@ -8,11 +8,11 @@ of the linear loss timed alone. Prints a table per part and writes everything as
 parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 128256, bf16), ``lce``
 (linear_cross_entropy at N=16384, H=4096, V=128256, bf16), ``acc`` (the linear loss's errors against float64,
 tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes),
-``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss and
-linear_dpo_loss at N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three
-products at that N), ``pairs`` (linear_dpo_loss at N=8192 in chunks of whole pairs and in chunks of rows,
-against the three products), ``distill`` (linear_jsd at N=8192 with chunks of 192-768 MiB, against its four
-products).
+``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss at
+N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three products at that
+N), ``larger`` (as ``chunks``, at N=8192 with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
+chunks of whole pairs and in chunks of rows, against the three products), ``distill`` (linear_jsd at N=8192
+with chunks of 192-768 MiB, against its four products).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -292,8 +292,8 @@ def sweep(bw: float):
     RESULTS["sweep"] = rows
 
 
-def chunk_budget():
-    """Device time and peak memory of the linear losses for chunk budgets of 64-192 MiB of logits, and the
+def chunk_budget(sizes=(8192, 16384), mibs=(64, 96, 128, 192), key="chunks"):
+    """Device time and peak memory of the linear losses for chunk budgets of ``mibs`` MiB of logits, and the
     three products alone (the floor: logits, grad_input, grad_weight). Peak: above the inputs, less the
     gradients (grad_input, grad_weight) the loss must return."""
     from tritongrad.bench.ops import OPS
@@ -301,7 +301,7 @@ def chunk_budget():
 
     H, V = 4096, 128256
     rows = []
-    for N in (8192, 16384):
+    for N in sizes:
         h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
         W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
         dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
@@ -317,7 +317,7 @@ def chunk_budget():
         rows.append(dict(op="3 GEMMs", N=N, chunk_mib=None, graph_ms=floor, x_floor=1.0, peak_extra_gb=None))
         del h, W, dl, logits, gh, gw
         torch.cuda.empty_cache()
-        ops = ["linear_cross_entropy"] + (["linear_grpo_loss", "linear_dpo_loss"] if N == 8192 else [])
+        ops = ["linear_cross_entropy"] + (["linear_grpo_loss"] if N == 8192 else [])  # DPO's chunks: ``pairs``
         for name in ops:
             spec = OPS[name]
             inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
@@ -327,7 +327,7 @@ def chunk_budget():
             def run(f=f, inputs=inputs):
                 out = f(*inputs)
                 (out[0] if isinstance(out, tuple) else out).backward()
-            for mib in (64, 96, 128, 192):
+            for mib in mibs:
                 with P.using(dataclasses.replace(P.TABLE, LCE_CHUNK_BYTES=mib << 20)):
                     PT.LIMITS = dataclasses.replace(PT.Limits(), chunk_bytes=mib << 20)
                     try:
@@ -345,7 +345,7 @@ def chunk_budget():
             del inputs, h, W
             torch.cuda.empty_cache()
         print(f"  3 GEMMs N={N}: {floor:.3f} ms")
-    RESULTS["chunks"] = rows
+    RESULTS[key] = rows
 
 
 def dpo_pairs():
@@ -455,6 +455,7 @@ def main():
     for part in parts:
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
          "chunks": chunk_budget, "pairs": dpo_pairs,
+         "larger": lambda: chunk_budget((8192,), (192, 256, 384, 512), "larger_chunks"),
          "distill": distill_chunks}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
