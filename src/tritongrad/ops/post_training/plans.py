@@ -21,9 +21,9 @@ class Limits:
     # products' efficiency, its read and write of all of grad_weight) goes with its rows, so distillation holds
     # the teacher's chunk beside the student's rather than halving both ...
     chunk_bytes: int = 192 << 20
-    # ... in chunks of a multiple of this many rows (the products' tiles, docs/post-training.md), as even as that
-    # allows (the last chunk may be smaller) ...
-    row_multiple: int = 128
+    # ... in chunks of equal size (a ragged last chunk would be a small, inefficient product), a multiple of
+    # this many rows ...
+    row_multiple: int = 16
     # ... and at least this many rows, whatever the vocabulary: smaller products run far from the GPU's peak.
     min_rows: int = 128
     # A row's program steps over its vocabulary this many bytes at a time (16 bytes a thread over 8 warps for
@@ -50,7 +50,6 @@ class ChunkPlan:
         evened out over the chunks that takes."""
         lim = limits or LIMITS
         most = max(lim.min_rows, lim.chunk_bytes // max(1, V * elem))
-        most = max(lim.row_multiple, most // lim.row_multiple * lim.row_multiple)
         chunks = rt.cdiv(max(N, 1), most)
         rows = rt.cdiv(rt.cdiv(max(N, 1), chunks), lim.row_multiple) * lim.row_multiple
         block = min(rt.next_pow2(max(V, 1)), max(16, lim.block_bytes // elem))
