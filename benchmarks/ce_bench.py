@@ -10,7 +10,7 @@ parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 12825
 tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes),
 ``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss at
 N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three products at that
-N), ``larger`` (as ``chunks``, at N=8192 with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
+N), ``larger`` (as ``chunks``, with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
 chunks of whole pairs and in chunks of rows, against the three products), ``distill`` (linear_jsd at N=8192
 with chunks of 192-768 MiB, against its four products).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
@@ -400,8 +400,8 @@ def dpo_pairs():
 
 
 def distill_chunks():
-    """linear_jsd at 8192 tokens (student and teacher of hidden 4096, vocabulary 128256) with chunks of 192 (the
-    default), 384 and 768 MiB of logits (both heads'), against its four products (the 3 GEMMs' time, times 4/3):
+    """linear_jsd at 8192 tokens (student and teacher of hidden 4096, vocabulary 128256) with chunks of 192, 256,
+    384 and 768 MiB of logits a head, against its four products (the 3 GEMMs' time, times 4/3):
     device time (CUDA-graph replay) and peak above the inputs, less the student's gradients."""
     from tritongrad.bench.ops import OPS
     from tritongrad.ops.post_training import plans as PT
@@ -429,7 +429,7 @@ def distill_chunks():
 
     def run():
         f(*inputs).backward()
-    for mib in (192, 384, 768):
+    for mib in (192, 256, 384, 768):
         PT.LIMITS = dataclasses.replace(PT.Limits(), chunk_bytes=mib << 20)
         try:
             run()
@@ -455,7 +455,7 @@ def main():
     for part in parts:
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
          "chunks": chunk_budget, "pairs": dpo_pairs,
-         "larger": lambda: chunk_budget((8192,), (192, 256, 384, 512), "larger_chunks"),
+         "larger": lambda: chunk_budget((8192, 16384), (192, 256, 384, 512), "larger_chunks"),
          "distill": distill_chunks}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
