@@ -8,8 +8,8 @@ of the linear loss timed alone. Prints a table per part and writes everything as
 parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 128256, bf16), ``lce``
 (linear_cross_entropy at N=16384, H=4096, V=128256, bf16), ``acc`` (the linear loss's errors against float64,
 tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes),
-``chunks`` (the linear losses' chunk budget: linear_cross_entropy at N=8192 and 16384, linear_grpo_loss at
-N=8192 on the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three products at that
+``chunks`` (the linear losses' chunk budget: linear_cross_entropy and linear_grpo_loss at N=8192 and 16384 on
+the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three products at that
 N), ``larger`` (as ``chunks``, with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
 chunks of whole pairs and in chunks of rows, against the three products), ``distill`` (linear_jsd at N=8192
 with chunks of 192-768 MiB, against its four products).
@@ -317,7 +317,7 @@ def chunk_budget(sizes=(8192, 16384), mibs=(64, 96, 128, 192), key="chunks"):
         rows.append(dict(op="3 GEMMs", N=N, chunk_mib=None, graph_ms=floor, x_floor=1.0, peak_extra_gb=None))
         del h, W, dl, logits, gh, gw
         torch.cuda.empty_cache()
-        ops = ["linear_cross_entropy"] + (["linear_grpo_loss"] if N == 8192 else [])  # DPO's chunks: ``pairs``
+        ops = ["linear_cross_entropy", "linear_grpo_loss"]  # DPO's chunks: ``pairs``
         for name in ops:
             spec = OPS[name]
             inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
