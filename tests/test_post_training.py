@@ -469,7 +469,9 @@ def test_dpo_reference_model_from_hidden_states_and_accumulation():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
+# ipo (the token counts) and robust (both sigmoid terms); every loss type's derivative is checked against TRL's
+# formula on the fused path above
+@pytest.mark.parametrize("loss_type", ["ipo", "robust"])
 def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
     # the fused op in chunks of one pair (SMALL), of two (the second ragged: one pair), and the unfused path
     # (a pair over pair_bytes: chunks of rows, the logits made twice): the same loss, gradients and metrics, equal
