@@ -136,7 +136,7 @@ def dpo_ipo_bias(dtype, device):
             "post_scale": 0.8, "beta": 0.5, "loss_type": "ipo", "differentiable_logps": True}
 
 
-test_linear_dpo_suite = pytest.mark.slow(OpSuite(linear_dpo_op, [dpo_ipo_bias], device=DEVICE).pytest())
+test_linear_dpo_suite = pytest.mark.slow(OpSuite(linear_dpo_op, [dpo_ipo_bias], mixed=True, device=DEVICE).pytest())
 
 
 # ---------------------------------------------------------------- parity helpers

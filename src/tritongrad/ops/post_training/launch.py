@@ -787,6 +787,10 @@ def linear_dpo_loss(
         logit_softcap: Gemma 2's final soft cap, for the policy and the reference head alike
             (:func:`linear_token_logprobs`).
 
+    The policy's logits are made in chunks of whole pairs, as many as ``plans.LIMITS.pair_bytes`` (1 GiB)
+    holds, and each pair's gradients in the same pass: three products. A pair over that budget takes chunks of
+    rows and four products (docs/post-training.md#dpo).
+
     Returns:
         ``(loss, metrics)``: the 0-d loss and a dict with ``chosen_rewards`` and ``rejected_rewards`` (``[B]``,
         ``beta * (logp - ref_logp)``, detached) and TRL's logged means ``rewards/chosen``,
