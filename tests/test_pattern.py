@@ -1064,6 +1064,66 @@ def test_interpreter_types_built_once_equal_those_built_anew():
 
 
 @triton.jit
+def _pair_sum(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def _first_max(a, ia, b, ib):
+    take = (b > a) | ((b == a) & (ib < ia))
+    return tl.where(take, b, a), tl.where(take, ib, ia)
+
+
+@triton.jit
+def _sum(a, b):
+    return a + b
+
+
+@triton.jit
+def _custom_reduce_kernel(x_ptr, s1_ptr, s2_ptr, m_ptr, im_ptr, t_ptr, k_ptr, R: tl.constexpr, C: tl.constexpr):
+    r, c = tl.arange(0, R)[:, None], tl.arange(0, C)[None, :]
+    x = tl.load(x_ptr + r * C + c)
+    s1, s2 = tl.reduce((x, x * x), 1, _pair_sum)  # two inputs, the last axis (layer_norm's backward)
+    tl.store(s1_ptr + tl.arange(0, R), s1)
+    tl.store(s2_ptr + tl.arange(0, R), s2)
+    m, im = tl.reduce((x, (r * C + c).to(tl.int32)), 0, _first_max)  # a max with its first index, axis 0
+    tl.store(m_ptr + tl.arange(0, C), m)
+    tl.store(im_ptr + tl.arange(0, C), im)
+    tl.store(t_ptr, tl.reduce(x, None, _sum))  # every element
+    kept = tl.reduce(x, 1, _sum, keep_dims=True)  # [R, 1]
+    tl.store(k_ptr + r, kept)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_tree_reduce_equals_the_sequential_one(monkeypatch):
+    """tritongrad runs a kernel's own ``tl.reduce`` combine on halves of the axis, pairwise, where the
+    interpreter ran it once per element: the same results, exactly for a max with its first index (ties
+    included) and whole-number sums, and within float32 rounding for sums of random values; shapes as before,
+    with keep_dims and over every element."""
+    from triton.runtime import interpreter
+
+    def run(x):
+        R, C = x.shape
+        out = [torch.empty(R), torch.empty(R), torch.empty(C), torch.empty(C, dtype=torch.int32), torch.empty(1),
+               torch.empty(R)]
+        _custom_reduce_kernel[(1,)](x, *out, R=R, C=C)
+        return out
+
+    ints = torch.randint(-4, 5, (8, 16)).float()  # sums exact in any order; ties for the max
+    floats = torch.randn(4, 32)
+    tree = [run(ints), run(floats)]
+    assert getattr(interpreter.ReduceOps.generic_reduce, "_tree", False)
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", interpreter.ReduceOps.generic_reduce.__wrapped__)
+    sequential = [run(ints), run(floats)]
+    for got, want in zip(tree[0], sequential[0]):
+        assert torch.equal(got, want)
+    for got, want in zip(tree[1], sequential[1]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(tree[1][0], floats.sum(1))
+    assert torch.equal(tree[0][3].long(), ints.argmax(0) * 16 + torch.arange(16))
+
+
+@triton.jit
 def _int32_overflow_kernel(o_ptr, big):
     tl.store(o_ptr, big * 4)  # int32 times int32: wraps
 
