@@ -112,6 +112,10 @@ EXTENDED = {
         "the kit on the fused GRPO op beyond its values; the quick tier checks it against TRL's formula and keeps "
         "the kit's quick values (the op called alone: its backward recomputes the gradients)",
         {"values-*"}),
+    "tests/test_post_training.py::test_linear_dpo_suite": (
+        "the kit on the fused DPO op beyond its values; the quick tier checks it against TRL's formula for every "
+        "loss type, its chunks of one and two pairs and of rows against its float64 reference, and the op "
+        "called alone (its backward recomputes the gradients)", {"values-*"}),
     "tests/test_bench.py::test_every_built_in_op_runs": (
         "the bench's rows of the ops past the sweep's: the quick tier sweeps layer_norm through every provider, "
         "shape and mode, and times the examples' ops (test_examples); each op's bytes formula is checked here"),
