@@ -944,3 +944,16 @@ def test_grpo_step_benchmark_providers_train_the_same_function(tmp_path):
     assert [r["status"] for r in runs] == ["ok"] * 3, runs
     for r in runs:
         assert len(r["losses"]) == 3 and r["max_rel_loss_diff"] < 1e-5, r
+
+
+def test_dpo_reference_logps_are_constants_on_either_path(monkeypatch):
+    # reference log-probabilities that require grad get none, in chunks of whole pairs and in chunks of rows alike
+    t = _dpo_inputs(torch.float64)
+    for limits in (SMALL, dataclasses.replace(SMALL, pair_bytes=0)):
+        monkeypatch.setattr(P, "LIMITS", limits)
+        rc = t["ref_chosen_logps"].double().requires_grad_(True)
+        rr = t["ref_rejected_logps"].double().requires_grad_(True)
+        W = t["weight"].clone().requires_grad_(True)
+        loss, _ = linear_dpo_loss(t["input"], W, t["target"], ref_chosen_logps=rc, ref_rejected_logps=rr)
+        loss.backward()
+        assert rc.grad is None and rr.grad is None and W.grad is not None

@@ -775,8 +775,9 @@ def linear_dpo_loss(
         weight, bias: the policy's LM head.
         target: ``[2B, T]`` token ids; ``ignore_index`` (prompt, padding) is out of the sums.
         ref_chosen_logps, ref_rejected_logps: ``[B]`` the reference model's sequence log-probabilities
-            (TRL's precomputed ones); or, instead, ``ref_input`` ``[2B, T, H']`` with ``ref_weight`` (and
-            ``ref_bias``): the reference model's hidden states and head, scored here without gradient.
+            (TRL's precomputed ones), constants of the loss (detached); or, instead, ``ref_input``
+            ``[2B, T, H']`` with ``ref_weight`` (and ``ref_bias``): the reference model's hidden states and head,
+            scored here without gradient.
         completion_mask: ``[2B, T]``, optional, multiplied into the target's mask.
         beta, loss_type (``sigmoid``, ``hinge``, ``ipo``, ``robust``), label_smoothing: as TRL's DPOConfig.
             ``robust`` is TRL's robust DPO (label smoothing the flip probability, in [0, 0.5)); ``sigmoid`` with
@@ -811,6 +812,7 @@ def linear_dpo_loss(
                                         logit_softcap=logit_softcap)
             ref = (ref * mask).sum(-1)
         ref_chosen_logps, ref_rejected_logps = ref.chunk(2)
+    ref_chosen_logps, ref_rejected_logps = ref_chosen_logps.detach(), ref_rejected_logps.detach()
     tokens = mask.sum(-1)
     formula = dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
                    rejected_tokens=tokens.chunk(2)[1])
@@ -831,9 +833,9 @@ def linear_dpo_loss(
         grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]
     real = isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
     loss, chosen, rejected = linear_dpo_op(
-        x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps.detach(),
-        ref_rejected_logps.detach(), b, ignore_index, 1.0, float(logit_softcap) if real else logit_softcap, 1.0,
-        _as_float(beta), loss_type, _as_float(label_smoothing), grads,
+        x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps, ref_rejected_logps, b, ignore_index,
+        1.0, float(logit_softcap) if real else logit_softcap, 1.0, _as_float(beta), loss_type,
+        _as_float(label_smoothing), grads,
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch
