@@ -769,6 +769,17 @@ def dtensor_weight(rank):
     torch.testing.assert_close(got, want)
 
 
+def mean_over_ranks(grads):
+    # each rank's reference gradients (of its own sequence), averaged over the ranks: (a + b) / 2, as computed
+    # from both on one rank
+    out = {}
+    for name, g in grads.items():
+        total = g.clone()
+        dist.all_reduce(total)
+        out[name] = total / 2
+    return out
+
+
 def ddp_model(rank, **flags):
     # The same under DistributedDataParallel: its all-reduce averages the patched ops' gradients.
     import test_patch_models as T
@@ -776,10 +787,8 @@ def ddp_model(rank, **flags):
     tritongrad.unpatch_transformers()
     model = T._model("llama")
     batch = T._batch()
-    refs = [T._references(model, {k: v[r:r + 1] for k, v in batch.items()}) for r in range(2)]
-    (out32, grads32), (out64, grads64) = refs[rank][0], refs[rank][1]
-    mean32 = {n: (refs[0][0][1][n] + refs[1][0][1][n]) / 2 for n in grads32}
-    mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
+    (out32, grads32), (out64, grads64) = T._references(model, {k: v[rank:rank + 1] for k, v in batch.items()})
+    mean32, mean64 = mean_over_ranks(grads32), mean_over_ranks(grads64)
     report = tritongrad.patch(model, **flags)
     assert flags.get("cross_entropy") is not True or "cross_entropy" in report.ops(), report
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -810,10 +819,8 @@ def fsdp2_model(rank, head, tied, family="llama"):
     model = T._model(family, tie_word_embeddings=tied)
     batch = T._batch()
     mine = {k: v[rank:rank + 1] for k, v in batch.items()}
-    refs = [T._references(model, {k: v[r:r + 1] for k, v in batch.items()}) for r in range(2)]
-    (out32, grads32), (out64, grads64) = refs[rank][0], refs[rank][1]
-    mean32 = {n: (refs[0][0][1][n] + refs[1][0][1][n]) / 2 for n in grads32}
-    mean64 = {n: (refs[0][1][1][n] + refs[1][1][1][n]) / 2 for n in grads64}
+    (out32, grads32), (out64, grads64) = T._references(model, mine)
+    mean32, mean64 = mean_over_ranks(grads32), mean_over_ranks(grads64)
     report = tritongrad.patch(model)
     assert FSDP_OPS[family] <= set(report.ops()), (family, report)
     for layer in model.base_model.layers:
