@@ -207,10 +207,10 @@ def _interpreter_types_once() -> None:
 
 def _interpreter_tree_reduce() -> None:
     """``tl.reduce`` with a combine function of the kernel's own runs, in the interpreter, the combine once per
-    element, the whole front end each time (layer_norm's backward: 0.2 s a launch on 64 rows). It runs instead
-    on whole halves of the reduced axis, pairwise, as a GPU's tree reduction does: the same combines in another
-    order, which an associative combine (what ``tl.reduce`` asks for) allows; floating-point sums round as a
-    tree's do, not as a sequence's."""
+    element, the whole front end each time (layer_norm's backward; docs/measuring.md). It runs instead on whole
+    halves of the reduced axis, pairwise, as a GPU's tree reduction does: the same combines in another order,
+    which an associative combine (what ``tl.reduce`` asks for) allows; floating-point sums round as a tree's
+    do, not as a sequence's."""
     import numpy as np
     from triton.runtime import interpreter
 

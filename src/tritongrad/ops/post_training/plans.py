@@ -17,9 +17,9 @@ class Limits:
     """What bounds a chunk. ``LIMITS`` below is the one in force; tests replace it with a smaller one."""
 
     # One head's logits buffer of a chunk at most this many bytes: 256 MiB is 6.4% of the 4.2 GB logits of 16384
-    # tokens x 128256 classes in bfloat16, 1024 rows, where 752 rows (192 MiB) cost 6-7% more time (each chunk
-    # reads and writes all of grad_weight; docs/post-training.md). Per head: a chunk's cost goes with its rows,
-    # so distillation holds the teacher's chunk beside the student's rather than halving both ...
+    # tokens x 128256 classes in bfloat16, 1024 rows, which ran faster than 752 (192 MiB: each chunk reads and
+    # writes all of grad_weight; docs/post-training.md). Per head: a chunk's cost goes with its rows, so
+    # distillation holds the teacher's chunk beside the student's rather than halving both ...
     chunk_bytes: int = 256 << 20
     # ... in chunks of equal size (a ragged last chunk would be a small, inefficient product), a multiple of
     # this many rows ...
