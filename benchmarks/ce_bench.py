@@ -351,8 +351,9 @@ def chunk_budget(sizes=(8192, 16384), mibs=(64, 96, 128, 192), key="chunks"):
 def dpo_pairs():
     """The DPO loss at 8192 tokens (4 pairs of 1024-token sequences, the reference from its own hidden states and
     head) in chunks of whole pairs (the policy's logits once: four products with the reference's), one pair or as
-    many as ``pair_bytes`` holds (the default: two), and in chunks of 192 MiB of rows (pairs over ``pair_bytes``: the logits twice, five products), against the three products
-    alone; device time (CUDA-graph replay) and peak above the inputs, less the gradients."""
+    many as ``pair_bytes`` holds (the default: two), and in chunks of rows (pairs over ``pair_bytes``: the logits
+    twice, five products), against the three products alone; device time (CUDA-graph replay) and peak above the
+    inputs, less the gradients."""
     from tritongrad.bench.ops import OPS
     from tritongrad.ops.post_training import plans as PT
 

@@ -131,7 +131,8 @@ def dpo_ipo_bias(dtype, device):
     target = _targets(12, 24, (11,), device)
     return {"input": torch.randn(12, 8, device=device).to(dtype),
             "weight": (torch.randn(24, 8, device=device) / 2).to(dtype), "target": target, "token_weight": tw,
-            "ref_chosen_logps": -9 + torch.randn(2, device=device), "ref_rejected_logps": -9 + torch.randn(2, device=device),
+            "ref_chosen_logps": -9 + torch.randn(2, device=device),
+            "ref_rejected_logps": -9 + torch.randn(2, device=device),
             "bias": torch.randn(24, device=device).to(dtype), "logit_scale": 1.25, "logit_softcap": 4.0,
             "post_scale": 0.8, "beta": 0.5, "loss_type": "ipo", "differentiable_logps": True}
 
@@ -485,7 +486,8 @@ def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
               label_smoothing=0.2 if loss_type == "robust" else 0.0)
     pair = P.pair_bytes(5, 40, 8)
     results = []
-    for limits in (SMALL, dataclasses.replace(SMALL, pair_bytes=2 * pair), dataclasses.replace(SMALL, pair_bytes=pair - 1)):
+    for limits in (SMALL, dataclasses.replace(SMALL, pair_bytes=2 * pair),
+                   dataclasses.replace(SMALL, pair_bytes=pair - 1)):
         monkeypatch.setattr(P, "LIMITS", limits)
         x, w = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
         loss, m = linear_dpo_loss(x, w, t, ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, **kw)
