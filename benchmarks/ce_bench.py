@@ -292,6 +292,26 @@ def sweep(bw: float):
     RESULTS["sweep"] = rows
 
 
+def _products_graph_ms(N: int, H: int, V: int) -> float:
+    """Device time (CUDA-graph replay) of the linear losses' three products alone at N x H -> V in bf16: logits
+    = h W^T, grad_h = dlogits W, grad_W = dlogits^T h."""
+    h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
+    W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
+    dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
+    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+    gh, gw = torch.empty_like(h), torch.empty_like(W)
+
+    def gemms():
+        torch.mm(h, W.t(), out=logits)
+        torch.mm(dl, W, out=gh)
+        torch.mm(dl.t(), h, out=gw)
+
+    ms = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median")
+    del h, W, dl, logits, gh, gw
+    torch.cuda.empty_cache()
+    return ms
+
+
 def chunk_budget(sizes=(8192, 16384), mibs=(64, 96, 128, 192), key="chunks"):
     """Device time and peak memory of the linear losses for chunk budgets of ``mibs`` MiB of logits, and the
     three products alone (the floor: logits, grad_input, grad_weight). Peak: above the inputs, less the
@@ -302,21 +322,8 @@ def chunk_budget(sizes=(8192, 16384), mibs=(64, 96, 128, 192), key="chunks"):
     H, V = 4096, 128256
     rows = []
     for N in sizes:
-        h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
-        W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
-        dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
-        logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-        gh, gw = torch.empty_like(h), torch.empty_like(W)
-
-        def gemms():
-            torch.mm(h, W.t(), out=logits)
-            torch.mm(dl, W, out=gh)
-            torch.mm(dl.t(), h, out=gw)
-
-        floor = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median")
+        floor = _products_graph_ms(N, H, V)
         rows.append(dict(op="3 GEMMs", N=N, chunk_mib=None, graph_ms=floor, x_floor=1.0, peak_extra_gb=None))
-        del h, W, dl, logits, gh, gw
-        torch.cuda.empty_cache()
         ops = ["linear_cross_entropy", "linear_grpo_loss"]  # DPO's chunks: ``pairs``
         for name in ops:
             spec = OPS[name]
@@ -358,21 +365,8 @@ def dpo_pairs():
     from tritongrad.ops.post_training import plans as PT
 
     N, H, V = 8192, 4096, 128256
-    h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
-    W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
-    dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
-    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-    gh, gw = torch.empty_like(h), torch.empty_like(W)
-
-    def gemms():
-        torch.mm(h, W.t(), out=logits)
-        torch.mm(dl, W, out=gh)
-        torch.mm(dl.t(), h, out=gw)
-
-    floor = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median")
+    floor = _products_graph_ms(N, H, V)
     rows = [dict(op="3 GEMMs", N=N, chunks=None, products=3, graph_ms=floor, x_products=1.0, peak_extra_gb=None)]
-    del h, W, dl, logits, gh, gw
-    torch.cuda.empty_cache()
     spec = OPS["linear_dpo_loss"]
     inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
     h, W = inputs[0], inputs[1]
@@ -408,21 +402,8 @@ def distill_chunks():
     from tritongrad.ops.post_training import plans as PT
 
     N, H, V = 8192, 4096, 128256
-    h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16)
-    W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16)
-    dl = torch.randn(N, V, device="cuda", generator=_gen(), dtype=torch.bfloat16) * 1e-5
-    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-    gh, gw = torch.empty_like(h), torch.empty_like(W)
-
-    def gemms():
-        torch.mm(h, W.t(), out=logits)
-        torch.mm(dl, W, out=gh)
-        torch.mm(dl.t(), h, out=gw)
-
-    floor = triton.testing.do_bench_cudagraph(gemms, rep=500, return_mode="median") * 4 / 3
+    floor = _products_graph_ms(N, H, V) * 4 / 3
     rows = [dict(op="4 GEMMs", N=N, chunk_mib=None, graph_ms=floor, x_products=1.0, peak_extra_gb=None)]
-    del h, W, dl, logits, gh, gw
-    torch.cuda.empty_cache()
     spec = OPS["linear_jsd"]
     inputs = spec.inputs(N, H, torch.bfloat16, "cuda")
     h, W = inputs[0], inputs[1]

@@ -218,6 +218,21 @@ class _HeadGrads:
         return self.gi, gw, (self.gb.to(self.dtypes[1]) if self.gb is not None else None)
 
 
+def _forward_made(ctx, need, grad_loss, inputs, recompute) -> list:
+    """The gradients ``(input, weight, bias)`` asked for in ``need``, of an op whose forward made them for an
+    upstream gradient of 1 (``ctx.grad_input``, ``ctx.grad_weight``, ``ctx.grad_bias``; ``inputs``: the tensors
+    they are the gradients of): scaled by ``grad_loss`` (on the device; in place where the buffers may be taken,
+    ``_take_buffer``). Where one asked for was not made (the registered op called directly), ``recompute()``
+    makes all of ``need`` again."""
+    made = (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)
+    have = (made[0].numel() > 0 or inputs[0].numel() == 0, made[1].numel() > 0 or inputs[1].numel() == 0,
+            inputs[2] is None or made[2].numel() > 0 or inputs[2].numel() == 0)
+    if all(h or not n for n, h in zip(need, have)):
+        take = _take_buffer(ctx)
+        return [_scale(g, grad_loss, bool(take)) if n else None for n, g in zip(need, made)]
+    return [_scale(g, grad_loss, True) if g is not None else None for g in recompute()]
+
+
 def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_entropy, ignore_index, logit_scale,
                        need, f32: bool, logit_softcap: float | None = None, post_scale: float = 1.0):
     """The gradients (input, weight, bias; None where not in ``need``) for upstream gradients of the
@@ -463,21 +478,15 @@ def _linear_grpo_backward(ctx, grad_loss: torch.Tensor, grad_logprobs, grad_entr
                                         need, False)
         return gi, gw, None, None, None, gb, None, None
     # logprobs and entropy are the metrics' (the reference detaches them): their gradients are not read
-    made = (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)
-    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
-            ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
-            ctx.bias is None or ctx.grad_bias.numel() > 0 or ctx.bias.numel() == 0)
-    if all(h or not n for n, h in zip(need, have)):
-        take = _take_buffer(ctx)
-        out = [_scale(g, grad_loss, bool(take)) if n else None for n, g in zip(need, made)]
-    else:  # a gradient the forward was not asked for (the registered op called directly): recompute
+    def recompute():
         N = ctx.input.shape[0]
         lp = torch.empty(N, dtype=acc_dtype(ctx.input), device=ctx.input.device)
         parts = torch.empty((2, N), dtype=lp.dtype, device=ctx.input.device)
-        _, got = _grpo_pass(ctx.input, ctx.weight, ctx.target, ctx.advantages, ctx.token_weight, ctx.bias,
-                            ctx.old_logprobs, ctx.ref_logprobs, ctx.ignore_index, ctx.logit_scale, ctx.beta,
-                            ctx.epsilon_low, ctx.epsilon_high, ctx.delta, lp, None, parts, need)
-        out = [_scale(g, grad_loss, True) if g is not None else None for g in got]
+        return _grpo_pass(ctx.input, ctx.weight, ctx.target, ctx.advantages, ctx.token_weight, ctx.bias,
+                          ctx.old_logprobs, ctx.ref_logprobs, ctx.ignore_index, ctx.logit_scale, ctx.beta,
+                          ctx.epsilon_low, ctx.epsilon_high, ctx.delta, lp, None, parts, need)[1]
+
+    out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), recompute)
     return out[0], out[1], None, None, None, out[2], None, None
 
 
@@ -732,18 +741,10 @@ def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejecte
                             (grad_loss, torch.cat([grad_chosen, grad_rejected])))
         return got[0], got[1], None, None, None, None, got[2]
     # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
-    made = (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)
-    have = (ctx.grad_input.numel() > 0 or ctx.input.numel() == 0,
-            ctx.grad_weight.numel() > 0 or ctx.weight.numel() == 0,
-            ctx.bias is None or ctx.grad_bias.numel() > 0 or ctx.bias.numel() == 0)
-    if all(h or not n for n, h in zip(need, have)):
-        take = _take_buffer(ctx)
-        out = [_scale(g, grad_loss, bool(take)) if n else None for n, g in zip(need, made)]
-    else:  # a gradient the forward was not asked for (the registered op called directly): recompute
-        *_, got = _dpo_pass(ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps,
-                            ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
-                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, need)
-        out = [_scale(g, grad_loss, True) if g is not None else None for g in got]
+    out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), lambda: _dpo_pass(
+        ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps, ctx.ref_rejected_logps, ctx.bias,
+        ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap, ctx.post_scale, ctx.beta, ctx.loss_type,
+        ctx.label_smoothing, need)[3])
     return out[0], out[1], None, None, None, None, out[2]
 
 
@@ -928,20 +929,14 @@ def _linear_distill_backward(ctx, grad_loss: torch.Tensor):
     need_x, need_w = ctx.needs_input_grad[:2]
     need_b = ctx.needs_input_grad[5] and ctx.student_bias is not None
     need = (need_x, need_w, need_b)
-    have = (ctx.grad_input.numel() > 0 or ctx.student_input.numel() == 0,
-            ctx.grad_weight.numel() > 0 or ctx.student_weight.numel() == 0,
-            ctx.grad_bias.numel() > 0 or (ctx.student_bias is not None and ctx.student_bias.numel() == 0))
-    if all(h or not n for n, h in zip(need, have)):
-        # The forward computed them for an upstream gradient of 1: scale (on the device; nothing when it is 1).
-        take = _take_buffer(ctx)
-        out = [_scale(g, grad_loss, bool(take)) if n else None
-               for n, g in zip(need, (ctx.grad_input, ctx.grad_weight, ctx.grad_bias))]
-    else:  # a gradient the forward was not asked for (the registered op called directly): recompute
+
+    def recompute():
         rows = torch.empty(ctx.student_input.shape[0], dtype=acc_dtype(ctx.student_input),
                            device=ctx.student_input.device)
-        got = _distill_pass(ctx.student_input, ctx.student_weight, ctx.teacher_input, ctx.teacher_weight,
-                            ctx.row_weight, ctx.student_bias, ctx.teacher_bias, ctx.beta, ctx.logit_scale, need, rows)
-        out = [_scale(g, grad_loss, True) if g is not None else None for g in got]
+        return _distill_pass(ctx.student_input, ctx.student_weight, ctx.teacher_input, ctx.teacher_weight,
+                             ctx.row_weight, ctx.student_bias, ctx.teacher_bias, ctx.beta, ctx.logit_scale, need, rows)
+
+    out = _forward_made(ctx, need, grad_loss, (ctx.student_input, ctx.student_weight, ctx.student_bias), recompute)
     return out[0], out[1], None, None, None, out[2], None
 
 
