@@ -10,10 +10,11 @@ compare throughput, peak memory and loss.
     python benchmarks/train_llama.py --providers tritongrad --modes eager --time-limit 60
     python benchmarks/train_llama.py --runs hf:eager,tritongrad:eager,liger:eager,hf:compile  # these, in order
     python benchmarks/train_llama.py --world-sizes 1,2 --fsdp              # FSDP2 at world sizes 1 and 2
-    torchrun --nproc-per-node 2 benchmarks/train_llama.py --fsdp      # the same, launched by hand
+    python benchmarks/train_llama.py --world-sizes 1,2 --ddp               # DDP at world sizes 1 and 2
+    torchrun --nproc-per-node 2 benchmarks/train_llama.py --fsdp      # FSDP2, launched by hand
 
-Every run (provider x mode x world size) starts in a process of its own (torchrun for FSDP2 at more than one
-GPU), so class-level patches (Liger's) and compile caches never leak into the next run, and the peak memory is
+Every run (provider x mode x world size) starts in a process of its own (torchrun for FSDP2 or DDP at more
+than one GPU), so class-level patches (Liger's) and compile caches never leak into the next run, and the peak memory is
 the run's own. All runs see the same initial weights (each parameter drawn from a generator seeded by its name)
 and the same batches. Under torchrun the runs share the launched processes, one after another (Liger last:
 its patches stay).
@@ -40,8 +41,9 @@ without causal_mask: the explicit mask that transformers builds under torch.comp
 The data are sequences from a fixed random Markov chain (``MarkovChain``) whose entropy rate, printed as the
 loss floor, is the lowest loss any model can reach. Written under --out (default $OUT, else train-out),
 updated after every run: ``<stem>.json`` (settings, each run's losses, step times, patch report), ``<stem>.csv``
-(one row per run: tokens/s as the median over the steps after warm-up, peak memory, the largest loss
-difference to Hugging Face eager and to the same run at world size 1), ``<stem>-loss.png``,
+(one row per run: tokens/s as the median over the steps after warm-up, and per GPU; peak memory, the max over
+the ranks; the loss differences to Hugging Face eager and to the same provider and mode at world size 1, the
+unsharded run where there is one: per GPU, a sharded run's tokens/s as a fraction of that run's), ``<stem>-loss.png``,
 ``<stem>-throughput.png``, ``<stem>-memory.png``, and ``runs/<run>.json`` as each run goes.
 """
 
@@ -65,6 +67,10 @@ import traceback
 import zlib
 
 import torch
+
+# NVLink multicast stays off, also in the processes torchrun starts (they inherit this environment).
+for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
 
 if not torch.cuda.is_available():  # tritongrad's kernels on CPU: Triton's interpreter, chosen before import
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -128,7 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--total-time-limit", type=float, default=None,
                    help="seconds for all runs: runs not started by then are recorded as skipped")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard (any world size, 1 too)")
-    p.add_argument("--world-sizes", default="1", help="world sizes to run, e.g. 1,2 (more than 1: torchrun + FSDP2)")
+    p.add_argument("--ddp", action="store_true", help="replicate with DistributedDataParallel instead (any world size)")
+    p.add_argument("--world-sizes", default="1",
+                   help="world sizes to run, e.g. 1,2 (more than 1: torchrun, and FSDP2 unless --ddp); a size may\n"
+                        "name its own spread: 1,fsdp2,ddp2 (one GPU unwrapped, then FSDP2 and DDP on two)")
     p.add_argument("--tg-ops", default="rms_norm,swiglu,geglu,rope,linear_cross_entropy,causal_mask,"
                                        "fused_add_rms_norm",
                    help="tritongrad ops to patch (default: all but cross_entropy, which linear_cross_entropy "
@@ -144,6 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
     p.add_argument("--stem", default=None, help="output file stem (default train-<device>-<time>)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # provider:mode, set by the orchestrator
+    p.add_argument("--spread", default=None, help=argparse.SUPPRESS)  # fsdp, ddp or "" (none), set by it too
     args = p.parse_args(argv)
     sizes = dict(zip(("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "tied"), SIZES[args.size]))
     for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads"):
@@ -167,8 +177,28 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise SystemExit(f"unknown run(s) {bad}; each is provider:mode, a provider of {', '.join(PROVIDERS)} "
                              f"and a mode of {', '.join(MODES)}")
         args.run_list = pairs
-    args.world_size_list = [int(n) for n in args.world_sizes.split(",")]
+    if args.fsdp and args.ddp:
+        raise SystemExit("--fsdp and --ddp: choose one")
+    args.world_size_list = [_world_arg(args, w.strip()) for w in args.world_sizes.split(",") if w.strip()]
     return args
+
+
+def _world_arg(args, text: str) -> tuple[int, str | None]:
+    """A --world-sizes item: (ranks, spread), "2" spread as the flags say, "fsdp2" / "ddp2" as named."""
+    name = text.rstrip("0123456789")
+    if name not in ("", "fsdp", "ddp") or name == text:
+        raise SystemExit(f"--world-sizes item {text!r}: a number of ranks, optionally after fsdp or ddp (fsdp2)")
+    world = int(text[len(name):])
+    return world, (name or parallel(args, world))
+
+
+def parallel(args, world: int) -> str | None:
+    """How a run at ``world`` ranks is spread by default: "fsdp", "ddp", or None (one process, unwrapped)."""
+    if args.spread is not None:  # a worker: as its orchestrator says
+        return args.spread or None
+    if args.ddp:
+        return "ddp"
+    return "fsdp" if args.fsdp or world > 1 else None
 
 
 def _vocab_arg(text: str):
@@ -382,27 +412,31 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             ones: dict[str, float] | None = None) -> dict:
     rank, world, local_rank = _dist_info()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    fsdp = args.fsdp or world > 1
-    result = dict(run=run_name(provider, mode, world, fsdp), provider=provider, mode=mode, world_size=world,
-                  fsdp=fsdp, status="ok", losses=[], step_times=[], loss_floor=chain.entropy_rate)
+    spread = parallel(args, world)
+    result = dict(run=run_name(provider, mode, world, spread), provider=provider, mode=mode, world_size=world,
+                  parallel=spread, status="ok", losses=[], step_times=[], loss_floor=chain.entropy_rate)
     info = apply_provider(provider, args, "classes")
     model = build_model(args, device, ones)
     info.update(apply_provider(provider, args, "model", model))
     result.update(info)
     result["parameters"] = sum(p.numel() for p in model.parameters())
     result["attention"] = model.config._attn_implementation
-    if fsdp:
+    if spread == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
     if mode == "compile":
-        if fsdp:  # one graph per decoder layer, FSDP2's hooks between them (as torchtitan compiles)
+        if spread == "fsdp":  # one graph per decoder layer, FSDP2's hooks between them (as torchtitan compiles)
             for layer in model.model.layers:
                 layer.compile()
         else:
             model.compile()
+    step_model = model
+    if spread == "ddp":  # its all-reduce averages the gradients over the ranks
+        step_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None)
     fused = device.type == "cuda"
     opt, sched = _optimizer(model, args, fused)
     result["optimizer"] = "AdamW fused" if fused else "AdamW"
@@ -422,7 +456,7 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             prof.__enter__()
         ids = batches[step, rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = step_model(input_ids=ids, labels=ids).loss
         phases = [_max_alloc(device)]
         loss.backward()
         phases.append(_max_alloc(device))
@@ -476,7 +510,7 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
         import tritongrad
 
         tritongrad.unpatch(model)  # the module-wide rope too, for the next run in this process
-    del model, opt
+    del model, step_model, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -553,15 +587,15 @@ class _progress:
             self.bar.close()
 
 
-def run_name(provider: str, mode: str, world: int, fsdp: bool) -> str:
-    return f"{provider}-{mode}" + (f"-fsdp{world}" if fsdp else "")
+def run_name(provider: str, mode: str, world: int, spread: str | None) -> str:
+    return f"{provider}-{mode}" + (f"-{spread}{world}" if spread else "")
 
 
 def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
     """Run ``runs`` one after another in this process (each rank, under torchrun); rank 0 writes each run's
     JSON and calls ``on_result(result)``."""
     rank, world, local_rank = _dist_info()
-    if world > 1 or args.fsdp:
+    if parallel(args, world):
         import torch.distributed as dist
 
         if torch.cuda.is_available():
@@ -579,7 +613,7 @@ def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
     for provider, mode in runs:
         started = time.time()
         if rank == 0:
-            print(f"== {run_name(provider, mode, world, args.fsdp or world > 1)}: world size {world}, "
+            print(f"== {run_name(provider, mode, world, parallel(args, world))}: world size {world}, "
                   f"loss floor {chain.entropy_rate:.4f}", flush=True)
         try:
             if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
@@ -587,8 +621,8 @@ def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
             result = run_one(args, provider, mode, chain, batches, started, ones)
         except Exception as e:  # noqa: BLE001 - a failed provider is a result, the next one still runs
             skipped = isinstance(e, Skipped)
-            result = dict(run=run_name(provider, mode, world, args.fsdp or world > 1), provider=provider,
-                          mode=mode, world_size=world, fsdp=args.fsdp or world > 1,
+            result = dict(run=run_name(provider, mode, world, parallel(args, world)), provider=provider,
+                          mode=mode, world_size=world, parallel=parallel(args, world),
                           status=(f"skipped: {e}" if skipped else f"error: {type(e).__name__}: {e}")[:500],
                           losses=[], step_times=[])
             if not skipped:
@@ -604,7 +638,7 @@ def worker(args, runs: list[tuple[str, str]], on_result=None) -> None:
             _summary_line(result)
             if on_result is not None:
                 on_result(result)
-    if world > 1 or args.fsdp:
+    if parallel(args, world):
         torch.distributed.destroy_process_group()
 
 
@@ -638,22 +672,21 @@ def orchestrate(args, argv: list[str]) -> int:
     stem, meta = _meta(args)
     results = []
     t_start = time.time()
-    for world in args.world_size_list:
-        fsdp = args.fsdp or world > 1
+    for world, spread in args.world_size_list:
         for provider, mode in args.run_list:
-            name = run_name(provider, mode, world, fsdp)
+            name = run_name(provider, mode, world, spread)
             left = None if args.total_time_limit is None else args.total_time_limit - (time.time() - t_start)
             if left is not None and left < 10:
-                results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
+                results.append(dict(run=name, provider=provider, mode=mode, world_size=world, parallel=spread,
                                     status="skipped: total time limit", losses=[], step_times=[]))
                 continue
             if provider == "liger" and importlib.util.find_spec("liger_kernel") is None:
-                results.append(dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=fsdp,
+                results.append(dict(run=name, provider=provider, mode=mode, world_size=world, parallel=spread,
                                     status="skipped: liger_kernel is not installed", losses=[], step_times=[]))
                 _summary_line(results[-1])
                 continue
             limit = args.time_limit if left is None else min(args.time_limit, left)
-            results.append(_spawn(args, argv, provider, mode, world, name, limit))
+            results.append(_spawn(args, argv, provider, mode, world, spread, name, limit))
             write_reports(args.out, stem, meta, results)
     print(f"\nloss floor {meta['loss_floor']:.4f}; {meta['device']}")
     for r in results:
@@ -662,7 +695,7 @@ def orchestrate(args, argv: list[str]) -> int:
     return 0
 
 
-def _spawn(args, argv, provider, mode, world, name, limit) -> dict:
+def _spawn(args, argv, provider, mode, world, spread, name, limit) -> dict:
     path = os.path.join(args.out, "runs", name + ".json")
     if os.path.exists(path):
         os.remove(path)
@@ -675,8 +708,9 @@ def _spawn(args, argv, provider, mode, world, name, limit) -> dict:
             skip = True
             continue
         child.append(a)
-    cmd = [os.path.abspath(__file__), *child, "--worker", f"{provider}:{mode}", f"--time-limit={limit}"]
-    if world > 1 or args.fsdp:
+    cmd = [os.path.abspath(__file__), *child, "--worker", f"{provider}:{mode}", f"--spread={spread or ''}",
+           f"--time-limit={limit}"]
+    if spread:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *cmd]
     else:
         cmd = [sys.executable, *cmd]
@@ -689,7 +723,7 @@ def _spawn(args, argv, provider, mode, world, name, limit) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    result = dict(run=name, provider=provider, mode=mode, world_size=world, fsdp=args.fsdp or world > 1,
+    result = dict(run=name, provider=provider, mode=mode, world_size=world, parallel=spread,
                   status=f"no result (exit {rc})", losses=[], step_times=[], wall_s=round(time.time() - started, 2))
     _summary_line(result)
     return result
@@ -703,16 +737,26 @@ def write_reports(out: str, stem: str, meta: dict, results: list[dict]) -> None:
         r["max_loss_diff_vs_hf_eager"] = _max_diff(r, ref)
         r["mean_rel_loss_diff_vs_hf_eager"] = _mean_rel_diff(r, ref)
         r["first_loss_rel_diff_vs_hf_eager"] = _mean_rel_diff(r, ref, 1)
-        single = by_name.get(run_name(r["provider"], r["mode"], 1, False))
-        if single is None or not single["losses"] or r["world_size"] == 1:
-            single = by_name.get(run_name(r["provider"], r["mode"], 1, True)) if r["world_size"] > 1 else single
-        r["max_loss_diff_vs_world_size_1"] = _max_diff(r, single) if r["fsdp"] else None
+        tps = r.get("tokens_per_s")
+        r["tokens_per_s_per_gpu"] = tps / r["world_size"] if tps else None
+        single = None
+        if r.get("parallel"):  # the same provider and mode on one GPU: unwrapped, else wrapped at world size 1
+            single = next((by_name[n] for n in (run_name(r["provider"], r["mode"], 1, None),
+                                                 run_name(r["provider"], r["mode"], 1, r["parallel"]))
+                           if n in by_name and n != r["run"] and by_name[n]["losses"]), None)
+        r["world_size_1_run"] = single["run"] if single else None
+        r["max_loss_diff_vs_world_size_1"] = _max_diff(r, single)
+        r["mean_rel_loss_diff_vs_world_size_1"] = _mean_rel_diff(r, single)
+        r["first_loss_rel_diff_vs_world_size_1"] = _mean_rel_diff(r, single, 1)
+        one = single.get("tokens_per_s") if single else None
+        r["per_gpu_vs_world_size_1"] = r["tokens_per_s_per_gpu"] / one if one and tps else None
     with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump(dict(meta, runs=results), f, indent=1)
-    cols = ["run", "provider", "mode", "world_size", "fsdp", "steps", "tokens_per_s", "peak_mem_gib",
-            "first_loss", "last_loss", "max_loss_diff_vs_hf_eager", "mean_rel_loss_diff_vs_hf_eager",
-            "first_loss_rel_diff_vs_hf_eager", "max_loss_diff_vs_world_size_1", "graph_breaks", "setup_s",
-            "wall_s", "status"]
+    cols = ["run", "provider", "mode", "world_size", "parallel", "steps", "tokens_per_s", "tokens_per_s_per_gpu",
+            "per_gpu_vs_world_size_1", "peak_mem_gib", "first_loss", "last_loss", "max_loss_diff_vs_hf_eager",
+            "mean_rel_loss_diff_vs_hf_eager", "first_loss_rel_diff_vs_hf_eager", "world_size_1_run",
+            "first_loss_rel_diff_vs_world_size_1", "mean_rel_loss_diff_vs_world_size_1",
+            "max_loss_diff_vs_world_size_1", "graph_breaks", "setup_s", "wall_s", "status"]
     with open(os.path.join(out, stem + ".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)

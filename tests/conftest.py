@@ -119,6 +119,9 @@ EXTENDED = {
     "tests/test_bench.py::test_every_built_in_op_runs": (
         "the bench's rows of the ops past the sweep's: the quick tier sweeps layer_norm through every provider, "
         "shape and mode, and times the examples' ops (test_examples); each op's bytes formula is checked here"),
+    "tests/test_train_llama.py::test_fsdp2_and_ddp_runs_match_one_process": (
+        "the training benchmark's runs on two ranks and their report; the library on two ranks (every patched op, "
+        "the sharded LM head, FSDP2 and DDP) is the quick tier's test_two_ranks_dtensor_weight_fsdp2_and_ddp"),
     "tests/test_patch_models.py::test_all_ops_match_hf": (
         "the families beyond Llama: the family matrix (test_zoo.py) checks every family, more closely", {"llama"}),
     **{f"tests/test_norms.py::{t}": (ONE_PARAMETER_AT_A_TIME, NORMS) for t in (

@@ -747,6 +747,8 @@ _TWO_RANKS = """
 import os, sys, tempfile
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
+DEVICE = os.environ["TWO_RANKS_DEVICE"]  # cpu: gloo, the kernels in the interpreter; cuda: NCCL, a GPU a rank
+
 
 def dtensor_weight(rank):
     # A patched norm called with a still-sharded weight: gathered, and its gradient averaged over the ranks.
@@ -754,11 +756,11 @@ def dtensor_weight(rank):
     from torch.distributed.tensor import Shard, distribute_tensor
     import tritongrad
     from tritongrad import _hf, zoo
-    mesh = init_device_mesh("cpu", (2,))
-    w = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    mesh = init_device_mesh(DEVICE, (2,))
+    w = torch.randn(8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
-    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(r + 1)) for r in range(2)]
-    g = torch.arange(8.0)
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(r + 1)).to(DEVICE) for r in range(2)]
+    g = torch.arange(8.0, device=DEVICE)
     (tritongrad.rms_norm(xs[rank], [8], _hf._plain(weight), 1e-6) * g).sum().backward()
     got = weight.grad.full_tensor()
     want = 0
@@ -833,10 +835,56 @@ def fsdp2_model(rank, head, tied, family="llama"):
     tritongrad.unpatch_transformers()
 
 
+def sharded_head(rank, rows, hidden, vocab):
+    # linear_cross_entropy with the LM head's weight sharded by fully_shard (all-gathered in the forward, its
+    # gradient reduce-scattered), each rank on its own rows: the weight's gradient is the mean over ranks of the
+    # unsharded loss's, each rank's input gradient its own, both within float32's rounding (against float64).
+    import test_patch_models as T
+    import tritongrad
+    from torch.distributed.fsdp import fully_shard
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
+    hs = [torch.randn(rows, hidden, generator=g, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randint(0, vocab, (rows,), generator=g) for _ in range(2)]
+    for y in ys:
+        y[::5] = -100  # ignored rows: each rank's mean over its own valid rows
+
+    def reference(dtype):
+        wr = w.to(DEVICE, dtype, copy=True).requires_grad_()
+        hr = hs[rank].to(DEVICE, dtype, copy=True).requires_grad_()
+        torch.nn.functional.cross_entropy(hr @ wr.t(), ys[rank].to(DEVICE)).backward()
+        return hr.grad, mean_over_ranks({"w": wr.grad})["w"]
+
+    class Head(torch.nn.Module):  # the loss in the head's FSDP unit: its forward sees the gathered weight
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(hidden, vocab, bias=False, device=DEVICE)
+
+        def forward(self, h, y):
+            return tritongrad.linear_cross_entropy(h, self.lm_head.weight, y)
+
+    (h32, w32), (h64, w64) = reference(torch.float32), reference(torch.float64)
+    head = Head()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(w)  # float32
+    fully_shard(head)
+    assert type(head.lm_head.weight).__name__ == "DTensor"
+    h = hs[rank].to(DEVICE, torch.float32).requires_grad_()
+    head(h, ys[rank].to(DEVICE)).backward()
+    T._assert_earned(h.grad, h32, h64, f"rank {rank}: grad of the input")
+    T._assert_earned(head.lm_head.weight.grad.full_tensor(), w32, w64, f"rank {rank}: grad of the sharded weight")
+
+
 def main(rank, path):
     sys.path.insert(0, os.environ["TESTS_DIR"])
-    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", init_method="file://" + path, rank=rank,
+                            world_size=2)
     try:
+        if DEVICE == "cuda":  # the loss at a real size: several chunks of rows, vocabulary tiles
+            sharded_head(rank, 4096, 512, 32768)
+        sharded_head(rank, 24, 32, 96)
         dtensor_weight(rank)
         for head, tied in (("root", False), ("own", False), ("root", True)):
             fsdp2_model(rank, head, tied)
@@ -850,30 +898,37 @@ def main(rank, path):
 
 
 if __name__ == "__main__":
-    # The ranks fork from a process that has imported what they use, rather than each importing it again.
+    # CPU ranks fork from a process that has imported what they use, rather than each importing it again; CUDA
+    # ranks are spawned (a forked CUDA runtime is unusable).
     sys.path.insert(0, os.environ["TESTS_DIR"])
-    import test_patch_models, tritongrad, transformers  # noqa: F401
-    mp.start_processes(main, args=(tempfile.mktemp(),), nprocs=2, start_method="fork")
+    if DEVICE == "cpu":
+        import test_patch_models, tritongrad, transformers  # noqa: F401
+    mp.start_processes(main, args=(tempfile.mktemp(),), nprocs=2, start_method="fork" if DEVICE == "cpu" else "spawn")
     print("ok")
 """
 
 
-def test_two_ranks_dtensor_weight_fsdp2_and_ddp(tmp_path):
-    # Two gloo ranks on CPU. A weight still sharded when a patched module runs (called outside its FSDP unit)
-    # is gathered, and its gradient, different on each rank, comes back averaged, as FSDP2 averages. A tiny
-    # Llama patched with every op and fully_shard-ed (the LM head in the root's unit, in its own unit, and tied
-    # to the embedding), Gemma 2, Phi3 and GPT-NeoX (the ops Llama does not have: FSDP_OPS), and under DDP (the
-    # loss from hidden states, and on the logits), gives each rank the unpatched model's loss and the mean of
-    # its gradients over ranks.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs"))])
+def test_two_ranks_dtensor_weight_fsdp2_and_ddp(device, tmp_path):
+    # Two ranks: gloo on CPU (in CI), NCCL on two GPUs. A weight still sharded when a patched module runs
+    # (called outside its FSDP unit) is gathered, and its gradient, different on each rank, comes back averaged,
+    # as FSDP2 averages. linear_cross_entropy under a sharded LM head (on GPUs at a real size too) gets the
+    # unsharded gradients. A tiny Llama patched with every op and fully_shard-ed (the LM head in the root's
+    # unit, in its own unit, and tied to the embedding), Gemma 2, Phi3 and GPT-NeoX (the ops Llama does not
+    # have: FSDP_OPS), and under DDP (the loss from hidden states, and on the logits), gives each rank the
+    # unpatched model's loss and the mean of its gradients over ranks.
     pytest.importorskip("torch.distributed.tensor")
     pytest.importorskip("torch.distributed.fsdp").fully_shard
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
     tests = os.path.dirname(os.path.abspath(__file__))
     src = os.path.join(os.path.dirname(tests), "src")
-    # CPU ranks with the kernels in the interpreter, also on a GPU machine (gloo, CPU tensors).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), TESTS_DIR=tests,
-               CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+               TWO_RANKS_DEVICE=device, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    if device == "cpu":  # CPU ranks with the kernels in the interpreter, also on a GPU machine (CPU tensors)
+        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
