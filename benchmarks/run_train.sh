@@ -7,6 +7,7 @@
 #   bash benchmarks/run_train.sh                                          # all 6 runs in TRAIN_BUDGET seconds
 #   TRAIN_ARGS="--providers tritongrad --modes eager" bash benchmarks/run_train.sh       # one provider alone
 #   TRAIN_ARGS="--world-sizes 1,2 --fsdp --modes eager" bash benchmarks/run_train.sh     # FSDP2, 1 and 2 GPUs
+#   TRAIN_ARGS="--world-sizes 1,fsdp2,ddp2 --modes eager" bash benchmarks/run_train.sh   # 1 GPU, FSDP2, DDP
 #
 # Nothing is installed from a network: tritongrad runs from src/ (PYTHONPATH), and Liger comes as a wheel in
 # the repository's .whl/ folder (ignored by git; see benchmarks/run_gpu.sh for how to fetch it), installed
