@@ -12,7 +12,8 @@ tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plan
 the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three products at that
 N), ``larger`` (as ``chunks``, with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
 chunks of whole pairs and in chunks of rows, against the three products), ``distill`` (linear_jsd at N=8192
-with chunks of 192-768 MiB, against its four products).
+with chunks of 192-768 MiB, against its four products), ``f32`` (linear_cross_entropy at the target shape
+with grad_weight accumulated in bf16 and in float32, alternated twice).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -207,6 +208,30 @@ def bench_lce():
     RESULTS["linear_cross_entropy"] = rows
 
 
+def grad_weight_f32():
+    """linear_cross_entropy at the target shape with grad_weight accumulated in the weight's dtype (the
+    default) and in float32 (``grad_weight_f32=True``): time, peak, and the three products' time."""
+    N, H, V = 16384, 4096, 128256
+    h = (torch.randn(N, H, device="cuda", generator=_gen()) / 4).to(torch.bfloat16).requires_grad_()
+    W = (torch.randn(V, H, device="cuda", generator=_gen()) / H**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda", generator=_gen())
+    floor = _products_graph_ms(N, H, V)
+    rows = []
+    for f32 in (False, True, False, True):
+        def run(f32=f32):
+            tritongrad.linear_cross_entropy(h, W, t, grad_weight_f32=f32).backward()
+        run()
+        ms, gms = _time(run, [h, W], rep=500)
+        peak = _peak(run, [h, W]) - (h.numel() + W.numel()) * 2 / 1e9
+        rows.append(dict(grad_weight_f32=f32, ms=ms, graph_ms=gms, x_products=(gms or ms) / floor,
+                         peak_extra_gb=peak))
+        print(f"  grad_weight_f32={f32!s:5}: {ms:8.3f} ms, graph {_fmt(gms)} ms = {(gms or ms) / floor:5.3f}x the 3 "
+              f"products ({floor:.3f}), peak +{peak:.3f} GB")
+        h.grad = W.grad = None
+        torch.cuda.empty_cache()
+    RESULTS["grad_weight_f32"] = rows
+
+
 def accuracy_lce():
     """Max and relative errors of the loss and gradients against float64, tritongrad vs eager bf16."""
     torch.manual_seed(0)
@@ -234,6 +259,7 @@ def accuracy_lce():
         del z, logp, d
     out = {}
     for name, f in (("tritongrad", lambda a, b: tritongrad.linear_cross_entropy(a, b, t)),
+                    ("tritongrad f32", lambda a, b: tritongrad.linear_cross_entropy(a, b, t, grad_weight_f32=True)),
                     ("eager", lambda a, b: F.cross_entropy(F.linear(a, b), t))):
         a, b = h.clone().requires_grad_(), W.clone().requires_grad_()
         loss = f(a, b)
@@ -438,7 +464,7 @@ def main():
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
          "chunks": chunk_budget, "pairs": dpo_pairs,
          "larger": lambda: chunk_budget((8192, 16384), (192, 256, 384, 512), "larger_chunks"),
-         "distill": distill_chunks}[part]()
+         "distill": distill_chunks, "f32": grad_weight_f32}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1,
