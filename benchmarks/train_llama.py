@@ -13,9 +13,9 @@ compare throughput, peak memory and loss.
     python benchmarks/train_llama.py --world-sizes 1,2 --ddp               # DDP at world sizes 1 and 2
     torchrun --nproc-per-node 2 benchmarks/train_llama.py --fsdp      # FSDP2, launched by hand
 
-Every run (provider x mode x world size) starts in a process of its own (torchrun for FSDP2 or DDP at more
-than one GPU), so class-level patches (Liger's) and compile caches never leak into the next run, and the peak memory is
-the run's own. All runs see the same initial weights (each parameter drawn from a generator seeded by its name)
+Every run (provider x mode x world size) starts in a process of its own (torchrun for FSDP2 and DDP), so
+class-level patches (Liger's) and compile caches never leak into the next run, and the peak memory is the
+run's own. All runs see the same initial weights (each parameter drawn from a generator seeded by its name)
 and the same batches. Under torchrun the runs share the launched processes, one after another (Liger last:
 its patches stay).
 
@@ -41,9 +41,9 @@ without causal_mask: the explicit mask that transformers builds under torch.comp
 The data are sequences from a fixed random Markov chain (``MarkovChain``) whose entropy rate, printed as the
 loss floor, is the lowest loss any model can reach. Written under --out (default $OUT, else train-out),
 updated after every run: ``<stem>.json`` (settings, each run's losses, step times, patch report), ``<stem>.csv``
-(one row per run: tokens/s as the median over the steps after warm-up, and per GPU; peak memory, the max over
-the ranks; the loss differences to Hugging Face eager and to the same provider and mode at world size 1, the
-unsharded run where there is one: per GPU, a sharded run's tokens/s as a fraction of that run's), ``<stem>-loss.png``,
+(one row per run: tokens/s, the median over the steps after warm-up, in all and per GPU; peak memory, the max
+over the ranks; the loss differences to Hugging Face eager and, for FSDP2 and DDP runs, to the same provider
+and mode on one GPU (unwrapped where that ran), with tokens/s per GPU as a fraction of that run's), ``<stem>-loss.png``,
 ``<stem>-throughput.png``, ``<stem>-memory.png``, and ``runs/<run>.json`` as each run goes.
 """
 
