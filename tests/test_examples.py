@@ -108,21 +108,30 @@ def test_bench_refuses_what_cannot_be_loaded(capsys, monkeypatch):
 
 
 def test_examples_run_as_scripts():
-    """``python examples/<name>.py`` (in the interpreter without a GPU) prints its op's node and its errors
+    """Each example run as a script (in the interpreter without a GPU) prints its op's node and its errors
     against the reference relative to the reference's size, each under 1e-5 (float32 rounding is about 1e-7;
-    absolute errors of sums near 50 came within a few ulps of 1e-5 and made this test fail now and then)."""
+    absolute errors of sums near 50 came within a few ulps of 1e-5 and made this test fail now and then). The
+    scripts run one after the other as ``__main__`` in one fresh process, which imports torch once."""
     import re
     import subprocess
 
-    for name, node, n_errors in (("softcap", "SoftcapBackward", 2), ("weighted_sum", "WeightedSumBackward", 3)):
-        # PYTHONPATH: tritongrad from src/ where it is not installed; the interpreter where there is no GPU
-        env = {"PATH": "/usr/bin:/bin", **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ},
-               **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})}
-        out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py")], capture_output=True, text=True,
-                             env=env, timeout=300, cwd=ROOT)
-        assert out.returncode == 0 and f"{node} object" in out.stdout, out.stderr[-2000:]
-        errors = [float(v) for v in re.findall(r"= ([0-9.e+-]+)$", out.stdout, re.M)]
-        assert len(errors) == n_errors and max(errors) < 1e-5, out.stdout
+    scripts = {"softcap": ("SoftcapBackward", 2), "weighted_sum": ("WeightedSumBackward", 3)}
+    code = ("import runpy, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    print('== ' + name, flush=True)\n"
+            "    runpy.run_path('examples/' + name + '.py', run_name='__main__')\n")
+    # PYTHONPATH: tritongrad from src/ where it is not installed; the interpreter where there is no GPU
+    env = {"PATH": "/usr/bin:/bin", **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ},
+           **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})}
+    out = subprocess.run([sys.executable, "-c", code, *scripts], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = dict(re.findall(r"^== (\w+)\n(.*?)(?=^== |\Z)", out.stdout, re.M | re.S))
+    assert sorted(printed) == sorted(scripts), out.stdout
+    for name, (node, n_errors) in scripts.items():
+        assert f"{node} object" in printed[name], printed[name]
+        errors = [float(v) for v in re.findall(r"= ([0-9.e+-]+)$", printed[name], re.M)]
+        assert len(errors) == n_errors and max(errors) < 1e-5, printed[name]
 
 
 @pytest.mark.gpu

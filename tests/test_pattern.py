@@ -572,15 +572,34 @@ def test_export_of_a_module_calling_user_ops():
 
 
 # ---------------------------------------------------------------- without the interpreter, the kit, the example
+# The kit's refusal, first, in the same fresh process (one import of torch for both).
+_KIT_REFUSES = """
+import torch
+from tritongrad.testing import OpSuite, use_interpreter
+from softcap import softcap
+try:
+    OpSuite(softcap, [lambda dtype, device: (torch.randn(3, 5, dtype=dtype, device=device),)]).run_all()
+except RuntimeError as e:
+    print("kit:", e)
+try:
+    use_interpreter()
+except RuntimeError as e:
+    print("use_interpreter:", e)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors take the PyTorch path only where no GPU kernels serve them")
-def test_cpu_path_without_interpreter():
+@pytest.mark.parametrize("first_backend", ["aot_eager", "inductor"])
+def test_cpu_path_without_interpreter(first_backend):
     # A fresh process without TRITON_INTERPRET: CPU tensors take each op's reference (PyTorch's autograd, no
     # launch), eager and compiled; the registered ops run the reference too (opcheck); patch() works.
+    # Without a GPU or the interpreter the kit would compare the reference with itself: it refuses, and says
+    # what to do. The first case compiled with Inductor (its reference lowered) is in the extended tier.
     code = textwrap.dedent("""
         import sys
         sys.path.insert(0, "examples")
-        import torch, tritongrad
+    """) + _KIT_REFUSES + f"FIRST_BACKEND = {first_backend!r}\n" + textwrap.dedent("""        import torch, tritongrad
         import torch.nn.functional as F
         from tritongrad import _runtime
         from softcap import softcap
@@ -610,9 +629,9 @@ def test_cpu_path_without_interpreter():
             for a, e in zip(got, exp):
                 assert a.dtype == e.dtype
                 torch.testing.assert_close(a, e, atol=0.05, rtol=0.02)
-            # Inductor lowers the first case's reference; the others are traced alone (aot_eager), which is
-            # where a graph break or a fake-tensor failure of the registered op would show.
-            backend = "inductor" if i == 0 else "aot_eager"
+            # Inductor lowers the first case's reference (extended tier); every case is traced alone (aot_eager),
+            # which is where a graph break or a fake-tensor failure of the registered op would show.
+            backend = FIRST_BACKEND if i == 0 else "aot_eager"
             fc = torch.compile(lambda x, w, b: f(x, w, b).float().sum(), fullgraph=True, backend=backend)
             gc = torch.autograd.grad(fc(x, w, b), (x, w))
             ge = torch.autograd.grad(f(x, w, b).float().sum(), (x, w))
@@ -628,28 +647,6 @@ def test_cpu_path_without_interpreter():
     """)
     out = run_without_interpreter(["-c", code])
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="with a GPU the kit tests the compiled kernels")
-def test_kit_refuses_without_gpu_or_interpreter():
-    # Without either, the kit would compare the reference with itself: it refuses, and says what to do.
-    code = textwrap.dedent("""
-        import sys
-        sys.path.insert(0, "examples")
-        import torch
-        from tritongrad.testing import OpSuite, use_interpreter
-        from softcap import softcap
-        try:
-            OpSuite(softcap, [lambda dtype, device: (torch.randn(3, 5, dtype=dtype, device=device),)]).run_all()
-        except RuntimeError as e:
-            print("kit:", e)
-        try:
-            use_interpreter()
-        except RuntimeError as e:
-            print("use_interpreter:", e)
-    """)
-    out = run_without_interpreter(["-c", code])
-    assert out.returncode == 0, out.stderr[-3000:]
     assert "kit: tritongrad.testing: no GPU and Triton's interpreter is off" in out.stdout
     assert "Call tritongrad.testing.use_interpreter() before triton is imported" in out.stdout
     assert "use_interpreter: tritongrad.testing.use_interpreter(): triton is already imported" in out.stdout
@@ -980,13 +977,16 @@ def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
     """The interpreter patches ``triton.language`` when a kernel starts and at every call of a jit helper;
     tritongrad skips the helpers' repeats (most of the interpreter's time in kernels written with helpers). The
     language is walked as often for 8 helper calls as for 1, the results are right, and the language is
-    restored when the kernel ends."""
+    restored when the kernel ends, also the module that only its helper names (``tl.zeros`` sees
+    ``triton.language.core``)."""
     from triton.runtime import interpreter
 
     walks = []
     walk = interpreter._patch_builtin
     monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (walks.append(1), walk(*a))[1])
     load = tl.load
+    members = lambda m: {k: v for k, v in vars(m).items() if not k.startswith("__")}  # noqa: E731
+    before = {m: members(m) for m in (tl, tl.core, tl.math, tl.tensor)}
     counts = {}
     _helper_loop_kernel[(1,)](torch.zeros(4), 1)  # the first launch rewrites the functions (their globals too)
     for n in (1, 8):
@@ -1000,6 +1000,53 @@ def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
         counts[n] = len(walks)
     assert counts[1] == counts[8] > 0
     assert tl.load is load
+    # tl.zeros's helper sees triton.language.core, which the kernel does not name: patched for the kernel too,
+    # and restored with it
+    assert {m: members(m) for m in before} == before
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_builtin_walk_kept_wraps_what_the_walk_wraps():
+    """tritongrad keeps the names of the language's callable members instead of listing every member at each
+    launch. On each module and class the interpreter walks, the kept walk wraps the same members as the listing,
+    with the same builtins inside, both on the plain language and inside a launch (where they are wrapped
+    already, and neither wraps them again), also when its names were first taken inside a launch; and it
+    restores the language as the listing does."""
+    from triton.runtime import interpreter
+
+    kept, listing = interpreter._patch_builtin, interpreter._patch_builtin.__wrapped__
+    pkgs = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base)
+
+    def wrapped_by(walk, pkg):
+        scope = interpreter._LangPatchScope()
+        before = {n: getattr(pkg, n) for n in dir(pkg)}
+        walk(pkg, interpreter.interpreter_builder, scope)
+        changed = {n: getattr(pkg, n).__defaults__ for n in dir(pkg) if getattr(pkg, n) != before[n]}
+        scope.restore()
+        assert {n: getattr(pkg, n) for n in dir(pkg)} == before
+        return changed
+
+    kept._names.clear()  # first walked inside a launch, where some members are wrapped (and others replaced)
+    outer = interpreter._LangPatchScope()
+    for pkg in pkgs:
+        listing(pkg, interpreter.interpreter_builder, outer)
+    interpreter._patch_lang_core(tl, outer)
+    try:
+        for pkg in pkgs:
+            kept(pkg, interpreter.interpreter_builder, interpreter._LangPatchScope())
+    finally:
+        outer.restore()
+    for pkg in pkgs:
+        want = wrapped_by(listing, pkg)
+        assert want, pkg  # the builtins: each wrapper holds its builtin as its default argument
+        assert wrapped_by(kept, pkg) == want, pkg
+        assert wrapped_by(kept, pkg) == want, pkg  # kept from the first walk
+        outer = interpreter._LangPatchScope()
+        listing(pkg, interpreter.interpreter_builder, outer)
+        try:  # inside a launch: nothing left to wrap for either
+            assert wrapped_by(kept, pkg) == wrapped_by(listing, pkg) == {}, pkg
+        finally:
+            outer.restore()
 
 
 def test_a_bound_launch_runs_on_the_tensors_it_is_given_and_keeps_none_alive():

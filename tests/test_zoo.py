@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, GC_THRESHOLDS
 
 from tritongrad import zoo
 
@@ -82,6 +82,8 @@ def _run_matrix(names=None, modes=("eager",), only=None):
         "import json, sys, warnings; warnings.filterwarnings('ignore');"
         "import transformers; transformers.logging.set_verbosity_error();"
         "from tritongrad import zoo;"
+        # as the test processes do after collection (tests/conftest.py)
+        f"import gc; gc.collect(); gc.freeze(); gc.set_threshold(*{GC_THRESHOLDS!r});"
         f"print(json.dumps(zoo.run({names!r}, {modes!r}, only={only!r})))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -69,13 +69,17 @@ def _interpreter_patches_once_a_launch() -> None:
     it when the kernel ends), and again at every call of a ``@triton.jit`` helper inside it, each time by
     walking every member of the language's modules: in kernels written with helpers that walk is most of the
     interpreter's time. A helper whose modules the running kernel has patched already skips it; one that sees
-    a module the kernel does not is patched as before."""
+    a module the kernel does not is patched as before, and restored when the kernel ends (the interpreter
+    drops a helper's patches unrestored, which left ``triton.language.core`` patched after any kernel that
+    names only ``triton.language`` and calls ``tl.zeros``)."""
     from triton.runtime import interpreter
 
     patch_lang, scope_cls = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
     if patch_lang is None or scope_cls is None or getattr(patch_lang, "_once_a_launch", False):
         return
-    running: list = []  # the module ids the running kernel has patched (the interpreter runs one at a time)
+    # while a kernel runs (the interpreter runs one at a time): the module ids it has patched, and the scopes
+    # of its helpers' patches, restored with its own
+    running: list = []
     seen: dict = {}  # a function's globals' language modules, by (function, size of its globals)
 
     def _patch_lang(fn):
@@ -86,14 +90,17 @@ def _interpreter_patches_once_a_launch() -> None:
         if running and langs <= running[0]:
             return scope_cls()  # a helper inside the kernel: already patched; nothing to restore
         scope = patch_lang(fn)
-        if running:  # a helper that sees another module: patched now, until the kernel restores the language
+        if running:  # a helper that sees another module: patched now, restored when the kernel ends
             running[0] |= langs
+            running[1].append(scope)
             return scope
-        running.append(langs)
+        running.extend((set(langs), []))  # a copy: the helpers add to it
         restore = scope.restore
 
         def restore_and_end():
             try:
+                for helper in reversed(running[1]):
+                    helper.restore()
                 restore()
             finally:
                 running.clear()
@@ -103,6 +110,36 @@ def _interpreter_patches_once_a_launch() -> None:
 
     _patch_lang._once_a_launch = True
     interpreter._patch_lang = _patch_lang
+
+
+def _interpreter_builtin_walk_once() -> None:
+    """Each launch, the interpreter finds the builtins it wraps by listing every member of the language's
+    modules and classes (``inspect.getmembers``: ``dir``, a ``getattr`` per name, sorted). The names of the
+    callable members are kept, in the listing's order, per module or class and its size; each walk then wraps
+    those of them that are builtins now, as the listing would (a member wrapped already is no builtin)."""
+    from triton.runtime import interpreter
+
+    walk = getattr(interpreter, "_patch_builtin", None)
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    if walk is None or patch_attr is None or getattr(walk, "_once", False):
+        return
+    names: dict = {}
+    is_builtin = tl.core.is_builtin
+
+    def _patch_builtin(pkg, builder, scope):
+        key = (pkg, tuple(len(vars(c)) for c in (pkg.__mro__ if isinstance(pkg, type) else (pkg,))))
+        kept = names.get(key)
+        if kept is None:
+            kept = names[key] = [n for n, m in inspect.getmembers(pkg) if callable(m)]
+        for name in kept:
+            member = getattr(pkg, name, None)
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    _patch_builtin._once = True
+    _patch_builtin._names = names
+    _patch_builtin.__wrapped__ = walk
+    interpreter._patch_builtin = _patch_builtin
 
 
 def _type_key(t):
@@ -261,6 +298,7 @@ if INTERPRET:
     _interpreter_scalar_index()
     _interpreter_tree_reduce()
     _interpreter_patches_once_a_launch()
+    _interpreter_builtin_walk_once()
     _interpreter_dtype_table_once()
     _interpreter_types_once()
     _interpreter_overflow_checks_follow_debug()
