@@ -901,7 +901,15 @@ if __name__ == "__main__":
     # ranks are spawned (a forked CUDA runtime is unusable).
     sys.path.insert(0, os.environ["TESTS_DIR"])
     if DEVICE == "cpu":
+        import gc
         import test_patch_models, tritongrad, transformers  # noqa: F401
+        import torch.distributed.fsdp, torch.distributed.tensor  # noqa: F401
+        from transformers.models.llama import modeling_llama  # noqa: F401
+        from transformers.models.gemma2 import modeling_gemma2  # noqa: F401
+        from transformers.models.phi3 import modeling_phi3  # noqa: F401
+        from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: F401
+        gc.collect()
+        gc.freeze()  # what both ranks share stays shared, and their collector does not walk it
     mp.start_processes(main, args=(tempfile.mktemp(),), nprocs=2, start_method="fork" if DEVICE == "cpu" else "spawn")
     print("ok")
 """
