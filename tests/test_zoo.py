@@ -10,7 +10,7 @@
   and soft caps, partial and interleaved rotary, router logits), eager and compiled (``aot_eager``, which
   traces the backward with fake tensors), with the kernels in Triton's interpreter: the training checks
   (loss, gradients, logits, checkpointing, a second backward), which exercise the kernels. The quick tier
-  runs three of them compiled (tests/conftest.py EXTENDED).
+  runs two of them compiled (tests/conftest.py EXTENDED).
 """
 
 import json
