@@ -1039,8 +1039,7 @@ def test_interpreter_builtin_walk_kept_wraps_what_the_walk_wraps():
     for pkg in pkgs:
         want = wrapped_by(listing, pkg)
         assert want, pkg  # the builtins: each wrapper holds its builtin as its default argument
-        assert wrapped_by(kept, pkg) == want, pkg
-        assert wrapped_by(kept, pkg) == want, pkg  # kept from the first walk
+        assert wrapped_by(kept, pkg) == want, pkg  # with the names taken inside the launch above
         outer = interpreter._LangPatchScope()
         listing(pkg, interpreter.interpreter_builder, outer)
         try:  # inside a launch: nothing left to wrap for either
