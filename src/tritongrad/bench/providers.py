@@ -69,12 +69,12 @@ def _compile_probe() -> str:
     return torch.__version__
 
 
-def _compile_build(op: OpSpec) -> Callable:
+def _compile_build(op: OpSpec, backend: str = "inductor") -> Callable:
     # Compiled afresh for every shape: dynamo keys its cache on the function's code object, so shapes
     # compiled one after another under one cache would pass the recompile limit and then run eager.
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    return torch.compile(op.bind(op.torch_fn), dynamic=False, fullgraph=True)
+    return torch.compile(op.bind(op.torch_fn), dynamic=False, fullgraph=True, backend=backend)
 
 
 @contextlib.contextmanager
