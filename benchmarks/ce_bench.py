@@ -13,7 +13,9 @@ the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the thr
 N), ``larger`` (as ``chunks``, with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
 chunks of whole pairs and in chunks of rows, against the three products), ``distill`` (linear_jsd at N=8192
 with chunks of 192-768 MiB, against its four products), ``f32`` (linear_cross_entropy at the target shape
-with grad_weight accumulated in bf16 and in float32, alternated twice).
+with grad_weight accumulated in bf16 and in float32, alternated twice), ``whole_row`` (a probe of another
+design: each program loads a whole row once, rows pipelined through shared memory, one exp per element; against
+tritongrad's cross_entropy at three shapes, docs/cross-entropy.md#where-it-stands).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -37,6 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -452,6 +455,66 @@ def distill_chunks():
     RESULTS["distill_chunks"] = rows
 
 
+@triton.jit
+def _whole_row_probe(x_ptr, t_ptr, loss_ptr, N, C, stride, inv_d, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """A mean cross-entropy's per-row loss and gradient (over the logits): each row loaded whole, once, the next
+    rows' loads in flight (``STAGES``) while one is computed; one exp per element, kept for the gradient."""
+    o = tl.arange(0, BLOCK)
+    m = o < C
+    for row in tl.range(tl.program_id(0), N, tl.num_programs(0), num_stages=STAGES):
+        r64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + r64 * stride + o, mask=m, other=float("-inf")).to(tl.float32)
+        t = tl.load(t_ptr + r64)
+        mx = tl.max(x, 0)
+        e = tl.exp(x - mx)
+        s = tl.sum(e, 0)
+        tl.store(loss_ptr + r64, (mx - tl.sum(tl.where(o == t, x, 0.0), 0)) + tl.log(s))
+        g = e * (inv_d / s) - tl.where(o == t, inv_d, 0.0)
+        tl.store(x_ptr + r64 * stride + o, g.to(x_ptr.dtype.element_ty), mask=m)
+
+
+def whole_row(bw: float):
+    """The probe above at warps 8/16/32, 1-3 rows in flight a program (as shared memory holds them), one or two
+    programs an SM, against tritongrad's cross_entropy forward+backward: CUDA-graph device time, % of copy."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for N, C in ((16384, 32000), (16384, 50304), (8192, 65536)):
+        x = torch.randn(N, C, device="cuda", generator=_gen(), dtype=torch.bfloat16)
+        t = torch.randint(0, C, (N,), device="cuda", generator=_gen())
+        floor_gb = 2 * N * C * 2 / 1e9
+        block = triton.next_power_of_2(C)
+        loss = torch.empty(N, device="cuda", dtype=torch.float32)
+
+        def probe(y, warps, stages, programs):
+            _whole_row_probe[(programs,)](y, t, loss, N, C, y.stride(0), 1.0 / N, BLOCK=block, STAGES=stages,
+                                          num_warps=warps)
+
+        ref = x.float().requires_grad_()
+        F.cross_entropy(ref, t).backward()
+        y = x.clone()
+        probe(y, 16, 1, sms)
+        err = ((y.float() - ref.grad).abs().max() / ref.grad.abs().max()).item()
+        xg = x.clone().requires_grad_()
+        ms = triton.testing.do_bench_cudagraph(lambda: tritongrad.cross_entropy(xg, t).backward(), grad_to_none=[xg],
+                                               return_mode="median")
+        rows.append(dict(N=N, C=C, variant="tritongrad", ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3))
+        print(f"  {N}x{C} tritongrad: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy (probe's gradient within "
+              f"{err:.1e} of F's, relative)")
+        for warps in (8, 16, 32):
+            for stages in (1, 2, 3):
+                for per_sm in (1, 2):
+                    if block * 2 * stages * per_sm > 220 << 10:  # shared memory an SM
+                        continue
+                    ms = triton.testing.do_bench_cudagraph(lambda: probe(y, warps, stages, per_sm * sms),
+                                                           return_mode="median")
+                    rows.append(dict(N=N, C=C, variant=f"warps {warps}, rows in flight {stages}, programs/SM {per_sm}",
+                                     ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3))
+                    print(f"  {N}x{C} probe, {rows[-1]['variant']}: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy")
+        del x, y, xg, ref
+        torch.cuda.empty_cache()
+    RESULTS["whole_row"] = rows
+
+
 def main():
     parts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["ce", "lce"]
     tritongrad.set_small_input_threshold(0)
@@ -464,7 +527,7 @@ def main():
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
          "chunks": chunk_budget, "pairs": dpo_pairs,
          "larger": lambda: chunk_budget((8192, 16384), (192, 256, 384, 512), "larger_chunks"),
-         "distill": distill_chunks, "f32": grad_weight_f32}[part]()
+         "distill": distill_chunks, "f32": grad_weight_f32, "whole_row": lambda: whole_row(bw)}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1,
