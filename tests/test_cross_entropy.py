@@ -507,6 +507,48 @@ def test_compile_paths_without_gradient_buffers(reduction):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("reduction,scale", [("mean", 1.0), ("sum", 0.37), ("none", 1.0)])
+def test_traced_backward_scales_the_forwards_gradients(reduction, scale):
+    # Traced, the gradients the forward computed are scaled in PyTorch ops (scaled_grads), which Inductor may
+    # write over the saved buffers; the backward op serves what the forward did not compute (reduction="none").
+    # Either way the gradients are the eager path's, bit for bit.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+    h, W, b = (torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((6, 8), (20, 8), (20,)))
+    t = _targets(6, 20)
+
+    def f(h, W, b, t):
+        return linear_cross_entropy(h, W, t, b, reduction=reduction).sum() * scale
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, backend=backend, fullgraph=True)(h, W, b, t), (h, W, b))
+    want = torch.autograd.grad(f(h, W, b, t), (h, W, b))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+    (graph,) = graphs
+    assert ("linear_cross_entropy_backward" in graph) == (reduction == "none"), graph
+
+
+def test_registered_op_refuses_double_backward_of_the_forwards_gradients():
+    # Under create_graph=True the scaled residuals would carry no second derivatives: the backward op serves,
+    # and refuses.
+    h, W = torch.randn(6, 8, device=DEVICE, requires_grad=True), torch.randn(20, 8, device=DEVICE, requires_grad=True)
+    t = _targets(6, 20)
+    loss = launch.linear_cross_entropy_op.opoverload(h, W, t, None, -100, "mean", 0.0, None, 0.0, [True, True, False],
+                                                     None, 1.0, False)[0]
+    with pytest.raises(RuntimeError, match="double backward"):
+        gh, _ = torch.autograd.grad(loss, (h, W), create_graph=True)
+        gh.square().sum().backward()
+
+
 # ---------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize("call,error,match", [
     (lambda: cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long)), ValueError, r"target of shape \(3,\)"),

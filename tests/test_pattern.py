@@ -493,6 +493,10 @@ DECLARATION_ERRORS = [
     (lambda: _declare(residuals=("r",)), ValueError, r"mylib.bad: 1 returned tensors leave no output after residuals"),
     (lambda: _declare(outputs=("a", "b")), ValueError, r"mylib.bad: outputs=\('a', 'b'\) names 2 outputs; the launcher "
                                                        r"returns 1"),
+    (lambda: _declare(scaled_grads={"y": "out"}), ValueError, r"mylib.bad: scaled_grads names 'y', which is not a "
+                                                              r"differentiable tensor argument"),
+    (lambda: _declare(scaled_grads={"x": "out"}), ValueError, r"mylib.bad: scaled_grads maps 'x' to 'out', which is "
+                                                              r"not a saved residual"),
 ]
 
 

@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import inspect
 import typing
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -142,6 +142,7 @@ def op(
     unsaved: Callable | None = None,
     autocast: torch.dtype | None = None,
     opaque: bool = False,
+    scaled_grads: Mapping[str, str] | None = None,
 ) -> Callable[[Callable], "Op"]:
     """Declare a differentiable operator from its forward launcher (decorated) and a PyTorch reference.
 
@@ -175,6 +176,12 @@ def op(
             Python) instead of tracing into them. For launchers that loop over chunks on the host and write
             each into a slice of a buffer: traced, Inductor unrolls the loop and turns every slice write into
             out-of-place copies (docs/writing-an-op.md#opaque-ops).
+        scaled_grads: ``{input: residual}`` for an op with one output whose forward computes gradients for
+            an upstream gradient of 1 (a loss): wherever ``residual`` is saved and not empty, the gradient of
+            ``input`` is ``residual`` times the output's 0-d upstream gradient. Traced (torch.compile,
+            torch.export), the registered autograd then computes it in PyTorch ops instead of calling the
+            backward op, so that Inductor may write it over the residual, whose buffer the backward donates,
+            rather than into a second one (docs/writing-an-op.md#gradients-computed-in-the-forward).
 
     Returns a decorator; the decorated launcher becomes the :class:`Op`, whose ``.backward`` decorator
     attaches the backward launcher. Declaring a name again updates that op in place.
@@ -183,7 +190,7 @@ def op(
     def declare(forward: Callable) -> Op:
         new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
                  save=save, index=index, nondiff=nondiff, native=native, native_grad=native_grad, unsaved=unsaved,
-                 autocast=autocast, opaque=opaque)
+                 autocast=autocast, opaque=opaque, scaled_grads=scaled_grads)
         old = _OPS.get(name)
         if old is None:
             _OPS[name] = new
@@ -331,6 +338,45 @@ class _Returns(typing.NamedTuple):
         return cls(residuals, n_outputs, outputs, save, sources)
 
 
+def _scaled_grads_positions(label: str, scaled_grads, names: list, diff: tuple, save: tuple, residuals: tuple,
+                            n_outputs: int) -> tuple:
+    """``scaled_grads`` as ``((argument position, index in save), ...)``; a ValueError names what does not fit."""
+    if not scaled_grads:
+        return ()
+    if n_outputs != 1:
+        raise ValueError(f"{label}: scaled_grads needs an op with one output; it has {n_outputs}")
+    out = []
+    for arg, res in dict(scaled_grads).items():
+        if arg not in names or names.index(arg) not in diff:
+            raise ValueError(f"{label}: scaled_grads names {arg!r}, which is not a differentiable tensor argument")
+        if res not in residuals or res not in save:
+            raise ValueError(f"{label}: scaled_grads maps {arg!r} to {res!r}, which is not a saved residual "
+                             f"(residuals {residuals}, save {save})")
+        out.append((names.index(arg), save.index(res)))
+    return tuple(out)
+
+
+def _scaled(op: "Op", saved: tuple, grad: torch.Tensor | None, needs: list) -> list | None:
+    """The gradients of ``op.scaled_grads``' residuals times the 0-d upstream gradient, in PyTorch ops, one per
+    tensor input (None where not needed); None where that does not serve this backward: an input needed that
+    has no saved, non-empty residual, a non-scalar upstream gradient, or grad mode on (a graph of the backward
+    asked for, which this product would leave without the op's second derivatives)."""
+    if not op.scaled_grads or grad is None or grad.dim() != 0 or torch.is_grad_enabled():
+        return None
+    of = dict(op.scaled_grads)
+    out = []
+    for i, n in zip(op.tensor_positions, needs):
+        if not n:
+            out.append(None)
+            continue
+        res = saved[of[i]] if i in of else None
+        if res is None or res.numel() == 0:
+            return None
+        acc = torch.promote_types(torch.promote_types(res.dtype, grad.dtype), torch.float32)
+        out.append((res.to(acc) * grad.to(acc)).to(res.dtype))  # rounded once, as the backward op's scale
+    return out
+
+
 class _Function(torch.autograd.Function):
     """Eager autograd wiring shared by all ops: launchers are called directly, no dispatcher."""
 
@@ -369,7 +415,8 @@ class Op:
     """
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
-                 index=(), nondiff=(), native=None, native_grad=False, unsaved=None, autocast=None, opaque=False):
+                 index=(), nondiff=(), native=None, native_grad=False, unsaved=None, autocast=None, opaque=False,
+                 scaled_grads=None):
         # Declaration: the name, the forward launcher's parameters (the schema) and what it returns.
         self.qualname = name
         self.namespace, self.name = _split_name(name)
@@ -384,6 +431,8 @@ class Op:
         self._save_src = returns.sources
         self.autocast = autocast
         self.opaque = bool(opaque)
+        self.scaled_grads = _scaled_grads_positions(self.label, scaled_grads, self._names, self._diff_positions,
+                                                    self.save, self.residuals, self.n_outputs)
         # Binding: the pattern passes every argument positionally; keyword-only parameters are then bound by name.
         self.forward, self.reference, self._validate, self.native = (
             _positional(f, self._params) for f in (forward, reference, validate, native))
@@ -402,7 +451,7 @@ class Op:
 
     def _layout(self) -> tuple:
         return (str(self.signature), self.outputs, self.residuals, self.save, self._index, self._nondiff,
-                self.autocast, self.opaque)
+                self.autocast, self.opaque, self.scaled_grads)
 
     def _take_launchers_of(self, new: "Op") -> None:
         """A re-declaration: keep this op's registration, run the new launchers, reference and checks."""
@@ -815,6 +864,9 @@ def _register(op: Op):
         # An output that did not reach the loss gets no gradient from autograd: zeros, as the launcher expects.
         g = [gr if gr is not None else torch.zeros(s, dtype=d, device=dv)
              for gr, (s, d, dv) in zip(grads[: op.n_outputs], ctx.out_meta)]
+        scaled = _scaled(op, ctx.saved_tensors, g[0], needs)
+        if scaled is not None:
+            return op._pad(scaled)
         got = iter(bwd_def._opoverload(*g, *ctx.saved_tensors, *ctx.nontensor_args, needs))
         return op._pad([next(got) if n else None for n in needs])
 

@@ -466,7 +466,7 @@ def _lce_unsaved(input, weight, target, bias, ignore_index, reduction, label_smo
 @op("tritongrad::linear_cross_entropy", reference=linear_cross_entropy_reference, validate=_lce_validate,
     index=("target",), outputs=("loss",), residuals=("grad_input", "grad_weight", "grad_bias"),
     save=("input", "weight", "target", "bias", "grad_input", "grad_weight", "grad_bias"), unsaved=_lce_unsaved,
-    opaque=True)
+    opaque=True, scaled_grads={"input": "grad_input", "weight": "grad_weight", "bias": "grad_bias"})
 def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                             bias: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
                             label_smoothing: float = 0.0, logit_softcap: Optional[float] = None, z_loss: float = 0.0,
