@@ -178,8 +178,8 @@ def op(
             out-of-place copies (docs/writing-an-op.md#opaque-ops).
         scaled_grads: ``{input: residual}`` for an op with one output whose forward computes gradients for
             an upstream gradient of 1 (a loss): wherever ``residual`` is saved and not empty, the gradient of
-            ``input`` is ``residual`` times the output's 0-d upstream gradient. Traced (torch.compile,
-            torch.export), the registered autograd then computes it in PyTorch ops instead of calling the
+            ``input`` is ``residual`` times the output's 0-d upstream gradient. The registered autograd (what
+            torch.compile and torch.export trace) then computes it in PyTorch ops instead of calling the
             backward op, so that Inductor may write it over the residual, whose buffer the backward donates,
             rather than into a second one (docs/writing-an-op.md#gradients-computed-in-the-forward).
 
