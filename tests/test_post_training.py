@@ -588,6 +588,36 @@ def test_distill_op_recomputes_a_gradient_the_forward_did_not_make():
 
 
 # ---------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_traced_distillation_backward_scales_the_forwards_gradients(scale):
+    # Traced, the student's gradients the forward computed are scaled in PyTorch ops (scaled_grads), which
+    # Inductor may write over the saved buffers: no backward op in the graph, the gradients eager's bit for bit.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+    d = {k: v.to(DEVICE) for k, v in _distill_inputs(torch.float32).items()}
+    hs, Ws, bs = (d.pop(k).requires_grad_() for k in ("student_input", "student_weight", "student_bias"))
+
+    def f(hs, Ws, bs):
+        return linear_jsd(hs, Ws, d["teacher_input"], d["teacher_weight"], 1.3, 0.3, student_bias=bs,
+                          mask=d["mask"]) * scale
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, backend=backend, fullgraph=True)(hs, Ws, bs), (hs, Ws, bs))
+    want = torch.autograd.grad(f(hs, Ws, bs), (hs, Ws, bs))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+    (graph,) = graphs
+    assert "linear_distill_backward" not in graph, graph
+
+
 def test_compile_fullgraph_without_graph_breaks():
     # the three losses in one compiled function (aot_eager on CPU: the ops are opaque custom ops), equal to
     # eager, loss and gradients

@@ -895,7 +895,8 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
     nondiff=("teacher_input", "teacher_weight", "row_weight", "teacher_bias"), outputs=("loss",),
     residuals=("grad_input", "grad_weight", "grad_bias"),
     save=("student_input", "student_weight", "teacher_input", "teacher_weight", "row_weight", "student_bias",
-          "teacher_bias", "grad_input", "grad_weight", "grad_bias"), opaque=True)
+          "teacher_bias", "grad_input", "grad_weight", "grad_bias"), opaque=True,
+    scaled_grads={"student_input": "grad_input", "student_weight": "grad_weight", "student_bias": "grad_bias"})
 def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
                       teacher_weight: torch.Tensor, row_weight: torch.Tensor,
                       student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
