@@ -311,6 +311,21 @@ def sm90_cases(request) -> list:
     return ["--quick"] if request.param == "quick" else []
 
 
+def backward_graphs_backend() -> tuple:
+    """``(backend, graphs)``: a torch.compile backend that runs AOTAutograd's graphs as traced (no compiler),
+    and the list it appends each traced backward graph to, as text."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep), graphs
+
+
 def run_without_interpreter(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python *args`` in a fresh process without TRITON_INTERPRET: there CPU tensors take the
     PyTorch path and triton.jit builds GPU kernels."""

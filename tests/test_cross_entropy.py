@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, run_without_interpreter
+from conftest import DEVICE, backward_graphs_backend, run_without_interpreter
 
 import tritongrad
 from tritongrad.ops.cross_entropy import (
@@ -512,16 +512,7 @@ def test_traced_backward_scales_the_forwards_gradients(reduction, scale):
     # Traced, the gradients the forward computed are scaled in PyTorch ops (scaled_grads), which Inductor may
     # write over the saved buffers; the backward op serves what the forward did not compute (reduction="none").
     # Either way the gradients are the eager path's, bit for bit.
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(str(gm.graph))
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+    backend, graphs = backward_graphs_backend()
     h, W, b = (torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((6, 8), (20, 8), (20,)))
     t = _targets(6, 20)
 

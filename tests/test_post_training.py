@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE, run_without_interpreter
+from conftest import ATOL, DEVICE, backward_graphs_backend, run_without_interpreter
 
 from tritongrad.ops.post_training import (
     grpo_from_logprobs,
@@ -592,16 +592,7 @@ def test_distill_op_recomputes_a_gradient_the_forward_did_not_make():
 def test_traced_distillation_backward_scales_the_forwards_gradients(scale):
     # Traced, the student's gradients the forward computed are scaled in PyTorch ops (scaled_grads), which
     # Inductor may write over the saved buffers: no backward op in the graph, the gradients eager's bit for bit.
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def keep(gm, _):
-        graphs.append(str(gm.graph))
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+    backend, graphs = backward_graphs_backend()
     d = {k: v.to(DEVICE) for k, v in _distill_inputs(torch.float32).items()}
     hs, Ws, bs = (d.pop(k).requires_grad_() for k in ("student_input", "student_weight", "student_bias"))
 
