@@ -373,7 +373,10 @@ def _scaled(op: "Op", saved: tuple, grad: torch.Tensor | None, needs: list) -> l
         if res is None or res.numel() == 0:
             return None
         acc = torch.promote_types(torch.promote_types(res.dtype, grad.dtype), torch.float32)
-        out.append((res.to(acc) * grad.to(acc)).to(res.dtype))  # rounded once, as the backward op's scale
+        v = res.to(acc) * grad.to(acc)
+        if res.element_size() == 2:  # 16-bit through float32, as the kernels round (ops/_tl.round_to)
+            v = v.to(torch.float32)
+        out.append(v.to(res.dtype))
     return out
 
 
