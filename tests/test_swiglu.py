@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, KernelSpy, run_without_interpreter
+from conftest import DEVICE, KernelSpy, backward_graphs_backend, run_without_interpreter
 
 import tritongrad
 from tritongrad.ops.swiglu import launch as sw_launch
@@ -682,6 +682,32 @@ def test_inplace_backward_compiled_retained_graph(name):
     second = torch.autograd.grad(loss, leaves)
     _assert_grads(first, want, "compiled")
     assert all(torch.equal(a, b) for a, b in zip(first, second)), "the compiled second backward differs"
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_traced_backward_is_pytorch_ops(name):
+    # Traced, the backward is PyTorch ops (traced_backward), which Inductor fuses and writes over the saved gate
+    # and up instead of allocating the gradients beside them. It computes the kernels' gradients: in float64
+    # to its rounding; in bfloat16 to one rounding of each gradient.
+    backend, graphs = backward_graphs_backend()
+    leaves = _mlp()
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(lambda *ls: _mlp_loss(ls, _ours(name)), fullgraph=True,
+                                            backend=backend)(*leaves), leaves)
+    _assert_grads(got, torch.autograd.grad(_mlp_loss(leaves, _ours(name)), leaves), "traced")
+    (graph,) = graphs
+    assert "tritongrad" not in graph and ("silu_backward" if name == "swiglu" else "gelu_backward") in graph, graph
+
+    g, u = (randn(4, 40, dtype=torch.bfloat16, device=DEVICE).requires_grad_() for _ in range(2))
+    w = torch.randn(4, 40, device=DEVICE)
+
+    def f(g, u):
+        return (GATED[name][0](g, u).float() * w).sum()
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend=backend)(g, u), (g, u))
+    for a, b in zip(got, torch.autograd.grad(f(g, u), (g, u))):
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5)
 
 
 def test_output_dtypes_follow_promotion():

@@ -143,6 +143,7 @@ def op(
     autocast: torch.dtype | None = None,
     opaque: bool = False,
     scaled_grads: Mapping[str, str] | None = None,
+    traced_backward: Callable | None = None,
 ) -> Callable[[Callable], "Op"]:
     """Declare a differentiable operator from its forward launcher (decorated) and a PyTorch reference.
 
@@ -182,6 +183,11 @@ def op(
             torch.compile and torch.export trace) then computes it in PyTorch ops instead of calling the
             backward op, so that Inductor may write it over the residual, whose buffer the backward donates,
             rather than into a second one (docs/writing-an-op.md#gradients-computed-in-the-forward).
+        traced_backward: optional, with the backward launcher's signature: the backward in PyTorch ops, which
+            the registered autograd runs instead of the backward op where torch.compile or torch.export trace
+            it (grad mode off). For elementwise ops: Inductor fuses it and writes the gradients over the saved
+            inputs' buffers, which the backward donates, where the backward op must allocate them beside
+            those inputs (docs/writing-an-op.md#a-backward-for-tracing).
 
     Returns a decorator; the decorated launcher becomes the :class:`Op`, whose ``.backward`` decorator
     attaches the backward launcher. Declaring a name again updates that op in place.
@@ -190,7 +196,7 @@ def op(
     def declare(forward: Callable) -> Op:
         new = Op(name, forward, reference=reference, validate=validate, residuals=residuals, outputs=outputs,
                  save=save, index=index, nondiff=nondiff, native=native, native_grad=native_grad, unsaved=unsaved,
-                 autocast=autocast, opaque=opaque, scaled_grads=scaled_grads)
+                 autocast=autocast, opaque=opaque, scaled_grads=scaled_grads, traced_backward=traced_backward)
         old = _OPS.get(name)
         if old is None:
             _OPS[name] = new
@@ -419,7 +425,7 @@ class Op:
 
     def __init__(self, name, forward, *, reference, validate=None, residuals=(), outputs=None, save=None,
                  index=(), nondiff=(), native=None, native_grad=False, unsaved=None, autocast=None, opaque=False,
-                 scaled_grads=None):
+                 scaled_grads=None, traced_backward=None):
         # Declaration: the name, the forward launcher's parameters (the schema) and what it returns.
         self.qualname = name
         self.namespace, self.name = _split_name(name)
@@ -442,6 +448,7 @@ class Op:
         self.native_grad = bool(native_grad)
         self._unsaved = _positional(unsaved, self._params)
         self._backward_fn = None
+        self.traced_backward = traced_backward
         self.declared_inputs: DeclaredInputs | None = None
         # Registration (torch.library) waits for the backward (``_register``); the autograd path is one
         # Function subclass per op, so that y.grad_fn reads e.g. <SoftcapBackward>.
@@ -467,6 +474,7 @@ class Op:
         self.forward, self.reference, self._validate, self.native = new.forward, new.reference, new._validate, new.native
         self.native_grad = new.native_grad
         self._unsaved = new._unsaved
+        self.traced_backward = new.traced_backward
         functools.update_wrapper(self, new.forward, updated=())
 
     def backward(self, fn: Callable) -> Callable:
@@ -701,11 +709,11 @@ class Op:
         ctx.save_for_backward(*[None if s.name in drop else outs[s.index] if s.output else args[s.index]
                                 for s in self._save_src])
 
-    def _grads(self, bctx: "BackwardContext", grads) -> list:
-        """The backward launcher's result as one gradient (or None) per tensor input."""
+    def _grads(self, bctx: "BackwardContext", grads, fn: Callable | None = None) -> list:
+        """The backward launcher's result (or ``fn``'s) as one gradient (or None) per tensor input."""
         if self._backward_fn is None:
             raise RuntimeError(f"{self.label} has no backward: declare one with @{self.name}.backward")
-        got = _as_tuple(self._backward_fn(bctx, *grads))
+        got = _as_tuple((fn or self._backward_fn)(bctx, *grads))
         k = len(self.tensor_positions)
         if len(got) == self._nargs and len(got) != k:
             got = [got[i] for i in self.tensor_positions]
@@ -870,6 +878,13 @@ def _register(op: Op):
         scaled = _scaled(op, ctx.saved_tensors, g[0], needs)
         if scaled is not None:
             return op._pad(scaled)
+        if op.traced_backward is not None and _is_compiling() and not torch.is_grad_enabled():
+            values = dict(zip(op._nontensor_names, ctx.nontensor_args))
+            values.update(zip(op.save, ctx.saved_tensors))
+            full_needs = [False] * op._nargs
+            for i, n in zip(op.tensor_positions, needs):
+                full_needs[i] = n
+            return op._pad(op._grads(BackwardContext(op, values, tuple(full_needs)), g, op.traced_backward))
         got = iter(bwd_def._opoverload(*g, *ctx.saved_tensors, *ctx.nontensor_args, needs))
         return op._pad([next(got) if n else None for n in needs])
 

@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from ... import _runtime as rt
+from ..._dtypes import acc_of
 from ..._pattern import kernel, op
 from . import kernels
 from . import plans as P
@@ -132,6 +133,28 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
     return dg, du
 
 
+def _traced_backward(ctx, grad_out: torch.Tensor, approximate: str | None):
+    """The backward in PyTorch ops, the kernel's arithmetic (float32, or float64, then one rounding), for
+    torch.compile and torch.export to trace: Inductor fuses it into one pass and writes dg and du over the
+    saved gate and up, whose buffers the backward donates (docs/swiglu-rope.md#compiled).
+    ``approximate`` None is SiLU."""
+    gate, up = ctx.gate, ctx.up
+    need_g, need_u = ctx.needs_input_grad[:2]
+    acc = acc_of(gate, up)
+    g, d = gate.to(acc), grad_out.to(acc)
+    dg = du = None
+    # dg first: it alone reads up, which it may overwrite; du, after it, may then take gate's (or the
+    # incoming gradient's) buffer, whose last reader it is. In the other order only one of them is reused.
+    if need_g:
+        d_u = d * up.to(acc)
+        dg = (torch.ops.aten.silu_backward(d_u, g) if approximate is None
+              else torch.ops.aten.gelu_backward(d_u, g, approximate=approximate)).to(gate.dtype)
+    if need_u:
+        a = torch.nn.functional.silu(g) if approximate is None else torch.nn.functional.gelu(g, approximate=approximate)
+        du = (d * a).to(up.dtype)
+    return dg, du
+
+
 def _bind_backward(act: int, g2, u2, do2, dg, du) -> rt.Bound:
     N, D = g2.shape
     D = int(D)
@@ -198,7 +221,8 @@ def _halves_reusable(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tenso
     return grad_out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
 
 
-@op("tritongrad::swiglu", reference=swiglu_reference, validate=_validate)
+@op("tritongrad::swiglu", reference=swiglu_reference, validate=_validate,
+    traced_backward=lambda ctx, grad_out: _traced_backward(ctx, grad_out, None))
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """SwiGLU's gated product ``silu(gate) * up`` (``F.silu(gate) * up``) with Triton kernels for forward
     and backward.
@@ -219,7 +243,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
             are the two halves of one such result (``proj(x).chunk(2, -1)``), which then takes both
             gradients. Otherwise the backward allocates, as without the option. Its version counter is
             bumped, so any other use of it saved for backward raises instead of reading the gradient.
-            Compiled code plans its own buffers instead.
+            Compiled, the backward is traced in PyTorch ops, which Inductor writes over gate and up where
+            their buffers are its own (saved activations) whether or not the option is given.
 
     Returns:
         out: gate's shape, contiguous, in ``torch.promote_types(gate.dtype, up.dtype)``. Computed in
@@ -235,7 +260,8 @@ def _swiglu_backward(ctx, grad_out: torch.Tensor):
     return _backward(ctx, grad_out, kernels.SILU)
 
 
-@op("tritongrad::geglu", reference=geglu_reference, validate=_validate_geglu)
+@op("tritongrad::geglu", reference=geglu_reference, validate=_validate_geglu,
+    traced_backward=lambda ctx, grad_out: _traced_backward(ctx, grad_out, ctx.approximate))
 def geglu(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = "none",
           inplace_backward: bool = False) -> torch.Tensor:
     """GeGLU's gated product ``gelu(gate) * up`` (``F.gelu(gate, approximate=approximate) * up``) with
