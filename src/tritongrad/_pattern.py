@@ -99,6 +99,13 @@ class SmallInputs:
 
 SMALL = SmallInputs()
 _is_compiling = torch.compiler.is_compiling
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
+def _tracing() -> bool:
+    """Whether torch.compile or torch.export traces this code: Dynamo, or make_fx, which traces AOTAutograd's
+    backward (where torch.compiler.is_compiling() answers False on some versions)."""
+    return _is_compiling() or torch._C._get_dispatch_mode(_PROXY) is not None
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
@@ -878,7 +885,7 @@ def _register(op: Op):
         scaled = _scaled(op, ctx.saved_tensors, g[0], needs)
         if scaled is not None:
             return op._pad(scaled)
-        if op.traced_backward is not None and _is_compiling() and not torch.is_grad_enabled():
+        if op.traced_backward is not None and _tracing() and not torch.is_grad_enabled():
             values = dict(zip(op._nontensor_names, ctx.nontensor_args))
             values.update(zip(op.save, ctx.saved_tensors))
             full_needs = [False] * op._nargs
