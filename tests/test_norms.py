@@ -652,6 +652,30 @@ def test_strided_x_is_not_copied(norm, layout, launches):
         (x.data_ptr(), x.stride())] * 2
 
 
+@pytest.mark.parametrize("dy_layout", ["like-x", "contiguous"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_transposed_heads_are_read_in_place(norm, dy_layout, launches):
+    # [B, T, H, D] viewed as [B, H, T, D] (a per-head norm after the heads' transpose, Gemma 3's q_norm): the
+    # kernels read x where it lies, rows in memory order, and y and dx come in x's layout, as PyTorch's
+    # elementwise ops keep it; a contiguous y made the next ops copy (attention's output, o_proj's input).
+    x = torch.randn(2, 5, 3, 16, device=DEVICE).transpose(1, 2).requires_grad_()
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    y = run(norm, x, w)
+    assert y.stride() == x.stride()
+    g = torch.randn(2, 5, 3, 16, device=DEVICE).transpose(1, 2) if dy_layout == "like-x" else torch.randn(2, 3, 5, 16,
+                                                                                                          device=DEVICE)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    assert gx.stride() == x.stride()
+    assert [s.args[0].data_ptr() for s in of(launches, FWD[norm], BWD)] == [x.data_ptr()] * 2
+    ref = torch.nn.functional.rms_norm if norm != "layer_norm" else torch.nn.functional.layer_norm
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = ref(x64, (16,), w64) if norm != "layer_norm" else ref(x64, (16,), w64)  # the defaults' eps
+    want = torch.autograd.grad(y64, (x64, w64), g.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    for a, b in zip((gx, gw), want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- argument errors
 BAD_INPUTS = [
     (lambda: tritongrad.rms_norm(torch.randn(3, 4), (5,)), ValueError, r"input of shape \(3, 4\).*\(5,\)"),

@@ -57,13 +57,17 @@ def ws_eager(x, w):
 
 
 # ---------------------------------------------------------------- the norms
-def norm_sample(lead, ns, *, affine=("weight",), eps=None, scale=2.0, shift=0.0, name=None):
+def norm_sample(lead, ns, *, affine=("weight",), eps=None, scale=2.0, shift=0.0, name=None, swap=None):
     """Arguments of rms_norm_op / layer_norm_op: x [*lead, *ns], the parameters named in ``affine`` (the others
-    None), ``eps`` (None: the op's default)."""
+    None), ``eps`` (None: the op's default); ``swap``: two leading dims of x transposed (a view, made as the
+    transpose of a dense tensor)."""
 
     def make(dtype, device):
-        args = {"input": randn(*lead, *ns, dtype=dtype, device=device, scale=scale, shift=shift),
-                "normalized_shape": list(ns)}
+        shape = list(lead)
+        if swap is not None:
+            shape[swap[0]], shape[swap[1]] = shape[swap[1]], shape[swap[0]]
+        x = randn(*shape, *ns, dtype=dtype, device=device, scale=scale, shift=shift)
+        args = {"input": x if swap is None else x.transpose(*swap), "normalized_shape": list(ns)}
         if "weight" in affine:
             args["weight"] = weight(*ns, dtype=dtype, device=device)
         if "bias" in affine:
@@ -83,6 +87,8 @@ def rms_samples(affine):
         norm_sample((130,), (24,), affine=affine),    # several row chunks (tiles of 64 or 128 rows): dw/db through
                                                       # the partial buffer and column_sum
         norm_sample((2, 3), (4, 6), affine=affine),   # two normalised dims (weight [4, 6]), two leading dims
+        norm_sample((2, 3, 5), (16,), affine=affine, swap=(1, 2), name="heads-transposed"),  # [B, T, H, D]
+                                                      # viewed as [B, H, T, D]: rows in memory order, in place
         norm_sample((4,), (16,), affine=affine, scale=1e-3, eps=1e-4, name="eps-dominates"),  # eps > mean
                                                       # square: a dropped or misplaced eps fails
         norm_sample((7,), (45,), affine=(), name="no-affine"),  # no weight (nor bias)
@@ -98,9 +104,13 @@ LN_SAMPLES = [norm_sample((5,), (37,), affine=("weight", "bias"), shift=1.5)] + 
 ] + rms_samples(("weight", "bias"))[1:]
 
 
-def llama_sample(lead, D):
+def llama_sample(lead, D, swap=None):
     def make(dtype, device):
-        return randn(*lead, D, dtype=dtype, device=device, scale=2.0), weight(D, dtype=dtype, device=device), 1e-6
+        shape = list(lead)
+        if swap is not None:
+            shape[swap[0]], shape[swap[1]] = shape[swap[1]], shape[swap[0]]
+        x = randn(*shape, D, dtype=dtype, device=device, scale=2.0)
+        return (x if swap is None else x.transpose(*swap)), weight(D, dtype=dtype, device=device), 1e-6
 
     make.__name__ = "x".join(map(str, (*lead, D)))
     return make
@@ -110,6 +120,7 @@ LLAMA_SAMPLES = [
     llama_sample((5,), 37),     # both masks
     llama_sample((6,), 1280),   # the parted forward: 5 chunks of 256 columns
     llama_sample((2, 3), 20),   # 3-D x
+    llama_sample((2, 3, 5), 16, swap=(1, 2)),  # a per-head norm after the heads' transpose (Gemma 3's q_norm)
 ]
 
 

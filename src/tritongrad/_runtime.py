@@ -21,7 +21,7 @@ import inspect
 import math
 import struct
 import types
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -351,6 +351,27 @@ def _mergeable(t: torch.Tensor, start: int, stop: int) -> bool:
             return False
         prev = i
     return True
+
+
+def row_order(t: torch.Tensor, feature_dims: int = 1) -> tuple[int, ...] | None:
+    """The order of ``t``'s leading dims in memory, where they merge into one stride taken in that order and do
+    not as given: a transposed view of a dense tensor, such as ``[B, T, H, D]`` projections viewed as
+    ``[B, H, T, D]``. Row-wise ops then read ``t.permute(*order, *feature dims)`` in place and write their
+    outputs in ``t``'s layout. None where the leading dims merge as given, or in no order."""
+    lead = t.dim() - feature_dims
+    if lead < 2 or _mergeable(t, 0, lead):
+        return None
+    order = tuple(sorted(range(lead), key=lambda i: -t.stride(i) if t.shape[i] != 1 else 0))
+    p = t.permute(*order, *range(lead, t.dim()))
+    return order if _mergeable(p, 0, lead) else None
+
+
+def inverse(order: Sequence[int]) -> tuple[int, ...]:
+    """The permutation that undoes ``order``."""
+    inv = [0] * len(order)
+    for i, o in enumerate(order):
+        inv[o] = i
+    return tuple(inv)
 
 
 def as_rows(t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:

@@ -118,7 +118,14 @@ def _sig(t: torch.Tensor | None):
 
 
 def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool):
-    """Normalise x over its last ``k`` dims: ``(y, rstd)``, or ``(y, mean, rstd)`` for layer_norm."""
+    """Normalise x over its last ``k`` dims: ``(y, rstd)``, or ``(y, mean, rstd)`` for layer_norm. y and the
+    statistics come in x's layout where x's leading dims are a transposed dense layout (rt.row_order)."""
+    order = None if x.is_contiguous() else rt.row_order(x, k)
+    if order is not None:  # rows in memory order, read in place; outputs permuted back
+        lead = x.dim() - k
+        outs = _forward(x.permute(*order, *range(lead, x.dim())), k, weight, bias, eps, layer_norm, llama)
+        inv = rt.inverse(order)
+        return (outs[0].permute(*inv, *range(lead, x.dim())), *[s.permute(*inv) for s in outs[1:]])
     key = None if type(x) not in rt.PLAIN_TENSORS else (
         "fwd", x.shape, x.stride(), x.dtype, k, _sig(weight), _sig(bias), eps, layer_norm, llama, x.device,
         P.table(), rt.assumed_device())
@@ -182,6 +189,14 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     (and db) partial rows, side by side in one float buffer, in one launch.
     """
     need_x, need_w, need_b = needs
+    order = None if x.is_contiguous() else rt.row_order(x, k)
+    if order is not None:  # as the forward: rows in x's memory order, dx in x's layout
+        lead = x.dim() - k
+        p = (*order, *range(lead, x.dim()))
+        dx, dw, db = _backward(dy.permute(*p), x.permute(*p), k, weight, bias,
+                               None if mean is None else mean.permute(*order), rstd.permute(*order), needs,
+                               layer_norm, llama)
+        return (None if dx is None else dx.permute(*rt.inverse(order), *range(lead, x.dim()))), dw, db
     dx, dw, db = _empty_like(x, need_x), _empty_like(weight, need_w), _empty_like(bias, need_b)
     if not (need_x or need_w or need_b):
         return dx, dw, db
