@@ -229,9 +229,9 @@ def test_opcheck_cuda():
     b = torch.randn(300, device="cuda", requires_grad=True)
     g = torch.randn(5, 3, 300, device="cuda")
     ops = torch.ops.tritongrad
-    torch.library.opcheck(ops.rms_norm.default, (x, [300], w, None))
+    torch.library.opcheck(ops.rms_norm.default, (x, [300], w, None, 0.0))
     torch.library.opcheck(ops.layer_norm.default, (x, [300], w, b, 1e-5))
-    _, rstd = ops.rms_norm.default(x.detach(), [300], w.detach(), None)
+    _, rstd = ops.rms_norm.default(x.detach(), [300], w.detach(), None, 0.0)
     _, mean, rstd_ln = ops.layer_norm.default(x.detach(), [300], w.detach(), b.detach(), 1e-5)
     test_utils = ("test_schema", "test_faketensor")
     # The backward ops take (gradient per output, saved tensors, non-tensor arguments, needs per tensor input).

@@ -51,8 +51,9 @@ def rows(norm, *shape, dtype=f32):
     return (2 * torch.randn(shape, device=DEVICE) + (3.0 if norm == "layer_norm" else 0.0)).to(dtype)
 
 
-def eager_rms_norm(input, normalized_shape, weight, eps):
-    return F.rms_norm(input, normalized_shape, _like(weight, input), eps)
+def eager_rms_norm(input, normalized_shape, weight, eps, weight_offset=0.0):
+    w = _like(weight, input)
+    return F.rms_norm(input, normalized_shape, w + weight_offset if weight_offset else w, eps)
 
 
 def eager_layer_norm(input, normalized_shape, weight, bias, eps):
@@ -631,7 +632,7 @@ def test_rms_norm_default_eps():
 
 def test_residuals_are_row_stats():
     x = torch.randn(2, 3, 10, dtype=bf16, device=DEVICE)
-    y, rstd = torch.ops.tritongrad.rms_norm(x, [10], None, None)
+    y, rstd = torch.ops.tritongrad.rms_norm(x, [10], None, None, 0.0)
     assert rstd.shape == (2, 3) and rstd.dtype == f32
     torch.testing.assert_close(rstd, torch.rsqrt(x.float().square().mean(-1) + default_eps(bf16)))
     y, mean, rstd = torch.ops.tritongrad.layer_norm(x, [10], None, None, 1e-5)
@@ -676,6 +677,23 @@ def test_transposed_heads_are_read_in_place(norm, dy_layout, launches):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [(5, 37), (3, 5120), (130, 24), (2, 12288), (6, 20000)])
+def test_weight_offset_is_the_offset_weight_in_every_kernel(shape, launches):
+    # weight_offset=1 (Gemma's 1 + w, added in the kernels) equals the offset weight made outside, bit for bit
+    # in float32, through every kernel it reaches: whole rows, parts, partial rows, long and split rows.
+    x = (2 * torch.randn(shape, device=DEVICE)).requires_grad_()
+    w = (0.3 * torch.randn(shape[-1], device=DEVICE)).requires_grad_()
+    g = torch.randn(shape, device=DEVICE)
+    y = tritongrad.rms_norm(x, shape[-1], w, 1e-6, weight_offset=1.0)
+    got = (y, *torch.autograd.grad(y, (x, w), g))
+    y1 = tritongrad.rms_norm(x, shape[-1], 1.0 + w, 1e-6)
+    want = (y1, *torch.autograd.grad(y1, (x, w), g))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # PyTorch's rms_norm (small inputs) has no offset: the kernels serve.
+    assert rms_norm_op.native(x, [shape[-1]], w, 1e-6, 1.0) is NotImplemented
+
+
 # ---------------------------------------------------------------- argument errors
 BAD_INPUTS = [
     (lambda: tritongrad.rms_norm(torch.randn(3, 4), (5,)), ValueError, r"input of shape \(3, 4\).*\(5,\)"),
@@ -703,6 +721,9 @@ BAD_INPUTS = [
     (lambda: llama_rms_norm(torch.randn(3, 4), None), TypeError, "weight must be a Tensor, got NoneType"),
     (lambda: tritongrad.layer_norm(torch.randn(3, 4), (True,)), TypeError, "list of ints"),
     (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), eps=True), TypeError, "eps"),  # PyTorch takes a bool
+    (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), weight_offset=1.0), ValueError, "needs a weight"),
+    (lambda: tritongrad.rms_norm(torch.randn(3, 4), (4,), torch.randn(4), weight_offset=float("nan")), TypeError,
+     "weight_offset must be a finite float"),
 ]
 
 

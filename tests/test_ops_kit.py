@@ -57,7 +57,8 @@ def ws_eager(x, w):
 
 
 # ---------------------------------------------------------------- the norms
-def norm_sample(lead, ns, *, affine=("weight",), eps=None, scale=2.0, shift=0.0, name=None, swap=None):
+def norm_sample(lead, ns, *, affine=("weight",), eps=None, scale=2.0, shift=0.0, name=None, swap=None,
+                offset=None):
     """Arguments of rms_norm_op / layer_norm_op: x [*lead, *ns], the parameters named in ``affine`` (the others
     None), ``eps`` (None: the op's default); ``swap``: two leading dims of x transposed (a view, made as the
     transpose of a dense tensor)."""
@@ -74,6 +75,8 @@ def norm_sample(lead, ns, *, affine=("weight",), eps=None, scale=2.0, shift=0.0,
             args["bias"] = randn(*ns, dtype=dtype, device=device, scale=0.5)
         if eps is not None:
             args["eps"] = eps
+        if offset is not None:
+            args["weight_offset"] = offset
         return args
 
     make.__name__ = name or "x".join(map(str, (*lead, *ns)))
@@ -97,7 +100,9 @@ def rms_samples(affine):
     ]
 
 
-RMS_SAMPLES = rms_samples(("weight",))
+RMS_SAMPLES = rms_samples(("weight",)) + [
+    norm_sample((6,), (40,), scale=2.0, offset=1.0, name="weight-offset"),  # Gemma's xhat * (1 + w)
+]
 # layer_norm: rows with a mean far from 0, so that a mean subtraction that is off shows.
 LN_SAMPLES = [norm_sample((5,), (37,), affine=("weight", "bias"), shift=1.5)] + [
     norm_sample((7,), (45,), affine=a, shift=1.5, name=f"{'-'.join(a)}-only") for a in (("weight",), ("bias",))

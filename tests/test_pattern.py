@@ -642,7 +642,7 @@ def test_cpu_path_without_interpreter(first_backend):
             torch.testing.assert_close(gc, ge, atol=0.01, rtol=0.02)  # bfloat16 x: Inductor may round otherwise
         xf = x.detach().float()
         torch.library.opcheck(torch.ops.tritongrad.weighted_sum.default, (xf.requires_grad_(), w))
-        torch.library.opcheck(torch.ops.tritongrad.rms_norm.default, (xf, [9], w, None))
+        torch.library.opcheck(torch.ops.tritongrad.rms_norm.default, (xf, [9], w, None, 0.0))
         torch.library.opcheck(torch.ops.tritongrad.layer_norm.default, (xf, [9], w, b, 1e-5))
         m = torch.nn.Sequential(torch.nn.LayerNorm(9), torch.nn.RMSNorm(9))
         assert tritongrad.patch(m).count == 2
@@ -847,7 +847,7 @@ def test_public_norms_under_vmap():
     torch.testing.assert_close(torch.func.vmap(lambda x: tritongrad.layer_norm(x, [5], w))(x),
                                F.layer_norm(x, (5,), w))
     # the registered op, called directly under vmap, loops over the batch without slicing the list
-    torch.testing.assert_close(torch.func.vmap(lambda x: torch.ops.tritongrad.rms_norm(x, [5], w, None)[0])(x),
+    torch.testing.assert_close(torch.func.vmap(lambda x: torch.ops.tritongrad.rms_norm(x, [5], w, None, 0.0)[0])(x),
                                F.rms_norm(x, (5,), w))
 
 

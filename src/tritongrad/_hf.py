@@ -12,8 +12,8 @@ The replacements:
 
 - RMSNorm, three semantics (``x`` the input, ``xhat = x / sqrt(mean(x**2) + eps)`` in float32):
   ``llama``: ``weight * xhat.to(x.dtype)`` (:func:`tritongrad.llama_rms_norm`);
-  ``gemma``: ``(xhat * (1 + weight.float())).to(x.dtype)`` (:func:`tritongrad.rms_norm` with the weight
-  ``1 + weight.float()``, whose gradient autograd carries back to ``weight``);
+  ``gemma``: ``(xhat * (1 + weight.float())).to(x.dtype)`` (:func:`tritongrad.rms_norm` with
+  ``weight_offset=1.0``: the kernels add 1 to the weight in float32);
   ``olmo2``: ``(weight * xhat).to(x.dtype)`` (:func:`tritongrad.rms_norm`, which multiplies in float32 and
   rounds once).
 - The gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU ``act_fn``:
@@ -152,7 +152,7 @@ _NORM_FORMULAS = {
 }
 NORM_DETAIL = {
     "llama": "llama_rms_norm (weight * normalised.to(dtype))",
-    "gemma": "rms_norm with weight 1 + w (Gemma: (normalised * (1 + w)).to(dtype))",
+    "gemma": "rms_norm with weight_offset 1 (Gemma: (normalised * (1 + w)).to(dtype))",
     "olmo2": "rms_norm (Olmo2: (weight * normalised).to(dtype))",
 }
 _EPS_ATTRS = ("variance_epsilon", "eps")
@@ -245,7 +245,7 @@ def norm_forward(kind: str, eps_name: str):
             if args or kwargs or not established(self):
                 return original_forward_of(type(self))(self, x, *args, **kwargs)
             w = _plain(self.weight)
-            return tritongrad.rms_norm(x, w.shape, 1.0 + w.float(), getattr(self, eps_name))
+            return tritongrad.rms_norm(x, w.shape, w, getattr(self, eps_name), weight_offset=1.0)
     else:
         def forward(self, hidden_states, *args, **kwargs):
             if args or kwargs or not established(self):

@@ -21,6 +21,10 @@ and d var/dx_j = (2/D)(x_j - mu) (the term through mu vanishes since \sum_i (x_i
 dr/dx_j = -r^2 xhat_j / D and d xhat_i/dx_j = r ([i = j] - 1/D - xhat_i xhat_j / D), which gives the c2 term.
 RMSNorm is LayerNorm without the mean: the shared kernels take ``CENTERED`` for layer_norm's terms.
 
+Gemma's offset weight (``W_OFFSET`` = 1, Gemma's RMSNorm ``xhat * (1 + w)``): w is W_OFFSET + w, added in ACC
+after the load, as Gemma's code adds in float32; the formulas above hold with it, and dL/dw is unchanged (the
+offset's derivative is 0).
+
 Llama variant (``ROUND_XHAT``, Hugging Face's LlamaRMSNorm): ``y = w * xhat.to(x.dtype)``, stored in the
 promoted dtype of x and w. dL/dw sums dy * (rounded xhat), the value the forward multiplied; dL/dx treats the
 rounding as the identity, as autograd differentiates a cast.
@@ -57,13 +61,23 @@ from .._tl import aligned, float_arg, round_to
 
 
 @triton.jit
-def _norm_affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+def _weight(w_ptr, o_d, m_d, stride_w, W_OFFSET: tl.constexpr, ACC: tl.constexpr):
+    """The weight's columns in ACC, plus W_OFFSET (Gemma's 1 + w, added in ACC as its code adds in float32)."""
+    b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+    if W_OFFSET != 0.0:
+        b_w = b_w + W_OFFSET
+    return b_w
+
+
+@triton.jit
+def _norm_affine(b_xhat, w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W: tl.constexpr, W_OFFSET: tl.constexpr,
+                 HAS_B: tl.constexpr,
                  ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr, ACC: tl.constexpr):
     """xhat * w + b in ACC (the missing parts skipped); Llama rounds xhat to x's dtype before the weight."""
     if ROUND_XHAT:
         b_xhat = round_to(b_xhat, X_DTYPE).to(ACC)
     if HAS_W:
-        b_xhat = b_xhat * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+        b_xhat = b_xhat * _weight(w_ptr, o_d, m_d, stride_w, W_OFFSET, ACC)[None, :]
     if HAS_B:
         b_xhat = b_xhat + tl.load(b_ptr + o_d * stride_b, mask=m_d, other=0.0).to(ACC)[None, :]
     return b_xhat
@@ -99,6 +113,7 @@ def _norm_fwd_kernel(
     PHASE: tl.constexpr,  # 0: whole rows; 1: partial statistics of a column split; 2: normalise a split
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
+    W_OFFSET: tl.constexpr = 0.0,  # y = xhat * (W_OFFSET + w): Gemma's 1 + w, exact in ACC
 ):
     D = aligned(D, ALIGN)
     stride_x_row = aligned(stride_x_row, ALIGN)
@@ -131,7 +146,7 @@ def _norm_fwd_kernel(
             b_x = tl.where(mask, b_x - b_mean[:, None], 0.0)
             b_mean += b_k
         b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + float_arg(eps, eps_lo, ACC))
-        b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B,
+        b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, W_OFFSET, HAS_B,
                            ROUND_XHAT, X_DTYPE, ACC)
         tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -195,7 +210,8 @@ def _norm_fwd_kernel(
                 b_x = tl.load(p_x + o_d.to(tl.int64)[None, :] * stride_x_col, mask=mask, other=0.0).to(ACC)
                 if CENTERED:
                     b_x = (b_x - b_k[:, None]) - b_mean[:, None]
-                b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b, HAS_W, HAS_B,
+                b_y = _norm_affine(b_x * b_rstd[:, None], w_ptr, b_ptr, o_d, m_d, stride_w, stride_b,
+                                   HAS_W, W_OFFSET, HAS_B,
                                    ROUND_XHAT, X_DTYPE, ACC)
                 tl.store(p_y + o_d[None, :], round_to(b_y, y_ptr.dtype.element_ty), mask=mask)
             if CENTERED:
@@ -269,6 +285,7 @@ def _norm_bwd_rowsum_kernel(
     CENTERED: tl.constexpr,
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
+    W_OFFSET: tl.constexpr = 0.0,  # y = xhat * (W_OFFSET + w): Gemma's 1 + w, exact in ACC
 ):
     D = aligned(D, ALIGN)
     stride_x_row = aligned(stride_x_row, ALIGN)
@@ -298,7 +315,7 @@ def _norm_bwd_rowsum_kernel(
         b_dy = tl.load(dy_ptr + o_n[:, None] * stride_dy_row + o_d64[None, :] * stride_dy_col, mask=mask, other=0.0)
         b_g = b_dy.to(ACC)
         if HAS_W:
-            b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)[None, :]
+            b_g = b_g * _weight(w_ptr, o_d, m_d, stride_w, W_OFFSET, ACC)[None, :]
         if CENTERED:
             # g is 0 on masked lanes, so (0 - mean) there adds nothing.
             acc1 += b_g * (b_x.to(ACC) - b_mean[:, None])
@@ -349,6 +366,7 @@ def _norm_bwd_kernel(
     ACC: tl.constexpr,
     STAGES: tl.constexpr,  # pipelining depth of the row loop (1: none)
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
+    W_OFFSET: tl.constexpr = 0.0,  # y = xhat * (W_OFFSET + w): Gemma's 1 + w, exact in ACC
 ):
     D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part = _aligned_rows(
         D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part, ALIGN)
@@ -360,7 +378,7 @@ def _norm_bwd_kernel(
     m_d = o_d < D
     o_d64 = o_d.to(tl.int64)
     if HAS_W:
-        b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+        b_w = _weight(w_ptr, o_d, m_d, stride_w, W_OFFSET, ACC)
     acc_dw = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)  # dropped by the compiler without HAS_DW
     acc_db = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     row_start = pid_p * ROWS_PER_PROG
@@ -416,7 +434,8 @@ def _norm_bwd_kernel(
 
 @triton.jit
 def _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, d0, D, mean, s1, s2,
-                   CHUNK: tl.constexpr, HAS_W: tl.constexpr, CENTERED: tl.constexpr, ACC: tl.constexpr):
+                   CHUNK: tl.constexpr, HAS_W: tl.constexpr, W_OFFSET: tl.constexpr, CENTERED: tl.constexpr,
+                   ACC: tl.constexpr):
     # One chunk's share of the row sums: s1 += g * (x - mean), s2 += g (lane-wise; reduced once per row).
     o_d = d0 + tl.arange(0, CHUNK)
     m_d = o_d < D
@@ -424,7 +443,7 @@ def _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 
     b_x = tl.load(x_row + o_d64 * stride_x_col, mask=m_d, other=0.0).to(ACC)
     b_g = tl.load(dy_row + o_d64 * stride_dy_col, mask=m_d, other=0.0).to(ACC)
     if HAS_W:
-        b_g = b_g * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+        b_g = b_g * _weight(w_ptr, o_d, m_d, stride_w, W_OFFSET, ACC)
     if CENTERED:
         s1 += b_g * (b_x - mean)  # g is 0 on masked lanes
         s2 += b_g
@@ -435,7 +454,8 @@ def _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, 
 
 @triton.jit
 def _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, d0, D, mean, rstd,
-                    c1, c2, acc_dw, acc_db, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_DX: tl.constexpr,
+                    c1, c2, acc_dw, acc_db, CHUNK: tl.constexpr, HAS_W: tl.constexpr, W_OFFSET: tl.constexpr,
+                    HAS_DX: tl.constexpr,
                     HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, CENTERED: tl.constexpr,
                     ROUND_XHAT: tl.constexpr, ACC: tl.constexpr):
     # One chunk of a row: dL/dx stored, dw/db partials added to this chunk's accumulators.
@@ -451,7 +471,7 @@ def _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, s
     if HAS_DX:
         b_g = b_dy
         if HAS_W:
-            b_g = b_dy * tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(ACC)
+            b_g = b_dy * _weight(w_ptr, o_d, m_d, stride_w, W_OFFSET, ACC)
         if CENTERED:
             b_dx = (b_g - c2 - b_xhat * c1) * rstd
         else:
@@ -495,6 +515,7 @@ def _norm_bwd_long_kernel(
     ROUND_XHAT: tl.constexpr,
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides D and the row strides (ops/_tl.aligned)
+    W_OFFSET: tl.constexpr = 0.0,  # y = xhat * (W_OFFSET + w): Gemma's 1 + w, exact in ACC
 ):
     D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part = _aligned_rows(
         D, stride_x_row, stride_dy_row, stride_dx_row, stride_dw_part, stride_db_part, ALIGN)
@@ -536,23 +557,27 @@ def _norm_bwd_long_kernel(
             s1, s2 = zero, zero
             for k in tl.static_range(SPLIT * NCH):  # SPLIT * NCH * CHUNK >= D
                 s1, s2 = _long_row_sums(x_row, dy_row, w_ptr, stride_x_col, stride_dy_col, stride_w, k * CHUNK, D,
-                                        mean, s1, s2, CHUNK, HAS_W, CENTERED, ACC)
+                                        mean, s1, s2, CHUNK, HAS_W, W_OFFSET, CENTERED, ACC)
             c1 = tl.sum(s1, axis=0) * rstd / D
             if CENTERED:
                 c2 = tl.sum(s2, axis=0) / D
         dw0, db0 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, c0, c_end,
-                                   mean, rstd, c1, c2, dw0, db0, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
+                                   mean, rstd, c1, c2, dw0, db0, CHUNK,
+                                   HAS_W, W_OFFSET, HAS_DX, HAS_DW, HAS_DB, CENTERED,
                                    ROUND_XHAT, ACC)
         dw1, db1 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w, c0 + CHUNK,
-                                   c_end, mean, rstd, c1, c2, dw1, db1, CHUNK, HAS_W, HAS_DX, HAS_DW, HAS_DB, CENTERED,
+                                   c_end, mean, rstd, c1, c2, dw1, db1, CHUNK,
+                                   HAS_W, W_OFFSET, HAS_DX, HAS_DW, HAS_DB, CENTERED,
                                    ROUND_XHAT, ACC)
         if NCH > 2:
             dw2, db2 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w,
-                                       c0 + 2 * CHUNK, c_end, mean, rstd, c1, c2, dw2, db2, CHUNK, HAS_W, HAS_DX,
+                                       c0 + 2 * CHUNK, c_end, mean, rstd, c1, c2, dw2, db2, CHUNK,
+                                       HAS_W, W_OFFSET, HAS_DX,
                                        HAS_DW, HAS_DB, CENTERED, ROUND_XHAT, ACC)
         if NCH > 3:
             dw3, db3 = _long_row_grads(x_row, dy_row, dx_row, w_ptr, stride_x_col, stride_dy_col, stride_w,
-                                       c0 + 3 * CHUNK, c_end, mean, rstd, c1, c2, dw3, db3, CHUNK, HAS_W, HAS_DX,
+                                       c0 + 3 * CHUNK, c_end, mean, rstd, c1, c2, dw3, db3, CHUNK,
+                                       HAS_W, W_OFFSET, HAS_DX,
                                        HAS_DW, HAS_DB, CENTERED, ROUND_XHAT, ACC)
     if HAS_DW:
         _long_store_part(dw_ptr + group * stride_dw_part + c0, c_end - c0, dw0, dw1, dw2, dw3, CHUNK, NCH)
@@ -586,14 +611,18 @@ def _parts_load(x_row, stride_x_col, c0, R: tl.constexpr, CHUNK: tl.constexpr, A
 
 @triton.jit
 def _parts_store(y_row, w_ptr, b_ptr, b_xhat, c0, stride_w, stride_b, R: tl.constexpr, CHUNK: tl.constexpr,
-                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr,
+                 HAS_W: tl.constexpr, W_OFFSET: tl.constexpr, HAS_B: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                 X_DTYPE: tl.constexpr,
                  ACC: tl.constexpr):
     # y = xhat * w + b over one part of the row (w, b optional), rounded once on store.
     o = _parts_offsets(c0, R, CHUNK)
     if ROUND_XHAT:
         b_xhat = round_to(b_xhat, X_DTYPE).to(ACC)
     if HAS_W:
-        b_xhat = b_xhat * tl.load(w_ptr + o * stride_w).to(ACC)
+        b_w = tl.load(w_ptr + o * stride_w).to(ACC)
+        if W_OFFSET != 0.0:
+            b_w = b_w + W_OFFSET
+        b_xhat = b_xhat * b_w
     if HAS_B:
         b_xhat = b_xhat + tl.load(b_ptr + o * stride_b).to(ACC)
     tl.store(y_row + o, round_to(b_xhat, y_row.dtype.element_ty))
@@ -635,6 +664,7 @@ def _norm_fwd_parts_kernel(
     ROUND_XHAT: tl.constexpr,
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,  # divides the row strides (ops/_tl.aligned)
+    W_OFFSET: tl.constexpr = 0.0,  # y = xhat * (W_OFFSET + w): Gemma's 1 + w, exact in ACC
 ):
     # The forward of either norm over one row per program, for rows of an odd number of power-of-two chunks
     # (5120 = 5 x 1024). One register tile of next_pow2(D) lanes would leave up to half of them masked there,
@@ -670,15 +700,18 @@ def _norm_fwd_parts_kernel(
     q = _parts_lanes(x8 * x8, x4 * x4, x2 * x2, x1 * x1, NCH)
     b_rstd = tl.rsqrt(tl.sum(q, axis=0) / D + float_arg(eps, eps_lo, ACC))
     if NCH & 8:
-        _parts_store(y_row, w_ptr, b_ptr, x8 * b_rstd, 0, stride_w, stride_b, 8, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+        _parts_store(y_row, w_ptr, b_ptr, x8 * b_rstd, 0, stride_w, stride_b, 8, CHUNK,
+                     HAS_W, W_OFFSET, HAS_B, ROUND_XHAT,
                      X_DTYPE, ACC)
     if NCH & 4:
-        _parts_store(y_row, w_ptr, b_ptr, x4 * b_rstd, O4, stride_w, stride_b, 4, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+        _parts_store(y_row, w_ptr, b_ptr, x4 * b_rstd, O4, stride_w, stride_b, 4, CHUNK,
+                     HAS_W, W_OFFSET, HAS_B, ROUND_XHAT,
                      X_DTYPE, ACC)
     if NCH & 2:
-        _parts_store(y_row, w_ptr, b_ptr, x2 * b_rstd, O2, stride_w, stride_b, 2, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+        _parts_store(y_row, w_ptr, b_ptr, x2 * b_rstd, O2, stride_w, stride_b, 2, CHUNK,
+                     HAS_W, W_OFFSET, HAS_B, ROUND_XHAT,
                      X_DTYPE, ACC)
-    _parts_store(y_row, w_ptr, b_ptr, x1 * b_rstd, O1, stride_w, stride_b, 1, CHUNK, HAS_W, HAS_B, ROUND_XHAT,
+    _parts_store(y_row, w_ptr, b_ptr, x1 * b_rstd, O1, stride_w, stride_b, 1, CHUNK, HAS_W, W_OFFSET, HAS_B, ROUND_XHAT,
                  X_DTYPE, ACC)
     if CENTERED:
         tl.store(mean_ptr + row, b_mean + b_k)

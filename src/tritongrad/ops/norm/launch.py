@@ -13,6 +13,7 @@ Rows longer than one register tile read x (and dy) twice: plans.py. Design and m
 from __future__ import annotations
 
 import collections.abc
+import math
 import numbers
 from typing import NamedTuple, Optional, Sequence
 
@@ -117,17 +118,18 @@ def _sig(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
-def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool):
+def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool, w_offset: float = 0.0):
     """Normalise x over its last ``k`` dims: ``(y, rstd)``, or ``(y, mean, rstd)`` for layer_norm. y and the
-    statistics come in x's layout where x's leading dims are a transposed dense layout (rt.row_order)."""
+    statistics come in x's layout where x's leading dims are a transposed dense layout (rt.row_order).
+    ``w_offset``: the weight is ``w_offset + weight``, added in the kernels (Gemma's 1 + w)."""
     order = None if x.is_contiguous() else rt.row_order(x, k)
     if order is not None:  # rows in memory order, read in place; outputs permuted back
         lead = x.dim() - k
-        outs = _forward(x.permute(*order, *range(lead, x.dim())), k, weight, bias, eps, layer_norm, llama)
+        outs = _forward(x.permute(*order, *range(lead, x.dim())), k, weight, bias, eps, layer_norm, llama, w_offset)
         inv = rt.inverse(order)
         return (outs[0].permute(*inv, *range(lead, x.dim())), *[s.permute(*inv) for s in outs[1:]])
     key = None if type(x) not in rt.PLAIN_TENSORS else (
-        "fwd", x.shape, x.stride(), x.dtype, k, _sig(weight), _sig(bias), eps, layer_norm, llama, x.device,
+        "fwd", x.shape, x.stride(), x.dtype, k, _sig(weight), _sig(bias), eps, layer_norm, llama, w_offset, x.device,
         P.table(), rt.assumed_device())
     kept = _LAUNCHES.get(key) if key is not None else None
     if kept is None:
@@ -135,7 +137,7 @@ def _forward(x, k: int, weight, bias, eps: float, layer_norm: bool, llama: bool)
         N, D = x2.shape
         r = P.forward(N=rt.hint(N), D=int(D), stride_row=int(x2.stride(0)), x_dtype=x.dtype, w_dtype=_dtype(weight),
                       b_dtype=_dtype(bias), layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device),
-                      t=P.table())
+                      t=P.table(), w_offset=w_offset)
     else:
         r = kept.plan
         x2 = x if kept.views[0] else rt.as_rows(x, k)
@@ -180,7 +182,7 @@ def _empty_like(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
 
 
-def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, llama: bool):
+def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, llama: bool, w_offset: float = 0.0):
     """``(dx, dw, db)`` of a norm over x's last ``k`` dims; ``needs`` = (x, weight, bias) gradients wanted.
 
     One of three launch shapes (plans.py): rows that fit one tile, ``_norm_bwd_kernel`` alone; rows of a few
@@ -195,7 +197,7 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
         p = (*order, *range(lead, x.dim()))
         dx, dw, db = _backward(dy.permute(*p), x.permute(*p), k, weight, bias,
                                None if mean is None else mean.permute(*order), rstd.permute(*order), needs,
-                               layer_norm, llama)
+                               layer_norm, llama, w_offset)
         return (None if dx is None else dx.permute(*rt.inverse(order), *range(lead, x.dim()))), dw, db
     dx, dw, db = _empty_like(x, need_x), _empty_like(weight, need_w), _empty_like(bias, need_b)
     if not (need_x or need_w or need_b):
@@ -205,14 +207,15 @@ def _backward(dy, x, k: int, weight, bias, mean, rstd, needs, layer_norm: bool, 
     acc = rstd.dtype
     key = None if type(x) not in rt.PLAIN_TENSORS else (
         "bwd", dy.shape, dy.stride(), dy.dtype, x.stride(), x.dtype, k, _sig(weight), acc, needs, layer_norm, llama,
-        x.device, P.table(), rt.assumed_device())
+        w_offset, x.device, P.table(), rt.assumed_device())
     kept = _LAUNCHES.get(key) if key is not None else None
     if kept is None:
         x2, dy2, w = rt.as_rows(x, k), rt.as_rows(dy, k), _flat(weight)  # dy2: a view for contiguous or expanded dy
         N, D = x2.shape
         r = P.backward(N=rt.hint(N), D=int(D), stride_x=int(x2.stride(0)), stride_dy=int(dy2.stride(0)),
                        x_dtype=x.dtype, dy_dtype=dy.dtype, w_dtype=_dtype(w), acc=acc, needs=needs,
-                       layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device), t=P.table())
+                       layer_norm=layer_norm, llama=llama, props=rt.device_props(x.device), t=P.table(),
+                       w_offset=w_offset)
     else:
         r = kept.plan
         x2 = x if kept.views[0] else rt.as_rows(x, k)
@@ -294,12 +297,18 @@ def _row_sums(r: P.BwdPlan, rows: dict, strides: dict, N: int, layer_norm: bool,
 
 
 # ---------------------------------------------------------------- rms_norm (torch.nn.functional semantics)
-def _rms_validate(input, normalized_shape, weight, eps) -> None:
+def _rms_validate(input, normalized_shape, weight, eps, weight_offset) -> None:
     _check("rms_norm", input, normalized_shape, eps, eps_optional=True, weight=weight)
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)) or not -math.inf < weight_offset < math.inf:
+        raise TypeError(f"tritongrad.rms_norm: weight_offset must be a finite float, got {weight_offset!r} (input "
+                        f"{tuple(input.shape)} {input.dtype})")
+    if weight_offset and weight is None:
+        raise ValueError(f"tritongrad.rms_norm: weight_offset={weight_offset} needs a weight (input "
+                         f"{tuple(input.shape)} {input.dtype})")
 
 
-def _rms_native(input, normalized_shape, weight, eps):
-    if not _native_fits(normalized_shape, eps):
+def _rms_native(input, normalized_shape, weight, eps, weight_offset=0.0):
+    if weight_offset or not _native_fits(normalized_shape, eps):
         return NotImplemented
     if not input.is_cuda and torch.is_grad_enabled() and (
             input.requires_grad or weight is not None and weight.requires_grad):
@@ -316,25 +325,27 @@ _RMS_AUTOCAST = torch.float32 if torch._C._dispatch_has_kernel_for_dispatch_key(
 @op("tritongrad::rms_norm", reference=rms_norm_reference, validate=_rms_validate, native=_rms_native,
     native_grad=True, residuals=("rstd",), autocast=_RMS_AUTOCAST)
 def rms_norm_op(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
-                eps: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: Optional[float] = None, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered rms_norm: ``(y, rstd)``; :func:`rms_norm` is the public function."""
     eps = default_eps(input.dtype) if eps is None else eps
-    return _forward(input, len(normalized_shape), weight, None, eps, layer_norm=False, llama=False)
+    return _forward(input, len(normalized_shape), weight, None, eps, layer_norm=False, llama=False,
+                    w_offset=float(weight_offset))
 
 
 @rms_norm_op.backward
 def _rms_norm_backward(ctx, grad_y):
-    need_x, _, need_w, _ = ctx.needs_input_grad
+    need_x, _, need_w = ctx.needs_input_grad[:3]
     dx, dw, _ = _backward(grad_y, ctx.input, len(ctx.normalized_shape), ctx.weight, None, None, ctx.rstd,
-                          (need_x, need_w, False), layer_norm=False, llama=False)
+                          (need_x, need_w, False), layer_norm=False, llama=False, w_offset=float(ctx.weight_offset))
     return dx, dw
 
 
 def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
-             eps: float | None = None) -> torch.Tensor:
+             eps: float | None = None, *, weight_offset: float = 0.0) -> torch.Tensor:
     """``torch.nn.functional.rms_norm`` with Triton kernels for forward and backward.
 
-    ``y = x / sqrt(mean(x**2) + eps) * weight``, the mean over the trailing ``normalized_shape`` dims.
+    ``y = x / sqrt(mean(x**2) + eps) * (weight_offset + weight)``, the mean over the trailing
+    ``normalized_shape`` dims.
 
     Args:
         input: ``[..., *normalized_shape]``, float16/bfloat16/float32/float64, any strides.
@@ -342,15 +353,18 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
         weight: ``normalized_shape`` or None; any floating dtype (e.g. float32 with bfloat16 x).
         eps: None means PyTorch's default, ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32
             input and ``torch.finfo(torch.float64).eps`` for float64.
+        weight_offset: added to the weight in float32 (float64) inside the kernels: 1.0 is Gemma's RMSNorm,
+            ``(xhat * (1 + weight.float())).to(x.dtype)``, with the weight's gradient in its own dtype. Needs a
+            weight.
 
     Returns:
         y: input's shape and dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
-        contiguous. Statistics and products in float32 (float64 when the input or the weight is float64),
+        contiguous, or in input's layout where its leading dims are a transposed dense layout (docs/norms.md). Statistics and products in float32 (float64 when the input or the weight is float64),
         rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
         the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
         float32, as PyTorch's rms_norm does there.
     """
-    return rms_norm_op(input, shape_list(normalized_shape, "rms_norm"), weight, eps)
+    return rms_norm_op(input, shape_list(normalized_shape, "rms_norm"), weight, eps, weight_offset)
 
 
 # ---------------------------------------------------------------- Hugging Face's LlamaRMSNorm

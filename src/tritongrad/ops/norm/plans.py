@@ -291,14 +291,20 @@ class BwdPlan:
     rowsum_consts: dict
 
 
+def _offset(w_offset: float) -> dict:
+    # The kernels' W_OFFSET, passed only where it is not 0 (its default): other norms keep their specializations.
+    return {"W_OFFSET": float(w_offset)} if w_offset else {}
+
+
 @functools.lru_cache(maxsize=4096)
 def forward(*, N: int, D: int, stride_row: int, x_dtype: torch.dtype, w_dtype: torch.dtype | None,
             b_dtype: torch.dtype | None, layer_norm: bool, llama: bool, props: rt.DeviceProps,
-            t: NormTable = TABLE) -> FwdPlan:
-    """The forward's plan for x ``[N, D]`` (N a hint) with row stride ``stride_row``; no weight or bias: None."""
+            t: NormTable = TABLE, w_offset: float = 0.0) -> FwdPlan:
+    """The forward's plan for x ``[N, D]`` (N a hint) with row stride ``stride_row``; no weight or bias: None;
+    ``w_offset``: added to the weight in the kernels (Gemma's 1 + w)."""
     out_dtype = torch.promote_types(x_dtype, w_dtype) if llama else x_dtype
     acc = rt.acc_dtype(functools.reduce(torch.promote_types, [d for d in (x_dtype, w_dtype, b_dtype) if d]))
-    flags = dict(HAS_W=w_dtype is not None, ACC=rt.tl_acc_dtype(acc))
+    flags = dict(HAS_W=w_dtype is not None, ACC=rt.tl_acc_dtype(acc), **_offset(w_offset))
     parts = fwd_parts(D, x_dtype.itemsize, t)
     if parts is not None:  # rows of an odd number (3 to 13) of power-of-two chunks
         consts = dict(flags, CHUNK=parts.CHUNK, NCH=parts.NCH, HAS_B=b_dtype is not None, CENTERED=layer_norm,
@@ -315,7 +321,7 @@ def forward(*, N: int, D: int, stride_row: int, x_dtype: torch.dtype, w_dtype: t
 @functools.lru_cache(maxsize=4096)
 def backward(*, N: int, D: int, stride_x: int, stride_dy: int, x_dtype: torch.dtype, dy_dtype: torch.dtype,
              w_dtype: torch.dtype | None, acc: torch.dtype, needs: tuple, layer_norm: bool, llama: bool,
-             props: rt.DeviceProps, t: NormTable = TABLE) -> BwdPlan:
+             props: rt.DeviceProps, t: NormTable = TABLE, w_offset: float = 0.0) -> BwdPlan:
     """The backward's plan (N a hint); ``needs``: which of the x, weight and bias gradients are wanted."""
     need_x, need_w, need_b = needs
     x_size = x_dtype.itemsize
@@ -331,7 +337,7 @@ def backward(*, N: int, D: int, stride_x: int, stride_dy: int, x_dtype: torch.dt
     # The dw/db partial rows are D or 2D apart (one buffer for both).
     align = rt.align(align, D * (need_w + need_b))
     flags = dict(HAS_W=w_dtype is not None, CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc), ALIGN=align,
-                 HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ROUND_XHAT=llama)
+                 HAS_DX=need_x, HAS_DW=need_w, HAS_DB=need_b, ROUND_XHAT=llama, **_offset(w_offset))
     if lp is not None:
         consts = dict(flags, CHUNK=lp.CHUNK, NCH=lp.NCH, SPLIT=lp.SPLIT, num_warps=lp.num_warps)
         return BwdPlan(lp, False, 1, 1, rows_per_prog, 1, D, consts, {})
@@ -342,7 +348,7 @@ def backward(*, N: int, D: int, stride_x: int, stride_dy: int, x_dtype: torch.dt
     splits, d_split = column_split(N, D, tile, sms, t) if rowsum else (1, D)
     rowsum_consts = dict(BLOCK_N=tile.BLOCK_N, BLOCK_D=tile.BLOCK_D, num_warps=tile.num_warps,
                          HAS_W=w_dtype is not None, CENTERED=layer_norm, ACC=rt.tl_acc_dtype(acc),
-                         ALIGN=rt.align(align, d_split))
+                         ALIGN=rt.align(align, d_split), **_offset(w_offset))
     return BwdPlan(None, rowsum, tile.BLOCK_N, d_blocks, rows_per_prog, splits, d_split, consts, rowsum_consts)
 
 

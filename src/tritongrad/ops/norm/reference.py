@@ -16,16 +16,17 @@ def default_eps(dtype: torch.dtype) -> float:
 
 
 def rms_norm_reference(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
-                       eps: float | None = None) -> torch.Tensor:
-    """``torch.nn.functional.rms_norm``, accumulated in float32 (float64 when x or the weight is float64),
-    rounded once to x's dtype. Differentiable; gradients come back in each input's dtype."""
+                       eps: float | None = None, weight_offset: float = 0.0) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` with the weight ``weight_offset + weight`` (Gemma's 1 + w), accumulated
+    in float32 (float64 when x or the weight is float64), rounded once to x's dtype. Differentiable; gradients
+    come back in each input's dtype."""
     x = input
     dims = tuple(range(-len(normalized_shape), 0))
     eps = default_eps(x.dtype) if eps is None else eps
     xf = x.to(_acc(x, weight))
     y = xf * torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.to(y.dtype)
+        y = y * (weight.to(y.dtype) + weight_offset if weight_offset else weight.to(y.dtype))
     return y.to(x.dtype)
 
 
