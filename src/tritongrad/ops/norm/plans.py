@@ -292,8 +292,8 @@ class BwdPlan:
 
 
 def _offset(w_offset: float) -> dict:
-    # The kernels' W_OFFSET, passed only where it is not 0 (its default): other norms keep their specializations.
-    return {"W_OFFSET": float(w_offset)} if w_offset else {}
+    # The kernels' W_OFFSET, always passed: a compiled launch takes every constexpr by name (rt.Kernel).
+    return {"W_OFFSET": float(w_offset)}
 
 
 @functools.lru_cache(maxsize=4096)
