@@ -1203,3 +1203,30 @@ def test_interpreter_sanitizes_overflow_only_where_it_can_report_it():
             _int32_overflow_kernel[(1,)](out, 2**30 + 1)
     finally:
         builder.options = before
+
+
+BOUND_DEFAULTS = """
+import sys; sys.path.insert(0, {src!r})
+import torch, triton, triton.language as tl
+from tritongrad import _runtime as rt
+
+@triton.jit
+def k(x_ptr, N, BLOCK: tl.constexpr, SCALE: tl.constexpr = 2.0):
+    pass
+
+kern = rt.Kernel(k)
+assert not rt.INTERPRET and kern._constexpr_names == ["BLOCK", "SCALE"], kern._constexpr_names
+print(rt.Bound(kern, (1,), (torch.empty(4), 4), 4, {{"BLOCK": 16}}).tail,
+      rt.Bound(kern, (1,), (torch.empty(4), 4), 4, {{"BLOCK": 16, "SCALE": 3.0}}).tail)
+"""
+
+
+def test_compiled_launches_fill_constexpr_defaults(tmp_path):
+    # A compiled launch passes every constexpr by name (rt.Kernel, rt.Bound); one a launcher leaves out takes
+    # the kernel's default, as Triton's own launch does (a KeyError before, on the GPU only: the interpreter
+    # takes Triton's path). A file: triton.jit reads the kernel's source.
+    script = tmp_path / "bound_defaults.py"
+    script.write_text(BOUND_DEFAULTS.format(src=str(ROOT / "src")))
+    out = run_without_interpreter([str(script)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["(16,", "2.0)", "(16,", "3.0)"], out.stdout

@@ -612,6 +612,9 @@ class Kernel:
         self._cache: dict = {}
         self._float32_entry: dict = {}  # float parameters' names -> float32_entry(fn, names), for traced launches
         self._constexpr_names = [p.name for p in fn.params if p.is_constexpr] if not INTERPRET else []
+        # A compiled launch takes every constexpr by name: those a launch leaves out take their defaults.
+        self._constexpr_defaults = {p.name: p.default for p in fn.params
+                                    if p.is_constexpr and getattr(p, "has_default", False)} if not INTERPRET else {}
         self._arg_names = _arg_names(fn)
         functools.update_wrapper(self, fn, updated=())
 
@@ -674,7 +677,7 @@ class Kernel:
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(device),
             compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *[constexprs[n] for n in self._constexpr_names],
+            *args, *[constexprs[n] if n in constexprs else self._constexpr_defaults[n] for n in self._constexpr_names],
         )
 
     def _key(self, device, num_warps, constexprs: dict, args) -> tuple:
@@ -721,7 +724,8 @@ class Bound:
         self._grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.slots = tuple(i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor))
         self.args = [None if i in self.slots else a for i, a in enumerate(args)]  # holds no tensor alive
-        self.tail = tuple(self.constexprs[n] for n in kernel._constexpr_names) if not INTERPRET else ()
+        self.tail = tuple(self.constexprs[n] if n in self.constexprs else kernel._constexpr_defaults[n]
+                          for n in kernel._constexpr_names) if not INTERPRET else ()
         self._compiled: dict = {}
 
     def _args(self, tensors) -> list:
