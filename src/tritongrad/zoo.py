@@ -26,6 +26,7 @@ was patched computes differently, and the report says why each op was left alone
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -534,7 +535,9 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
         return Verdict(family, mode, "error", f"the tiny model builds no {', '.join(missing)}, which the patch "
                                               "reaches: zoo.FAMILY_CONFIG needs a layer pattern with one")
     batch, fns, ref = _check_plan(model, device, compiled, only)
-    want, failed = _checks(model, ref)
+    layouts = ({}, {})  # eager: each module's first output layout, unpatched and patched
+    with _layouts(model, layouts[0], not compiled):
+        want, failed = _checks(model, ref)
     if "loss" in failed or "grads" in failed:
         e = failed.get("loss") or failed["grads"]
         return Verdict(family, mode, "error", f"the unpatched model fails a training step: {type(e).__name__}: "
@@ -543,7 +546,8 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
     if isinstance(patched, Verdict):
         return patched
     patched, ops = patched
-    got, errors = _checks(patched, fns, only=want)
+    with _layouts(patched, layouts[1], not compiled):
+        got, errors = _checks(patched, fns, only=want)
     tritongrad.unpatch(patched)
     if errors:
         return _error_verdict(family, mode, model, fns, errors, ops)
@@ -561,7 +565,40 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
         notes.append(f"within 2x the unpatched model's float32 error against float64 ({earned})")
     if failed:
         notes.append(f"not checked (the unpatched model fails them): {', '.join(sorted(failed))}")
+    moved = _layout_moved(*layouts)
+    if moved:
+        notes.append(moved)
     return Verdict(family, mode, "exact", "; ".join(notes), ops)
+
+
+@contextlib.contextmanager
+def _layouts(model, into: dict, on: bool = True):
+    """Each module's first output, by the module's name, as its shape and strides (a tuple's first tensor),
+    recorded into ``into`` while the block runs forwards (nothing when not ``on``)."""
+    handles = []
+    if on:
+        for name, m in model.named_modules():
+            def hook(mod, args, out, name=name):
+                t = out[0] if isinstance(out, tuple) and out else out
+                if isinstance(t, torch.Tensor) and name not in into:
+                    into[name] = (tuple(t.shape), t.stride())
+            handles.append(m.register_forward_hook(hook))
+    try:
+        yield into
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layout_moved(unpatched: dict, patched: dict) -> str:
+    """The first module (in the order outputs were made) whose output the patched model lays out otherwise
+    than the unpatched one, with both strides: values the same, but the next ops may copy it (a defect of
+    memory and speed the values do not show: docs/norms.md#rows-and-layouts). Empty where none."""
+    for name, (shape, stride) in unpatched.items():
+        got = patched.get(name)
+        if got is not None and got[0] == shape and got[1] != stride:
+            return f"layout: {name or 'the model'}'s output {shape} has strides {got[1]} (unpatched {stride})"
+    return ""
 
 
 def _check_plan(model, device, compiled: bool, only) -> tuple:

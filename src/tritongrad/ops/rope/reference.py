@@ -36,6 +36,8 @@ def apply_rotary_pos_emb_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.
 
     def embed(x):
         xf = x.to(acc)
+        if r == x.shape[-1]:  # no cat: elementwise ops keep x's layout, as Hugging Face's expression does
+            return (xf * c + rot(xf) * s).to(torch.promote_types(x.dtype, cs))
         turned, passed = xf[..., :r], xf[..., r:]
         return torch.cat((turned * c + rot(turned) * s, passed), dim=-1).to(torch.promote_types(x.dtype, cs))
 
