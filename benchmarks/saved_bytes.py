@@ -20,6 +20,10 @@ from contextlib import nullcontext
 
 import torch
 
+# torch's own frames are left out of "where it was saved" (a prefix: a virtual environment may live under a
+# folder named torch, as the GPU machine's does, and then every package's path contains "torch/").
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,7 +55,7 @@ def main() -> None:
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in seen and st.data_ptr() not in params and st.nbytes():
-            frames = [f for f in traceback.extract_stack()[:-1] if "torch/" not in f.filename]
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH_DIR)]
             where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-3:]))
             seen[st.data_ptr()] = (st.nbytes(), tuple(t.shape), str(t.dtype).removeprefix("torch."), where)
         return t
