@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import DEVICE, GC_THRESHOLDS
 
 from tritongrad import zoo
@@ -77,7 +78,7 @@ KERNEL_FAMILIES = {
 }
 
 
-def _run_matrix(names=None, modes=("eager",), only=None):
+def _run_matrix(names=None, modes=("eager",), only=None, kernels=False):
     code = (
         "import json, sys, warnings; warnings.filterwarnings('ignore');"
         "import transformers; transformers.logging.set_verbosity_error();"
@@ -86,7 +87,10 @@ def _run_matrix(names=None, modes=("eager",), only=None):
         f"import gc; gc.collect(); gc.freeze(); gc.set_threshold(*{GC_THRESHOLDS!r});"
         f"print(json.dumps(zoo.run({names!r}, {modes!r}, only={only!r})))"
     )
+    # Off the GPU: the PyTorch path, or with ``kernels`` Triton's kernels in the interpreter.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if kernels and not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -138,6 +142,30 @@ def test_family_with_kernels(family, mode):
     # Eager, every module's output keeps the unpatched model's layout: a kernel's output laid out otherwise
     # made the next ops copy it (Gemma 3's q_norm and o_proj), which the values do not show.
     assert "layout:" not in v.detail, v.line()
+
+
+# Families whose patched outputs keep another layout than Hugging Face's code with the kernels, and why.
+KERNEL_LAYOUTS = {
+    "inkling_text": "its k_norm gets the features strided (heads innermost), which no [rows, features] launch reads "
+                    "in place: the norm copies them into rows, and its output is contiguous",
+}
+
+
+@pytest.mark.extended
+def test_every_family_with_the_kernels():
+    # The matrix with Triton's kernels on every family (the interpreter off the GPU), loss and every gradient:
+    # the quick tier's matrix takes the PyTorch path, and the kernel families above are nine. Every family the
+    # record holds exact stays exact; none is wrong; only the families listed lay an output out otherwise.
+    rows = _run_matrix(zoo.families(), only=("loss", "grads"), kernels=True)
+    eager = {r["family"]: r["eager"] for r in rows}
+    wrong = {f: v for f, v in eager.items() if v.startswith("wrong")}
+    assert not wrong, wrong
+    record = _record()
+    lost = {f: eager[f] for f, r in record.items() if r["eager"].startswith("exact") and f in eager
+            and not eager[f].startswith("exact")}
+    assert not lost, lost
+    moved = {f for f, v in eager.items() if "layout:" in v}
+    assert moved == set(KERNEL_LAYOUTS) & set(eager), {f: eager[f] for f in moved ^ set(KERNEL_LAYOUTS)}
 
 
 def test_a_tiny_model_without_the_familys_attention_is_an_error(monkeypatch):
