@@ -100,15 +100,15 @@ class SmallInputs:
 SMALL = SmallInputs()
 _is_compiling = torch.compiler.is_compiling
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
 
 
 def _tracing() -> bool:
     """Whether torch.compile or torch.export traces this code: Dynamo, or make_fx, which traces AOTAutograd's
     backward (where torch.compiler.is_compiling() answers False on some versions)."""
     return _is_compiling() or torch._C._get_dispatch_mode(_PROXY) is not None
-_dispatch_depth = torch._C._len_torch_dispatch_stack
-_functorch_active = torch._C._are_functorch_transforms_active
-_grad_enabled = torch.is_grad_enabled
 
 # Every op declared in this process, by qualified name: a re-declaration updates the entry in place.
 _OPS: dict[str, "Op"] = {}

@@ -677,7 +677,8 @@ class Kernel:
         compiled.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(device),
             compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *[constexprs[n] if n in constexprs else self._constexpr_defaults[n] for n in self._constexpr_names],
+            *args, *[constexprs[n] if n in constexprs else self._constexpr_defaults[n]
+                     for n in self._constexpr_names],
         )
 
     def _key(self, device, num_warps, constexprs: dict, args) -> tuple:

@@ -299,7 +299,8 @@ def _row_sums(r: P.BwdPlan, rows: dict, strides: dict, N: int, layer_norm: bool,
 # ---------------------------------------------------------------- rms_norm (torch.nn.functional semantics)
 def _rms_validate(input, normalized_shape, weight, eps, weight_offset) -> None:
     _check("rms_norm", input, normalized_shape, eps, eps_optional=True, weight=weight)
-    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)) or not -math.inf < weight_offset < math.inf:
+    if (isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float))
+            or not -math.inf < weight_offset < math.inf):
         raise TypeError(f"tritongrad.rms_norm: weight_offset must be a finite float, got {weight_offset!r} (input "
                         f"{tuple(input.shape)} {input.dtype})")
     if weight_offset and weight is None:
@@ -359,8 +360,8 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
 
     Returns:
         y: input's shape and dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
-        contiguous, or in input's layout where its leading dims are a transposed dense layout (docs/norms.md). Statistics and products in float32 (float64 when the input or the weight is float64),
-        rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
+        contiguous, or in input's layout where its leading dims are a transposed dense layout (docs/norms.md).
+        Statistics and products in float32 (float64 when the input or the weight is float64), rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
         the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
         float32, as PyTorch's rms_norm does there.
     """
@@ -400,8 +401,9 @@ def llama_rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float
 
     Returns:
         y: x's shape in ``torch.promote_types(x.dtype, weight.dtype)`` (so a float32 weight with bfloat16 x
-        gives float32, as in Hugging Face's code). Gradients come back in each input's dtype; they are
-        computed in float32 without the intermediate roundings eager autograd would apply.
+        gives float32, as in Hugging Face's code), contiguous or in x's layout where its leading dims are a
+        transposed dense layout (docs/norms.md). Gradients come back in each input's dtype; they are computed
+        in float32 without the intermediate roundings eager autograd would apply.
     """
     return _forward(hidden_states, 1, weight, None, eps, layer_norm=False, llama=True)
 
@@ -461,8 +463,9 @@ def layer_norm(
 
     Returns:
         y: input's shape and dtype, whatever the dtypes of weight and bias (as
-        ``torch.nn.functional.layer_norm``); contiguous. Statistics and products in float32 (float64 when any
-        input is float64), rounded once. Differentiable in input, weight and bias; each gradient comes back in
+        ``torch.nn.functional.layer_norm``); contiguous, or in input's layout where its leading dims are a
+        transposed dense layout (docs/norms.md). Statistics and products in float32 (float64 when any input is
+        float64), rounded once. Differentiable in input, weight and bias; each gradient comes back in
         its input's dtype, and the weight and bias gradients are bitwise reproducible. Under CUDA autocast
         its floating inputs are cast to float32 first and it returns float32, as PyTorch's layer_norm does
         there (autocast lists layer_norm among its float32 ops).

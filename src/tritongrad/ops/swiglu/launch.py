@@ -135,16 +135,15 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
 
 def _traced_backward(ctx, grad_out: torch.Tensor, approximate: str | None):
     """The backward in PyTorch ops, the kernel's arithmetic (float32, or float64, then one rounding), for
-    torch.compile and torch.export to trace: Inductor fuses it into one pass and writes dg and du over the
-    saved gate and up, whose buffers the backward donates (docs/swiglu-rope.md#compiled).
+    torch.compile and torch.export to trace: Inductor fuses it into one pass and writes dg over the saved up,
+    whose buffer the backward donates; du is allocated (docs/writing-an-op.md#a-backward-for-tracing).
     ``approximate`` None is SiLU."""
     gate, up = ctx.gate, ctx.up
     need_g, need_u = ctx.needs_input_grad[:2]
     acc = acc_of(gate, up)
     g, d = gate.to(acc), grad_out.to(acc)
     dg = du = None
-    # dg first: it alone reads up, which it may overwrite; du, after it, may then take gate's (or the
-    # incoming gradient's) buffer, whose last reader it is. In the other order only one of them is reused.
+    # Inductor writes an output over an input no other output of the fused kernel reads: up, read by dg alone.
     if need_g:
         d_u = d * up.to(acc)
         dg = (torch.ops.aten.silu_backward(d_u, g) if approximate is None
@@ -243,8 +242,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
             are the two halves of one such result (``proj(x).chunk(2, -1)``), which then takes both
             gradients. Otherwise the backward allocates, as without the option. Its version counter is
             bumped, so any other use of it saved for backward raises instead of reading the gradient.
-            Compiled, the backward is traced in PyTorch ops, which Inductor writes over gate and up where
-            their buffers are its own (saved activations) whether or not the option is given.
+            Compiled, the backward is traced in PyTorch ops instead, whose fused kernel Inductor lets write
+            dgate over up where up's buffer is its own (a saved activation), with or without the option.
 
     Returns:
         out: gate's shape, contiguous, in ``torch.promote_types(gate.dtype, up.dtype)``. Computed in
