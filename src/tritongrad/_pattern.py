@@ -824,6 +824,17 @@ class BackwardContext:
         raise AttributeError(name)
 
 
+def _context(op: Op, nontensor: Sequence, saved: Sequence, needs: Sequence[bool]) -> BackwardContext:
+    """The registered backward's ``ctx``: the non-tensor arguments and saved tensors by name, and ``needs`` (one
+    per tensor input) spread over the forward's arguments."""
+    values = dict(zip(op._nontensor_names, nontensor))
+    values.update(zip(op.save, saved))
+    full_needs = [False] * op._nargs
+    for i, n in zip(op.tensor_positions, needs):
+        full_needs[i] = bool(n)
+    return BackwardContext(op, values, tuple(full_needs))
+
+
 def _register(op: Op):
     """Register ``op`` and its backward with torch.library; returns their CustomOpDefs."""
     n_returned = op.n_outputs + len(op.residuals)
@@ -853,12 +864,7 @@ def _register(op: Op):
     def bwd_impl(*all_args):
         grads = all_args[:n_grads]
         needs = all_args[-1]
-        full_needs = [False] * op._nargs
-        for i, n in zip(op.tensor_positions, needs):
-            full_needs[i] = bool(n)
-        values = dict(zip(op._nontensor_names, all_args[n_grads + n_saved:-1]))
-        values.update(zip(op.save, all_args[n_grads:n_grads + n_saved]))
-        bctx = BackwardContext(op, values, tuple(full_needs))
+        bctx = _context(op, all_args[n_grads + n_saved:-1], all_args[n_grads:n_grads + n_saved], needs)
         if rt.uses_triton(grads[0].device):
             got = op._grads(bctx, grads)
         else:
@@ -886,12 +892,8 @@ def _register(op: Op):
         if scaled is not None:
             return op._pad(scaled)
         if op.traced_backward is not None and _tracing() and not torch.is_grad_enabled():
-            values = dict(zip(op._nontensor_names, ctx.nontensor_args))
-            values.update(zip(op.save, ctx.saved_tensors))
-            full_needs = [False] * op._nargs
-            for i, n in zip(op.tensor_positions, needs):
-                full_needs[i] = n
-            return op._pad(op._grads(BackwardContext(op, values, tuple(full_needs)), g, op.traced_backward))
+            bctx = _context(op, ctx.nontensor_args, ctx.saved_tensors, needs)
+            return op._pad(op._grads(bctx, g, op.traced_backward))
         got = iter(bwd_def._opoverload(*g, *ctx.saved_tensors, *ctx.nontensor_args, needs))
         return op._pad([next(got) if n else None for n in needs])
 
