@@ -235,7 +235,7 @@ def test_opcheck_cuda():
     _, mean, rstd_ln = ops.layer_norm.default(x.detach(), [300], w.detach(), b.detach(), 1e-5)
     test_utils = ("test_schema", "test_faketensor")
     # The backward ops take (gradient per output, saved tensors, non-tensor arguments, needs per tensor input).
-    torch.library.opcheck(ops.rms_norm_backward.default, (g, x, w, rstd, [300], None, [True, True]), test_utils=test_utils)
+    torch.library.opcheck(ops.rms_norm_backward.default, (g, x, w, rstd, [300], None, 0.0, [True, True]), test_utils=test_utils)
     torch.library.opcheck(
         ops.layer_norm_backward.default, (g, x, w, b, mean, rstd_ln, [300], 1e-5, [True, False, True]),
         test_utils=test_utils,
