@@ -374,17 +374,20 @@ def test_linear_chunks_hold_no_more_than_the_hidden_states():
     assert P.lce_chunk_rows(65536, 128256, 4096, 2, t) == 784  # the cap: 192 MiB
 
 
-def test_linear_in_chunks(small_chunks):
-    # 13 rows in chunks of 4 (the last ragged): the same loss and gradients as one product
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_in_chunks(small_chunks, reduction):
+    # 13 rows in chunks of 4 (the last ragged; on a GPU the chunks launch one bound kernel, the last its own):
+    # the same loss and gradients as one product, per-row upstream gradients (reduction="none") included
     h = torch.randn(13, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     W = torch.randn(30, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     b = torch.randn(30, dtype=torch.float64, device=DEVICE, requires_grad=True)
     t = _targets(13, 30, (0, 5, 12))
     assert P.lce_chunk_rows(13, 30, 8, 8, P.table()) == 4
-    got = linear_cross_entropy(h, W, t, b, z_loss=1e-3)
-    want = linear_cross_entropy_reference(h, W, t, b, z_loss=1e-3)
+    got = linear_cross_entropy(h, W, t, b, z_loss=1e-3, reduction=reduction)
+    want = linear_cross_entropy_reference(h, W, t, b, z_loss=1e-3, reduction=reduction)
     torch.testing.assert_close(got, want)
-    for a, r in zip(torch.autograd.grad(got, (h, W, b)), torch.autograd.grad(want, (h, W, b))):
+    g = torch.randn_like(got)
+    for a, r in zip(torch.autograd.grad(got, (h, W, b), g), torch.autograd.grad(want, (h, W, b), g)):
         torch.testing.assert_close(a, r)
 
 
