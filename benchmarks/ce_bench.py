@@ -15,8 +15,7 @@ chunks of whole pairs and in chunks of rows, against the three products), ``dist
 with chunks of 192-768 MiB, against its four products), ``f32`` (linear_cross_entropy at the target shape
 with grad_weight accumulated in bf16 and in float32, alternated twice), ``whole_row`` (a probe of another
 design: each program loads a whole row once, rows pipelined through shared memory, one exp per element; against
-tritongrad's cross_entropy at three shapes, docs/cross-entropy.md#where-it-stands), ``evict`` (cross_entropy's L2
-eviction policies at four vocabularies, alternated twice).
+tritongrad's cross_entropy at three shapes, docs/cross-entropy.md#where-it-stands).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -322,36 +321,6 @@ def sweep(bw: float):
     RESULTS["sweep"] = rows
 
 
-EVICT = [("", ""), ("evict_last", ""), ("", "evict_first"), ("evict_last", "evict_first")]
-
-
-def evict(bw: float):
-    """cross_entropy's L2 eviction policies (pass 1's loads; pass 2's loads and stores) at the four
-    vocabularies, each variant timed twice, alternated (a, b, c, d, a, b, c, d)."""
-    rows = []
-    for N, C in ((16384, 32000), (8192, 128256), (4096, 151936), (4096, 262144)):
-        x = torch.randn(N, C, device="cuda", generator=_gen(), dtype=torch.bfloat16).requires_grad_()
-        t = torch.randint(0, C, (N,), device="cuda", generator=_gen())
-        floor_gb = 2 * N * C * 2 / 1e9
-
-        def run():
-            tritongrad.cross_entropy(x, t).backward()
-
-        for rep in range(2):
-            for e1, e2 in EVICT:
-                table = dataclasses.replace(P.TABLE, EVICT_1=e1, EVICT_2=e2)
-                with P.using(table):
-                    run()
-                    ms = triton.testing.do_bench_cudagraph(run, grad_to_none=[x], return_mode="median")
-                rows.append(dict(N=N, C=C, evict_1=e1, evict_2=e2, rep=rep, ms=ms,
-                                 pct_copy=100 * floor_gb / ms / bw * 1e3))
-                print(f"  {N}x{C} evict_1 {e1 or '-':>10} evict_2 {e2 or '-':>11}: {ms:.3f} ms, "
-                      f"{rows[-1]['pct_copy']:.1f}% of copy", flush=True)
-        del x
-        torch.cuda.empty_cache()
-    RESULTS["evict"] = rows
-
-
 def _products_graph_ms(N: int, H: int, V: int) -> float:
     """Device time (CUDA-graph replay) of the linear losses' three products alone at N x H -> V in bf16: logits
     = h W^T, grad_h = dlogits W, grad_W = dlogits^T h."""
@@ -555,7 +524,7 @@ def main():
     print(f"{RESULTS['device']}: copy {bw:.0f} GB/s; torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
     for part in parts:
-        {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw), "evict": lambda: evict(bw),
+        {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
          "chunks": chunk_budget, "pairs": dpo_pairs,
          "larger": lambda: chunk_budget((8192, 16384), (192, 256, 384, 512), "larger_chunks"),
          "distill": distill_chunks, "f32": grad_weight_f32, "whole_row": lambda: whole_row(bw)}[part]()

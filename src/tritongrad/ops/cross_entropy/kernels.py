@@ -120,7 +120,7 @@ def _grad_chunk(x, o, t, mx, ls, a, b_t, b_s, w_ptr, stride_w, mask, scale, cap,
 @triton.jit
 def _row_max_sum(p_x, o_c, o_last, m_last, K, r, weight_ptr, stride_w, scale, cap, BLOCK_C: tl.constexpr,
                  STAGES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, SMOOTH_SUM: tl.constexpr, ACC: tl.constexpr, EVICT_1: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, SMOOTH_SUM: tl.constexpr, ACC: tl.constexpr):
     """Pass 1 over a row of K chunks: ``(mx, ls, su, x_last)``, the shift mx (the row's max, 0 if all -inf),
     ``ls = log sum_j exp(u_j - mx)``, with SMOOTH_SUM the smoothing sum ``su = sum_j w_j (u_j - r)`` (else 0),
     and the last (ragged) chunk as loaded, kept in registers for pass 2."""
@@ -130,7 +130,7 @@ def _row_max_sum(p_x, o_c, o_last, m_last, K, r, weight_ptr, stride_w, scale, ca
     su_vec = tl.zeros([BLOCK_C], dtype=ACC)
     for k in tl.range(0, K - 1, num_stages=STAGES):
         o = k * BLOCK_C + o_c
-        u, _ = _logits(tl.load(p_x + o, eviction_policy=EVICT_1).to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
+        u, _ = _logits(tl.load(p_x + o).to(ACC), scale, cap, HAS_SCALE, HAS_SOFTCAP)
         m_new = tl.maximum(m, tl.max(u, 0))
         m_safe = tl.where(m_new == neg_inf, 0.0, m_new)  # all -inf so far: no inf - inf
         s_vec = s_vec * tl.exp(m - m_safe) + tl.exp(u - m_safe)
@@ -162,17 +162,17 @@ def _row_max_sum(p_x, o_c, o_last, m_last, K, r, weight_ptr, stride_w, scale, ca
 @triton.jit
 def _grad_row(p_x, p_g, x_last, o_c, o_last, m_last, K, C, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, scale,
               cap, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr, EVICT_2: tl.constexpr):
+              HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ACC: tl.constexpr):
     """Pass 2 over a row: dL/dx chunk by chunk (:func:`_grad_chunk`), the last chunk from registers first."""
     g = _grad_chunk(x_last.to(ACC), o_last, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, m_last, scale,
                     cap, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
-    tl.store(p_g + o_last, round_to(g, p_g.dtype.element_ty), mask=m_last, eviction_policy=EVICT_2)
+    tl.store(p_g + o_last, round_to(g, p_g.dtype.element_ty), mask=m_last)
     for i in tl.range(0, K - 1, num_stages=STAGES):
         o = (K - 2 - i) * BLOCK_C + o_c  # newest chunks first: they are likeliest still in L2
-        z = tl.load(p_x + o, eviction_policy=EVICT_2).to(ACC)
+        z = tl.load(p_x + o).to(ACC)
         g = _grad_chunk(z, o, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w, o < C, scale, cap,
                         HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
-        tl.store(p_g + o, round_to(g, p_g.dtype.element_ty), eviction_policy=EVICT_2)
+        tl.store(p_g + o, round_to(g, p_g.dtype.element_ty))
 
 
 @triton.jit
@@ -229,10 +229,6 @@ def _cross_entropy_fwd_kernel(
     HAS_DLSE: tl.constexpr,
     ACC: tl.constexpr,
     ALIGN: tl.constexpr,
-    # L2 eviction policies ("" for the default): pass 1's loads of the full chunks, which pass 2 reads again;
-    # pass 2's loads and the gradient's stores, read no more by this kernel (plans.RowPlan).
-    EVICT_1: tl.constexpr = "",
-    EVICT_2: tl.constexpr = "",
 ):
     stride_x_row = aligned(stride_x_row, ALIGN)
     stride_g_row = aligned(stride_g_row, ALIGN)
@@ -291,7 +287,7 @@ def _cross_entropy_fwd_kernel(
             if valid | LSE_ALL | (d_n != 0.0):  # an ignored row needs no read unless its lse is asked for
                 mx, ls, su, x_last = _row_max_sum(p_x, o_c, o_last, m_last, K, r, weight_ptr, stride_w, scale, cap,
                                                   BLOCK_C, STAGES, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP,
-                                                  HAS_SMOOTHING and STORE_LOSS, ACC, EVICT_1)
+                                                  HAS_SMOOTHING and STORE_LOSS, ACC)
         lse = mx + ls
 
         w_t = 1.0
@@ -322,8 +318,7 @@ def _cross_entropy_fwd_kernel(
                 if LSE_KNOWN:
                     x_last = tl.load(p_x + o_last, mask=m_last, other=0.0)
                 _grad_row(p_x, p_g, x_last, o_c, o_last, m_last, K, C, t, mx, ls, a, b_t, b_s, weight_ptr, stride_w,
-                          scale, cap, BLOCK_C, STAGES, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, ACC,
-                          EVICT_2)
+                          scale, cap, BLOCK_C, STAGES, HAS_WEIGHT, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, ACC)
             else:  # an ignored row: zeros, nothing read
                 _zero_row(p_g, o_c, o_last, m_last, K, BLOCK_C)
 

@@ -151,7 +151,7 @@ def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, 
         BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SCALE=scaled, HAS_SOFTCAP=softcap,
         HAS_SMOOTHING=smoothing, MEAN=mean, STORE_LOSS=loss is not None, STORE_LSE=store_lse, LSE_ALL=lse_all,
         STORE_GRAD=grad is not None, LSE_KNOWN=lse_known, DLOSS=dloss_mode, HAS_DLSE=dlse is not None,
-        ACC=rt.tl_acc_dtype(acc), ALIGN=align, EVICT_1=plan.evict_1, EVICT_2=plan.evict_2, num_warps=plan.num_warps,
+        ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=plan.num_warps,
     )
 
 

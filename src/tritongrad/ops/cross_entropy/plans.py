@@ -22,8 +22,6 @@ class RowPlan(NamedTuple):
     num_warps: int
     stages: int  # chunks in flight per program (software pipelining of the column loops)
     programs: int  # the persistent grid: rows in flight at once
-    evict_1: str = ""  # L2 eviction policy of pass 1's loads (read again by pass 2) ...
-    evict_2: str = ""  # ... and of pass 2's loads and the gradient's stores ("": the default)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,10 +47,6 @@ class CrossEntropyTable:
     # Chunks in flight per program (cp.async into shared memory) for rows up to LONG_ROW_BYTES, and beyond.
     STAGES: dict = dataclasses.field(default_factory=lambda: {2: 6, 4: 4, 8: 4})
     STAGES_LONG: dict = dataclasses.field(default_factory=lambda: {2: 4, 4: 4, 8: 4})
-    # L2 eviction policies of rows longer than one chunk: pass 1's loads (which pass 2 reads again, newest
-    # chunk first), then pass 2's loads and the gradient's stores ("": the default policy).
-    EVICT_1: str = ""
-    EVICT_2: str = ""
     # The backward scale kernel: rows per program chosen so that about this many programs cover N, each
     # reading its rows' lse gradients in one vector load (all of them exit at once when there is nothing to do).
     BWD_PROGRAMS_PER_SM: int = 4
@@ -108,8 +102,7 @@ def row_plan(N: int, C: int, elem: int, props: rt.DeviceProps, narrow: int = 0, 
     warps = t.CHUNK_WARPS_LONG if long else t.CHUNK_WARPS
     block = max(16, (warps * 32 * t.CHUNK_THREAD_BYTES // elem) >> narrow)
     stages = (t.STAGES_LONG if long else t.STAGES)[elem]
-    return RowPlan(block, warps, stages, max(1, min(N, t.WARPS_PER_SM // warps * props.sm_count)), t.EVICT_1,
-                   t.EVICT_2)
+    return RowPlan(block, warps, stages, max(1, min(N, t.WARPS_PER_SM // warps * props.sm_count)))
 
 
 def bwd_rows(N: int, props: rt.DeviceProps, t: CrossEntropyTable = TABLE) -> int:
