@@ -284,6 +284,10 @@ SWEEP = [  # (warps a program, stages, warps of the persistent grid per SM) for 
     # 32 bytes a thread (warps x 512 columns of bf16). The plans' own choice runs first.
     None, (2, 6, 16), (2, 4, 16), (4, 4, 16), (4, 6, 16), (8, 4, 16), (16, 4, 16), (2, 4, 8), (4, 4, 8),
     (2, 4, 24), (4, 4, 24),
+    # Fewer rows in flight, so that pass 2 re-reads them from L2 (Nsight Compute: the re-read comes mostly from
+    # HBM at 16 warps an SM), with deeper pipelines to cover the load latency that fewer programs leave.
+    (2, 8, 8), (2, 12, 8), (2, 16, 8), (2, 8, 6), (2, 12, 6), (2, 16, 6), (4, 8, 8), (4, 12, 8), (2, 8, 16),
+    (2, 12, 16),
 ]
 
 
