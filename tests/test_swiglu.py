@@ -6,6 +6,7 @@ bad inputs, export, CUDA graphs and the sm_90 compile of every specialization.""
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -708,6 +709,30 @@ def test_traced_backward_is_pytorch_ops(name):
     got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend=backend)(g, u), (g, u))
     for a, b in zip(got, torch.autograd.grad(f(g, u), (g, u))):
         torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n != "swiglu" else n for n in GATED])
+def test_inductor_writes_both_gradients_over_dead_buffers(name):
+    # Inductor (C++ on CPU, Triton on a GPU) compiles the traced backward into one pass that writes dg over the
+    # saved up and du over the upstream gradient: the backward allocates [tokens, intermediate] once, for the
+    # upstream gradient's product, as eager's in-place backward does.
+    from torch._inductor.utils import run_and_get_code
+
+    leaves = _mlp()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *ls: _mlp_loss(ls, GATED[name][0]), fullgraph=True, backend="inductor")
+
+    def step():
+        return torch.autograd.grad(compiled(*leaves), leaves)
+
+    # Without caches: a cached compile keyed by the forward graph would hand back an older backward.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got, codes = run_and_get_code(step)
+    _assert_grads(got, _want(name, leaves), "inductor")
+    backward = codes[-1].split("def call")[-1]
+    shape = re.escape(f"({leaves[0].shape[0]}, {leaves[1].shape[1]}), ")
+    allocated = re.findall(rf"empty_strided_\w+\({shape}", backward)
+    assert len(allocated) == 1, "\n".join(line for line in backward.splitlines() if "empty_strided" in line or "reuse" in line)
 
 
 def test_output_dtypes_follow_promotion():

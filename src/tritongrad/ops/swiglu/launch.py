@@ -136,22 +136,43 @@ def _backward(ctx, grad_out: torch.Tensor, act: int):
 def _traced_backward(ctx, grad_out: torch.Tensor, approximate: str | None):
     """The backward in PyTorch ops, the kernel's arithmetic (float32, or float64, then one rounding), for
     torch.compile and torch.export to trace: Inductor fuses it into one pass and writes dg over the saved up,
-    whose buffer the backward donates; du is allocated (docs/writing-an-op.md#a-backward-for-tracing).
+    whose buffer the backward donates, and du over grad_out (docs/writing-an-op.md#a-backward-for-tracing).
     ``approximate`` None is SiLU."""
     gate, up = ctx.gate, ctx.up
     need_g, need_u = ctx.needs_input_grad[:2]
     acc = acc_of(gate, up)
     g, d = gate.to(acc), grad_out.to(acc)
     dg = du = None
-    # Inductor writes an output over an input no other output of the fused kernel reads: up, read by dg alone.
+    # Inductor writes an output over an input that no other pass of the fused kernel still reads: up, read by
+    # dg alone.
     if need_g:
         d_u = d * up.to(acc)
         dg = (torch.ops.aten.silu_backward(d_u, g) if approximate is None
               else torch.ops.aten.gelu_backward(d_u, g, approximate=approximate)).to(gate.dtype)
     if need_u:
         a = torch.nn.functional.silu(g) if approximate is None else torch.nn.functional.gelu(g, approximate=approximate)
-        du = (d * a).to(up.dtype)
+        du = d * a
+        force_layout = _force_layout() if need_g else None
+        if force_layout is not None:
+            # dg realized, and read by du as an exact zero: dg's pass is then an ancestor of du's, so Inductor
+            # also writes du over grad_out, which only they read (docs/writing-an-op.md#a-backward-for-tracing).
+            dg = force_layout(dg, dg.stride())
+            du = du - torch.where(dg == dg, 0.0, 0.0)
+        du = du.to(up.dtype)
     return dg, du
+
+
+@functools.cache
+def _force_layout():
+    """Inductor's ``prims.inductor_force_stride_order`` (the identity on a tensor of that stride: it realizes
+    its input in Inductor's graph), or None where this torch does not have it. Imported when first traced:
+    torch._inductor takes a second to import."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401  (registers the prims)
+
+        return torch.ops.prims.inductor_force_stride_order
+    except (ImportError, AttributeError):
+        return None
 
 
 def _bind_backward(act: int, g2, u2, do2, dg, du) -> rt.Bound:
