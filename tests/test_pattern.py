@@ -3,7 +3,10 @@ declared here in their own namespace, each for one feature of the pattern, run t
 what the kit does not cover (re-declaration, error messages, vmap, double backward, export, the CPU path
 without Triton's interpreter, the kit's own refusals and its power to catch a wrong kernel)."""
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -1230,3 +1233,81 @@ def test_compiled_launches_fill_constexpr_defaults(tmp_path):
     out = run_without_interpreter([str(script)])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["(16,", "2.0)", "(16,", "3.0)"], out.stdout
+
+
+# ---------------------------------------------------------------- torch.compile's caches
+_CACHED_OP = '''
+import torch, triton, triton.language as tl, tritongrad
+
+SCALE = {scale}
+
+
+@triton.jit
+def _twice_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n) * 2.0, mask=o < n)
+
+
+_twice = tritongrad.kernel(_twice_kernel)
+
+
+@tritongrad.op("cachetest::twice", reference=lambda x: x * 2.0, outputs=("y",), save=(),
+               traced_backward=lambda ctx, dy: dy * (2.0 * SCALE))
+def twice(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    _twice[(triton.cdiv(x.numel(), 64),)](x, y, x.numel(), BLOCK=64)
+    return y
+
+
+@twice.backward
+def _(ctx, dy):
+    dx = torch.empty_like(dy)
+    _twice[(triton.cdiv(dy.numel(), 64),)](dy.contiguous(), dx, dy.numel(), BLOCK=64)
+    return dx
+'''
+
+_COMPILE_IT = '''
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[1])
+import torch, cached_op
+x = torch.ones(8, requires_grad=True)
+torch.compile(lambda x: cached_op.twice(x).sum(), backend="inductor", fullgraph=True)(x).backward()
+print("grad", x.grad[0].item())
+'''
+
+
+@pytest.mark.extended
+def test_compile_caches_key_on_the_ops_python(tmp_path):
+    # Compiled code bakes in the Python it was traced through (here a traced backward); torch's caches key on
+    # the calling graph and the Triton kernels' source, not on it. Edited between two processes that share a
+    # cache, the second must compile anew, not serve the first's code (rt.note_sources).
+    script = tmp_path / "compile_it.py"
+    script.write_text(_COMPILE_IT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_FORCE_DISABLE", "TORCH_COMPILE"))}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT / "src"))
+    grads = []
+    for scale in (1.0, 3.0):
+        (tmp_path / "cached_op.py").write_text(_CACHED_OP.format(scale=scale))
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        grads.append(float(re.search(r"grad (\S+)", done.stdout).group(1)))
+    assert grads == [2.0, 6.0], grads
+
+
+def test_compile_cache_tag_keeps_the_users_own():
+    # The sources' digest goes after the user's own tag, replacing the digest an earlier declaration put there.
+    from tritongrad import _runtime as rt
+
+    cfg = torch.compiler.config
+    before = cfg.cache_key_tag
+    try:
+        cfg.cache_key_tag = "mine"
+        rt.note_sources(test_compile_cache_tag_keeps_the_users_own)
+        first = cfg.cache_key_tag
+        assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", first), first
+        rt.note_sources(textwrap.dedent)  # another file: another digest, still one
+        assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", cfg.cache_key_tag) and cfg.cache_key_tag != first
+    finally:
+        cfg.cache_key_tag = before

@@ -908,6 +908,7 @@ def _register(op: Op):
         fwd_def.register_autocast("cuda", op.autocast)
     rt.note_kernels(op.qualname, op.forward)
     rt.note_kernels(op.qualname + "_backward", op._backward_fn)
+    rt.note_sources(*[f for f in (op.forward, op._backward_fn, op.traced_backward, op.reference) if f is not None])
     return fwd_def, bwd_def
 
 

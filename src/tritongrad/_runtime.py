@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import struct
 import types
 from typing import NamedTuple, Sequence
@@ -823,6 +824,46 @@ def _arg_names(fn) -> list:
     sig = inspect.signature(getattr(fn, "fn", fn))  # the interpreter's function
     return [n for n, p in sig.parameters.items()
             if not (p.annotation is tl.constexpr or str(p.annotation).endswith("constexpr"))]
+
+
+_SOURCES: dict[str, str] = {}  # source file's name -> sha256 of its bytes, for note_sources
+_SOURCE_PATHS: set[str] = set()
+_SOURCE_TAG = "tritongrad:"
+
+
+def note_sources(*fns) -> None:
+    """Key torch.compile's caches on the Python that compiled code is traced through: tritongrad's own files
+    and those that define ``fns`` (a declared op's launchers, backward, traced backward). The caches key on
+    the graph that calls an op and on its Triton kernels' source, not on that Python (plans, grids, a traced
+    backward), so after it changes (an upgrade, an edited op) they would serve the code compiled before. Sets
+    ``torch.compiler.config.cache_key_tag`` to the user's own tag, then ``|tritongrad:`` and a digest."""
+    import hashlib
+    import pathlib
+
+    cfg = getattr(torch.compiler, "config", None)
+    if cfg is None or not hasattr(cfg, "cache_key_tag"):
+        return
+    if not _SOURCES:  # the package's files by their names in it: a copy elsewhere keys alike
+        root = pathlib.Path(__file__).parent
+        for path in root.rglob("*.py"):
+            _SOURCES["tritongrad/" + path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+            _SOURCE_PATHS.add(str(path))
+    for fn in fns:
+        try:
+            fn = inspect.unwrap(fn)
+            path = inspect.getsourcefile(fn) or ""
+            if path in _SOURCE_PATHS:
+                continue
+            text = pathlib.Path(path).read_bytes() if os.path.isfile(path) else inspect.getsource(fn).encode()
+        except (TypeError, OSError):
+            continue  # a builtin, or a function without source
+        _SOURCE_PATHS.add(path)
+        _SOURCES[path or f"{fn.__module__}.{fn.__qualname__}"] = hashlib.sha256(text).hexdigest()
+    digest = hashlib.sha256("".join(f"{k}\0{v}\0" for k, v in sorted(_SOURCES.items())).encode()).hexdigest()
+    tag = cfg.cache_key_tag
+    mine = tag.find(_SOURCE_TAG)
+    base = tag if mine < 0 else tag[: max(mine - 1, 0)]
+    cfg.cache_key_tag = f"{base}|{_SOURCE_TAG}{digest[:20]}" if base else f"{_SOURCE_TAG}{digest[:20]}"
 
 
 def note_kernels(qualname: str, fn) -> None:
