@@ -1236,10 +1236,14 @@ def test_compiled_launches_fill_constexpr_defaults(tmp_path):
 
 
 # ---------------------------------------------------------------- torch.compile's caches
+_CACHED_HELPER = '''
+def scale():
+    return {scale}
+'''
+
 _CACHED_OP = '''
 import torch, triton, triton.language as tl, tritongrad
-
-SCALE = {scale}
+from cached_helper import scale
 
 
 @triton.jit
@@ -1252,7 +1256,7 @@ _twice = tritongrad.kernel(_twice_kernel)
 
 
 @tritongrad.op("cachetest::twice", reference=lambda x: x * 2.0, outputs=("y",), save=(),
-               traced_backward=lambda ctx, dy: dy * (2.0 * SCALE))
+               traced_backward=lambda ctx, dy: dy * (2.0 * scale()))
 def twice(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     _twice[(triton.cdiv(x.numel(), 64),)](x, y, x.numel(), BLOCK=64)
@@ -1279,16 +1283,18 @@ print("grad", x.grad[0].item())
 
 @pytest.mark.extended
 def test_compile_caches_key_on_the_ops_python(tmp_path):
-    # Compiled code bakes in the Python it was traced through (here a traced backward); torch's caches key on
-    # the calling graph and the Triton kernels' source, not on it. Edited between two processes that share a
-    # cache, the second must compile anew, not serve the first's code (rt.note_sources).
+    # Compiled code bakes in the Python it was traced through (here a traced backward and a helper it calls
+    # from another file); torch's caches key on the calling graph and the Triton kernels' source, not on it.
+    # The helper edited between two processes that share a cache, the second must compile anew, not serve the
+    # first's code (rt.note_sources).
     script = tmp_path / "compile_it.py"
     script.write_text(_COMPILE_IT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_FORCE_DISABLE", "TORCH_COMPILE"))}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT / "src"))
     grads = []
+    (tmp_path / "cached_op.py").write_text(_CACHED_OP)
     for scale in (1.0, 3.0):
-        (tmp_path / "cached_op.py").write_text(_CACHED_OP.format(scale=scale))
+        (tmp_path / "cached_helper.py").write_text(_CACHED_HELPER.format(scale=scale))
         done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -1296,10 +1302,17 @@ def test_compile_caches_key_on_the_ops_python(tmp_path):
     assert grads == [2.0, 6.0], grads
 
 
-def test_compile_cache_tag_keeps_the_users_own():
-    # The sources' digest goes after the user's own tag, replacing the digest an earlier declaration put there.
+def test_compile_cache_tag_keeps_the_users_own(tmp_path):
+    # The sources' digest goes after the user's own tag, replacing the digest an earlier declaration put there;
+    # a function from a file not seen before changes it.
+    import importlib.util
+
     from tritongrad import _runtime as rt
 
+    (tmp_path / "cache_tag_helper.py").write_text("def helper():\n    return 1\n")
+    spec = importlib.util.spec_from_file_location("cache_tag_helper", tmp_path / "cache_tag_helper.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
     cfg = torch.compiler.config
     before = cfg.cache_key_tag
     try:
@@ -1307,7 +1320,7 @@ def test_compile_cache_tag_keeps_the_users_own():
         rt.note_sources(test_compile_cache_tag_keeps_the_users_own)
         first = cfg.cache_key_tag
         assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", first), first
-        rt.note_sources(textwrap.dedent)  # another file: another digest, still one
+        rt.note_sources(helper.helper)
         assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", cfg.cache_key_tag) and cfg.cache_key_tag != first
     finally:
         cfg.cache_key_tag = before

@@ -848,11 +848,14 @@ def note_sources(*fns) -> None:
         for path in root.rglob("*.py"):
             _SOURCES["tritongrad/" + path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
             _SOURCE_PATHS.add(str(path))
-    for fn in fns:
+    from triton.runtime.jit import JITFunction
+
+    reached = [f for fn in fns for f in (_reachable(fn, lambda v: isinstance(v, (Kernel, JITFunction))) or [fn])]
+    for fn in reached:
         try:
             fn = inspect.unwrap(fn)
             path = inspect.getsourcefile(fn) or ""
-            if path in _SOURCE_PATHS:
+            if path in _SOURCE_PATHS or path and _library_file(path):
                 continue
             text = pathlib.Path(path).read_bytes() if os.path.isfile(path) else inspect.getsource(fn).encode()
         except (TypeError, OSError):
@@ -866,33 +869,32 @@ def note_sources(*fns) -> None:
     cfg.cache_key_tag = f"{base}|{_SOURCE_TAG}{digest[:20]}" if base else f"{_SOURCE_TAG}{digest[:20]}"
 
 
-def note_kernels(qualname: str, fn) -> None:
-    """Tell torch.compile's caches which Triton kernels the launcher ``fn`` (and what it calls) launches, so
-    that a changed kernel source changes their keys. ``torch.library.triton_op`` finds only kernels wrapped
-    with ``wrap_triton`` in the function's own source; launchers here launch through :class:`Kernel`."""
-    if fn is None or INTERPRET:
-        return
-    try:
-        from torch._library import triton as lib_triton
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return
-    found, seen = [], set()
+@functools.cache
+def _library_roots() -> tuple:
+    import sysconfig
 
-    def take(v) -> bool:
-        k = v.fn if isinstance(v, Kernel) else v
-        if isinstance(k, JITFunction):
-            if all(k is not f for f in found):
-                found.append(k)
-            return True
-        return False
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, triton)) + tuple(
+        os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+
+
+def _library_file(path: str) -> bool:
+    """Whether ``path`` is torch's, Triton's or the standard library's: their versions key the caches already."""
+    return os.path.abspath(path).startswith(_library_roots())
+
+
+def _reachable(fn, take) -> list:
+    """The Python functions ``fn`` reaches (itself, then what it names: globals, closure cells, attributes of
+    modules it names; six calls deep; not into torch, Triton or the standard library), with ``take(value)``
+    called on every value named along the way (True: not a function to follow)."""
+    seen, order = set(), []
 
     def visit(f, depth: int) -> None:
         f = inspect.unwrap(f)
         code = getattr(f, "__code__", None)
-        if code is None or depth > 6 or id(f) in seen:
+        if code is None or depth > 6 or id(f) in seen or _library_file(code.co_filename):
             return
         seen.add(id(f))
+        order.append(f)
         names, stack = set(), [code]
         while stack:
             c = stack.pop()
@@ -911,9 +913,36 @@ def note_kernels(qualname: str, fn) -> None:
                 continue
             if isinstance(v, types.ModuleType):
                 for attr in names:
-                    take(getattr(v, attr, None))
+                    a = getattr(v, attr, None)
+                    if a is not None and not take(a) and inspect.isfunction(a):
+                        visit(a, depth + 1)
             elif inspect.isfunction(v) or isinstance(v, functools._lru_cache_wrapper):
                 visit(v, depth + 1)
 
     visit(fn, 0)
+    return order
+
+
+def note_kernels(qualname: str, fn) -> None:
+    """Tell torch.compile's caches which Triton kernels the launcher ``fn`` (and what it calls) launches, so
+    that a changed kernel source changes their keys. ``torch.library.triton_op`` finds only kernels wrapped
+    with ``wrap_triton`` in the function's own source; launchers here launch through :class:`Kernel`."""
+    if fn is None or INTERPRET:
+        return
+    try:
+        from torch._library import triton as lib_triton
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    found = []
+
+    def take(v) -> bool:
+        k = v.fn if isinstance(v, Kernel) else v
+        if isinstance(k, JITFunction):
+            if all(k is not f for f in found):
+                found.append(k)
+            return True
+        return False
+
+    _reachable(fn, take)
     lib_triton.triton_ops_to_kernels[qualname] = found
