@@ -833,10 +833,11 @@ _SOURCE_TAG = "tritongrad:"
 
 def note_sources(*fns) -> None:
     """Key torch.compile's caches on the Python that compiled code is traced through: tritongrad's own files
-    and those that define ``fns`` (a declared op's launchers, backward, traced backward). The caches key on
-    the graph that calls an op and on its Triton kernels' source, not on that Python (plans, grids, a traced
-    backward), so after it changes (an upgrade, an edited op) they would serve the code compiled before. Sets
-    ``torch.compiler.config.cache_key_tag`` to the user's own tag, then ``|tritongrad:`` and a digest."""
+    and the files of every function ``fns`` (a declared op's launchers, backward, traced backward, reference)
+    reach (:func:`_reachable`). The caches key on the graph that calls an op and on its Triton kernels'
+    source, not on that Python (plans, grids, a traced backward), so after it changes (an upgrade, an edited
+    op) they would serve the code compiled before. Sets ``torch.compiler.config.cache_key_tag`` to the user's
+    own tag, then ``|tritongrad:`` and a digest of those files."""
     import hashlib
     import pathlib
 
