@@ -1304,7 +1304,7 @@ def test_compile_caches_key_on_the_ops_python(tmp_path):
 
 def test_compile_cache_tag_keeps_the_users_own(tmp_path):
     # The sources' digest goes after the user's own tag, replacing the digest an earlier declaration put there;
-    # a function from a file not seen before changes it.
+    # a function from a file not seen before changes it; a tag set later gets it back when an op is traced.
     import importlib.util
 
     from tritongrad import _runtime as rt
@@ -1321,6 +1321,13 @@ def test_compile_cache_tag_keeps_the_users_own(tmp_path):
         first = cfg.cache_key_tag
         assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", first), first
         rt.note_sources(helper.helper)
-        assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", cfg.cache_key_tag) and cfg.cache_key_tag != first
+        second = cfg.cache_key_tag
+        assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", second) and second != first
+        # A tag set after the declarations: tracing an op puts the digest back before the caches are keyed.
+        cfg.cache_key_tag = "other"
+        torch._dynamo.reset()
+        x, w = torch.randn(3, 8), torch.randn(8)
+        torch.compile(tritongrad.weighted_sum, backend="aot_eager", fullgraph=True)(x, w)
+        assert cfg.cache_key_tag == "other|" + second.split("|")[1], cfg.cache_key_tag
     finally:
         cfg.cache_key_tag = before

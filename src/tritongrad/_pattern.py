@@ -846,6 +846,7 @@ def _register(op: Op):
 
     def fwd_impl(*args):
         op.check(args)
+        rt.keep_source_tag()  # traced here before torch.compile keys its caches (rt.note_sources)
         device = args[op._first].device
         if rt.uses_triton(device):
             return _one(_as_tuple(op.forward(*args)))

@@ -826,8 +826,17 @@ def _arg_names(fn) -> list:
             if not (p.annotation is tl.constexpr or str(p.annotation).endswith("constexpr"))]
 
 
-_SOURCES: dict[str, str] = {}  # source file's name -> sha256 of its bytes, for note_sources
-_SOURCE_PATHS: set[str] = set()
+@dataclasses.dataclass
+class _Sources:
+    """What note_sources has hashed: each source file's name -> sha256 of its bytes, the paths read, and the
+    tag's part it wrote last."""
+
+    files: dict = dataclasses.field(default_factory=dict)
+    paths: set = dataclasses.field(default_factory=set)
+    tag: str = ""
+
+
+_SOURCES = _Sources()
 _SOURCE_TAG = "tritongrad:"
 
 
@@ -844,11 +853,12 @@ def note_sources(*fns) -> None:
     cfg = getattr(torch.compiler, "config", None)
     if cfg is None or not hasattr(cfg, "cache_key_tag"):
         return
-    if not _SOURCES:  # the package's files by their names in it: a copy elsewhere keys alike
+    if not _SOURCES.files:  # the package's files by their names in it: a copy elsewhere keys alike
         root = pathlib.Path(__file__).parent
         for path in root.rglob("*.py"):
-            _SOURCES["tritongrad/" + path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
-            _SOURCE_PATHS.add(str(path))
+            _SOURCES.files["tritongrad/" + path.relative_to(root).as_posix()] = hashlib.sha256(
+                path.read_bytes()).hexdigest()
+            _SOURCES.paths.add(str(path))
     from triton.runtime.jit import JITFunction
 
     reached = [f for fn in fns for f in (_reachable(fn, lambda v: isinstance(v, (Kernel, JITFunction))) or [fn])]
@@ -856,18 +866,30 @@ def note_sources(*fns) -> None:
         try:
             fn = inspect.unwrap(fn)
             path = inspect.getsourcefile(fn) or ""
-            if path in _SOURCE_PATHS or path and _library_file(path):
+            if path in _SOURCES.paths or path and _library_file(path):
                 continue
             text = pathlib.Path(path).read_bytes() if os.path.isfile(path) else inspect.getsource(fn).encode()
         except (TypeError, OSError):
             continue  # a builtin, or a function without source
-        _SOURCE_PATHS.add(path)
-        _SOURCES[path or f"{fn.__module__}.{fn.__qualname__}"] = hashlib.sha256(text).hexdigest()
-    digest = hashlib.sha256("".join(f"{k}\0{v}\0" for k, v in sorted(_SOURCES.items())).encode()).hexdigest()
+        _SOURCES.paths.add(path)
+        _SOURCES.files[path or f"{fn.__module__}.{fn.__qualname__}"] = hashlib.sha256(text).hexdigest()
+    digest = hashlib.sha256("".join(f"{k}\0{v}\0" for k, v in sorted(_SOURCES.files.items())).encode()).hexdigest()
+    _SOURCES.tag = _SOURCE_TAG + digest[:20]
+    keep_source_tag()
+
+
+def keep_source_tag() -> None:
+    """Put note_sources's digest back at the end of ``torch.compiler.config.cache_key_tag`` if the tag has
+    changed since (a user's own tag set after ops were declared): called where an op is traced, before
+    torch.compile computes its cache keys."""
+    mine = _SOURCES.tag
+    cfg = torch.compiler.config
     tag = cfg.cache_key_tag
-    mine = tag.find(_SOURCE_TAG)
-    base = tag if mine < 0 else tag[: max(mine - 1, 0)]
-    cfg.cache_key_tag = f"{base}|{_SOURCE_TAG}{digest[:20]}" if base else f"{_SOURCE_TAG}{digest[:20]}"
+    if not mine or tag.endswith(mine):
+        return
+    cut = tag.find(_SOURCE_TAG)
+    base = tag if cut < 0 else tag[: max(cut - 1, 0)]
+    cfg.cache_key_tag = f"{base}|{mine}" if base else mine
 
 
 @functools.cache
