@@ -936,7 +936,10 @@ def _reachable(fn, take) -> list:
                 continue
             if isinstance(v, types.ModuleType):
                 for attr in names:
-                    a = getattr(v, attr, None)
+                    try:
+                        a = getattr(v, attr, None)
+                    except Exception:  # noqa: BLE001 - a module's lazy attribute that fails to import
+                        continue
                     if a is not None and not take(a) and inspect.isfunction(a):
                         visit(a, depth + 1)
             elif inspect.isfunction(v) or isinstance(v, functools._lru_cache_wrapper):
