@@ -1307,8 +1307,6 @@ def test_compile_cache_tag_keeps_the_users_own(tmp_path):
     # a function from a file not seen before changes it; a tag set later gets it back when an op is traced.
     import importlib.util
 
-    from tritongrad import _runtime as rt
-
     (tmp_path / "cache_tag_helper.py").write_text("def helper():\n    return 1\n")
     spec = importlib.util.spec_from_file_location("cache_tag_helper", tmp_path / "cache_tag_helper.py")
     helper = importlib.util.module_from_spec(spec)
