@@ -361,8 +361,9 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
     Returns:
         y: input's shape and dtype, whatever the weight's dtype (as ``torch.nn.functional.rms_norm``);
         contiguous, or in input's layout where its leading dims are a transposed dense layout (docs/norms.md).
-        Statistics and products in float32 (float64 when the input or the weight is float64), rounded once. Differentiable in input and weight; each gradient comes back in its input's dtype, and
-        the weight gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
+        Statistics and products in float32 (float64 when the input or the weight is float64), rounded once.
+        Differentiable in input and weight; each gradient comes back in its input's dtype, and the weight
+        gradient is bitwise reproducible. Under CUDA autocast it computes in float32 and returns
         float32, as PyTorch's rms_norm does there.
     """
     return rms_norm_op(input, shape_list(normalized_shape, "rms_norm"), weight, eps, weight_offset)
