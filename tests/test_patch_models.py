@@ -21,6 +21,7 @@ import importlib
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -958,3 +959,146 @@ def test_fused_decoder_layers_keep_gradient_checkpointing():
     assert len(calls) == 2
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- modules a patched path bypasses
+class _LoraLike(torch.nn.Module):
+    """A LoRA layer as PEFT builds one: the Linear it wraps as ``base_layer``, its ``weight`` that Linear's, its
+    output the Linear's plus a low-rank term the weight does not show."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base_layer = base
+        g = torch.Generator().manual_seed(3)
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features, generator=g).to(base.weight.device))
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, rank, generator=g).to(base.weight.device) / 8)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def _wrap_linears(model, names) -> None:
+    for parent in list(model.modules()):
+        for n in names:
+            if isinstance(parent._modules.get(n), torch.nn.Linear):
+                setattr(parent, n, _LoraLike(parent._modules[n]))
+
+
+@pytest.mark.parametrize("when", ["after patch", "before patch"])
+def test_lora_layers_keep_their_terms(when):
+    # LoRA layers in place of the LM head and the MLP's projections (PEFT's layout), set after patch (the head
+    # patch established is gone: the fused loss, which reads the head's weight, falls back to the model's own
+    # loss and says so once) or before it (the head is refused; the MLP's projections are called as they are,
+    # so swiglu still stands for the gate, without writing gradients over the layers' outputs).
+    names = ("lm_head", "gate_proj", "up_proj", "q_proj")
+    model = _model("llama")
+    batch = _batch()
+    ref = copy.deepcopy(model)
+    _wrap_linears(ref, names)
+    refs = _references(ref, batch)
+    if when == "before patch":
+        _wrap_linears(model, names)
+    report = tritongrad.patch(model)
+    assert "swiglu" in report.ops(), report
+    assert ("linear_cross_entropy" in report.ops()) == (when == "after patch"), report
+    if when == "after patch":
+        _wrap_linears(model, names)
+    else:
+        assert "the output embedding is a _LoraLike, not a torch.nn.Linear" in str(report), report
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out, grads = _run(model, batch)
+        _run(model, batch)
+    _assert_matches(out, grads, refs)
+    assert {n for n in grads if n.endswith((".a", ".b"))} == {n for n in refs[0][1] if n.endswith((".a", ".b"))}
+    ours = [str(w.message) for w in seen if "tritongrad" in str(w.message)]
+    if when == "after patch":
+        assert len(ours) == 1 and "lm_head is a test_patch_models._LoraLike" in ours[0], ours
+    else:
+        assert ours == [], ours
+
+
+def _scale_output(f):
+    return lambda mod, args, out: out * f
+
+
+def _scale_input(f):
+    return lambda mod, args: (args[0] * f, *args[1:])
+
+
+# Each way a module's call runs more than its forward, on a module that a patched path bypasses.
+_CALLS = {
+    "forward hook on lm_head": lambda m: m.lm_head.register_forward_hook(_scale_output(0.75)),
+    "forward pre-hook on lm_head": lambda m: m.lm_head.register_forward_pre_hook(_scale_input(1.25)),
+    "forward on the lm_head instance": lambda m: setattr(  # a bound method: deep copies keep it their own
+        m.lm_head, "forward", types.MethodType(lambda self, x: torch.nn.Linear.forward(self, x) * 0.5, m.lm_head)),
+    "forward pre-hook on post_attention_layernorm": lambda m: m.model.layers[1].post_attention_layernorm
+    .register_forward_pre_hook(_scale_input(0.5)),
+    "forward hook on act_fn": lambda m: m.model.layers[0].mlp.act_fn.register_forward_hook(_scale_output(1.5)),
+    "global forward hook": lambda m: torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out * 1.125 if type(mod) is torch.nn.Linear else None),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("how", _CALLS)
+def test_a_bypassed_modules_call_still_counts(how, compiled):
+    # The fused loss reads the LM head's weight, fused_add_rms_norm the post-attention norm's, swiglu stands for
+    # act_fn: each falls back to the module's call wherever that call runs more than the class's forward, with
+    # hooks registered after patch (as FSDP, DeepSpeed or accelerate register theirs); compiled (fullgraph)
+    # too.
+    model = _model("llama")
+    batch = _batch()
+    ref = copy.deepcopy(model)
+    handle = _CALLS[how](ref)
+    try:
+        refs = _references(ref, batch)
+    finally:
+        if how.startswith("global"):
+            handle.remove()
+    assert set(tritongrad.patch(model).ops()) >= {"linear_cross_entropy", "fused_add_rms_norm", "swiglu"}
+    handle = _CALLS[how](model)
+    try:
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if compiled:  # the parameters by the model's own names
+                out = torch.compile(model, backend="aot_eager", fullgraph=True)(**batch)
+                out.loss.backward()
+                grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+            else:
+                out, grads = _run(model, batch)
+    finally:
+        if how.startswith("global"):
+            handle.remove()
+    _assert_matches(out, grads, refs)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_a_projections_kept_output_is_not_overwritten(family):
+    # A forward hook that keeps a projection's output: the MLP's gradients are not written over it (the patch's
+    # inplace_backward is taken only for projections whose call nothing else sees).
+    name = "gate_up_proj" if family == "phi3" else "gate_proj"
+    model = _model(family)
+    batch = _batch()
+    ref = copy.deepcopy(model)
+    tritongrad.patch(model)
+    kept = {}
+
+    def keep(key):
+        def hook(mod, args, out):  # returns None: the output goes on unchanged
+            kept.setdefault(key, out.detach())
+        return hook
+
+    for key, m in (("ref", ref), ("patched", model)):
+        getattr(m.model.layers[0].mlp, name).register_forward_hook(keep(key))
+        _run(m, batch)
+    torch.testing.assert_close(kept["patched"], kept["ref"], rtol=1e-5, atol=1e-6)

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,44 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import Partial
 
     return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
+
+
+# A patched path that reads a module's weights instead of calling it (the LM head under the fused loss, the
+# post-attention norm under fused_add_rms_norm) or that writes gradients over a module's output
+# (inplace_backward) is exact only where the call runs the class's forward alone: docs/models.md#module-calls.
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+# The attribute that marks a hook as an observer that may go uncalled where a patched path bypasses its
+# module (the family matrix's layout recorder): it does not make the path fall back.
+OBSERVER = "_tritongrad_observer"
+
+
+def _hooks(d) -> bool:
+    return any(not getattr(h, OBSERVER, False) for h in d.values()) if d else False
+
+
+def _class_name(c: type) -> str:
+    return f"torch.nn.{c.__name__}" if getattr(torch.nn, c.__name__, None) is c else f"{c.__module__}.{c.__qualname__}"
+
+
+def call_why_not(m, name: str, cls: type | None = None) -> str | None:
+    """None when calling the module ``m`` (the model's ``name``) runs its class's ``forward`` and nothing else:
+    no module hooks of its own or global ones, no ``forward`` set on the instance (accelerate's offloading
+    wraps it so), and, given ``cls``, ``m`` a ``cls`` exactly (a wrapper set in its place after patch, such as
+    a LoRA layer, is not); else why not."""
+    if cls is not None and type(m) is not cls:
+        return f"{name} is a {_class_name(type(m))}, not a {_class_name(cls)}"
+    if "forward" in m.__dict__:
+        return f"{name} has a forward of its own on the instance (a wrapper, such as accelerate's hooks)"
+    for attr in _MODULE_HOOKS:
+        if _hooks(m.__dict__.get(attr)):
+            return f"{name} has module hooks ({attr.strip('_').replace('_', ' ')}), which its call would run"
+    glob = torch.nn.modules.module
+    for attr in _GLOBAL_HOOKS:
+        if _hooks(getattr(glob, attr, None)):
+            return f"global module hooks ({attr.strip('_').replace('_', ' ')}) are registered, which {name}'s call would run"
+    return None
 
 
 def _equal(a, b) -> bool:
@@ -279,7 +318,9 @@ def silu_types() -> tuple:
 
 
 def looks_like_gated_mlp(m: torch.nn.Module) -> bool:
-    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
+    # Any modules as the projections (a LoRA layer wrapping a Linear): the patched forward calls them as the
+    # class's does; only a Linear's output may take its gradient (_owned).
+    return all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
         and callable(getattr(m, "act_fn", None))
 
 
@@ -364,14 +405,29 @@ DECIDERS[GATE_ATTR] = lambda m, _: (gated_mlp_why_not(type(m), _simple_state(m))
                                     and gate_kind(m.act_fn)[0]) or False
 
 
+def _owned(*projections) -> bool:
+    """The projections' outputs feed the gate alone, so their storage may take their gradients: each is a
+    torch.nn.Linear whose call nothing else sees (a hook could keep its output; another module, return one it
+    keeps)."""
+    return all(call_why_not(p, "", torch.nn.Linear) is None for p in projections)
+
+
+def _act_why_not(m) -> str | None:
+    """Why the gate's activation module cannot be bypassed (swiglu/geglu stand for its call), else None."""
+    act = gate_act(m)
+    return call_why_not(act, gate_act_name(m)) if isinstance(act, torch.nn.Module) else None
+
+
 def _gated_forward(self, x):
     kind = decided(self, GATE_ATTR)
-    # The projections' outputs feed the gate alone: their storage takes their gradients.
+    if kind and _act_why_not(self) is not None:
+        kind = None
     if kind == "silu":
-        return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+        return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x),
+                                                inplace_backward=_owned(self.gate_proj, self.up_proj)))
     if kind in ("tanh", "none"):
         return self.down_proj(tritongrad.geglu(self.gate_proj(x), self.up_proj(x), approximate=kind,
-                                               inplace_backward=True))
+                                               inplace_backward=_owned(self.gate_proj, self.up_proj)))
     # A class patched for a gate, built here with another activation.
     return original_forward_of(type(self))(self, x)
 
@@ -408,12 +464,13 @@ FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))",
 
 def _fused_gated_forward(self, x):
     kind = getattr(self, GATE_ATTR, None)  # set by patch on each instance it replaced
-    if kind in ("silu", "tanh", "none"):
-        # The halves of the projection's output feed the gate alone: that output takes their gradients, which
-        # the chunk's backward then concatenates.
+    if kind in ("silu", "tanh", "none") and _act_why_not(self) is None:
+        # Where owned, the projection's output takes its halves' gradients, which the chunk's backward then
+        # concatenates.
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        y = (tritongrad.swiglu(gate, up, inplace_backward=True) if kind == "silu"
-             else tritongrad.geglu(gate, up, approximate=kind, inplace_backward=True))
+        owned = _owned(self.gate_up_proj)
+        y = (tritongrad.swiglu(gate, up, inplace_backward=owned) if kind == "silu"
+             else tritongrad.geglu(gate, up, approximate=kind, inplace_backward=owned))
         return self.down_proj(y)
     return original_forward_of(type(self))(self, x)
 
@@ -447,7 +504,7 @@ def experts_why_not(m: torch.nn.Module, base: type) -> str | None:
 
 def _experts_gate(self, gate_up_out):
     gate, up = gate_up_out.chunk(2, dim=-1)
-    kind = getattr(self, GATE_ATTR, None)
+    kind = getattr(self, GATE_ATTR, None) if _act_why_not(self) is None else None
     # The experts' [gate; up] product feeds the gate alone: it takes the halves' gradients (as the fused MLP).
     if kind == "silu":
         return tritongrad.swiglu(gate, up, inplace_backward=True)
@@ -1039,8 +1096,11 @@ def _base_and_head(model: torch.nn.Module):
     head_name = next((n for n, m in model._modules.items() if m is head and head is not None), None)
     if not isinstance(base, torch.nn.Module):
         return f"{cls.__name__} has no base model at .{prefix} (its base_model_prefix)"
-    if head_name is None or type(head) is not torch.nn.Linear:
+    if head_name is None:
         return f"{cls.__name__}'s output embedding is a {type(head).__name__}, not a torch.nn.Linear attribute"
+    why = call_why_not(head, head_name, torch.nn.Linear)
+    if why is not None:
+        return f"{cls.__name__}'s LM head: {why}"
     return prefix, head_name, head
 
 
@@ -1121,6 +1181,17 @@ def _linear_loss_forward(self, spec: HeadSpec, parts, labels, logits_to_keep=0, 
 
 
 SPEC_ATTR = "_tritongrad_head"
+WARNED_ATTR = "_tritongrad_warned"
+
+
+def _warn_once(m, message: str) -> None:
+    """``message`` as a warning, once per instance and message (eager only: a traced call stays unbroken)."""
+    if torch.compiler.is_compiling():
+        return
+    seen = m.__dict__.setdefault(WARNED_ATTR, set())
+    if message not in seen:
+        seen.add(message)
+        warnings.warn(f"tritongrad: {message}", stacklevel=3)
 
 
 DECIDERS[SPEC_ATTR] = lambda m, _: head_spec(m)
@@ -1151,6 +1222,11 @@ def causal_lm_forward(original):
         if (not isinstance(spec, HeadSpec) or type(getattr(self, spec.head).weight) not in PLAIN_TENSORS
                 or spec.router_logits and kwargs.get("output_router_logits",
                                                      getattr(self.config, "output_router_logits", False))):
+            return original(self, **kwargs)
+        why = call_why_not(getattr(self, spec.head), spec.head, torch.nn.Linear)
+        if why is not None:  # the head changed since patch (a LoRA layer in its place, hooks): the model's own loss
+            _warn_once(self, f"{type(self).__name__}: the loss is the model's own, from its logits, not "
+                             f"linear_cross_entropy's: {why}")
             return original(self, **kwargs)
         return _linear_loss_forward(self, spec, parts, **kwargs)
 
@@ -1211,7 +1287,7 @@ def llama_norm_args(norm) -> tuple | None:
 def add_norm(norm, hidden_states, residual):
     """``(norm(residual + hidden_states), residual + hidden_states)``, fused where the norm is Llama's."""
     args = llama_norm_args(norm)
-    if args is None or type(args[1]) is not float or hidden_states.shape != residual.shape or (
+    if args is None or call_why_not(norm, "post_attention_layernorm") is not None or type(args[1]) is not float or hidden_states.shape != residual.shape or (
             hidden_states.dtype != residual.dtype) or hidden_states.dim() == 0:
         s = residual + hidden_states
         return norm(s), s

@@ -456,6 +456,7 @@ def unpatch(model: torch.nn.Module) -> int:
         m.__dict__.pop(hf.SPEC_ATTR, None)
         m.__dict__.pop(hf.GATE_ATTR, None)
         m.__dict__.pop(hf.NORM_ATTR, None)
+        m.__dict__.pop(hf.WARNED_ATTR, None)
         if base is not None:
             m.__class__ = base
             count += 1
