@@ -12,6 +12,8 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 - eval-mode logits, with padding (a left-padded attention mask), with ``position_ids`` given;
 - ``generate`` of 3 tokens (greedy): the same tokens;
 - gradient checkpointing; a second backward through the retained graph (twice the gradients);
+- the loss with a forward hook on every module that scales its output: a hook on a module that a patched
+  path bypasses (the LM head under the fused loss, a gate's activation) must count;
 - :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
 
 ``mode="compiled"`` runs the patched model's training step under ``torch.compile`` (``backend="aot_eager"``
@@ -31,8 +33,11 @@ import copy
 import dataclasses
 import math
 import traceback
+import warnings
 
 import torch
+
+from . import _hf
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -362,6 +367,24 @@ def _checkpointed(model, batch):
         model.gradient_checkpointing_disable()
 
 
+def _hooked(model, batch):
+    """A training step's loss with a forward hook on every module scaling its tensor output by its own factor
+    (1 + k/64): where a patched path bypasses a module's call (reads its weights, stands for it), that module's
+    hook must still count, so the path falls back to the call (docs/models.md#module-calls)."""
+    handles = []
+    for k, m in enumerate(model.modules()):
+        def hook(mod, args, out, f=1 + (k % 5 + 1) / 64):
+            return out * f if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallbacks' warnings: the check is the loss
+            return _step(model, batch, False)[0]
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _generate(model, batch):
     model.eval()
     try:
@@ -399,6 +422,7 @@ def _check_fns(batch, compiled: bool) -> dict:
         "generate": lambda m: _generate(m, batch),
         "gradient checkpointing": lambda m: _checkpointed(m, batch),
         "second backward": lambda m: _second_backward(m, batch),
+        "loss, module hooks": lambda m: _hooked(m, batch),
     }
 
 
@@ -582,6 +606,7 @@ def _layouts(model, into: dict, on: bool = True):
                 t = out[0] if isinstance(out, tuple) and out else out
                 if isinstance(t, torch.Tensor) and name not in into:
                     into[name] = (tuple(t.shape), t.stride())
+            setattr(hook, _hf.OBSERVER, True)  # it may go uncalled: a patched path that bypasses m stays
             handles.append(m.register_forward_hook(hook))
     try:
         yield into
