@@ -1102,3 +1102,28 @@ def test_a_projections_kept_output_is_not_overwritten(family):
         getattr(m.model.layers[0].mlp, name).register_forward_hook(keep(key))
         _run(m, batch)
     torch.testing.assert_close(kept["patched"], kept["ref"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("family, name, value", [("gemma2", "final_logit_softcapping", 5.0),
+                                                 ("gemma2", "final_logit_softcapping", None),
+                                                 ("granite", "logits_scaling", 0.5)])
+def test_a_logit_scale_set_after_patch_is_taken(family, name, value, compiled):
+    # The fused loss applies the scale and cap that patch's probe established; the model's forward reads its
+    # config at each call. Set after patch, the head is established again (the probe with the new value), or,
+    # in a traced call, the model's own forward runs.
+    model = _model(family, **({"logits_scaling": 4.0} if family == "granite" else {}))
+    batch = _batch()
+    ref = copy.deepcopy(model)
+    assert "linear_cross_entropy" in tritongrad.patch(model).ops()
+    for m in (model, ref):
+        setattr(m.config, name, value)
+    refs = _references(ref, batch)
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    model.zero_grad(set_to_none=True)
+    out = fn(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    _assert_matches(out, grads, refs)
+    assert (out.logits is None) == (not compiled)  # eager: the fused loss with the new value

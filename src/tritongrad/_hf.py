@@ -996,6 +996,18 @@ class HeadSpec:
     logit_scale: float = 1.0
     softcap: float | None = None
     router_logits: bool = False  # a MoE forward whose loss adds the router's aux loss when asked for
+    read: tuple = ()  # the values of SCALE_NAMES the probe ran with (head_values): a later change re-establishes
+
+
+# What a head's logits depend on beyond its weights, by (on the config or the model, name): the scales
+# _named_scales reads and the soft cap.
+SCALE_NAMES = (("config", "logits_scaling"), ("model", "logit_scale"), ("config", "logit_scale"),
+               ("config", "final_logit_softcapping"))
+
+
+def head_values(model) -> tuple:
+    """The values of :data:`SCALE_NAMES` on ``model`` now."""
+    return tuple(getattr(model.config if where == "config" else model, name, None) for where, name in SCALE_NAMES)
 
 
 class _ProbeOutput(dict):
@@ -1084,7 +1096,7 @@ def head_spec(model: torch.nn.Module) -> HeadSpec | str:
         if not isinstance(got, torch.Tensor) or not torch.allclose(got.double(), expect, rtol=1e-5, atol=0):
             return (f"{cls.__name__}.forward's loss is not Hugging Face's shifted cross-entropy of its logits "
                     "(mean over labelled tokens, or sum / num_items_in_batch)")
-    return HeadSpec(prefix, head_name, s, c, router)
+    return HeadSpec(prefix, head_name, s, c, router, head_values(model))
 
 
 def _base_and_head(model: torch.nn.Module):
@@ -1219,6 +1231,11 @@ def causal_lm_forward(original):
         if not self.training or kwargs.get("labels") is None:
             return original(self, **kwargs)
         spec = decided(self, SPEC_ATTR)
+        if isinstance(spec, HeadSpec) and head_values(self) != spec.read:
+            # A scale or cap set after patch: the probe runs again (eager); a traced call keeps the model's own.
+            spec = None if torch.compiler.is_compiling() else head_spec(self)
+            if spec is not None:
+                self.__dict__[SPEC_ATTR] = spec
         if (not isinstance(spec, HeadSpec) or type(getattr(self, spec.head).weight) not in PLAIN_TENSORS
                 or spec.router_logits and kwargs.get("output_router_logits",
                                                      getattr(self.config, "output_router_logits", False))):
