@@ -90,8 +90,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 # post-attention norm under fused_add_rms_norm) or that writes gradients over a module's output
 # (inplace_backward) is exact only where the call runs the class's forward alone: docs/models.md#module-calls.
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-                 "_global_backward_hooks")
+_GLOBAL_HOOKS = tuple((name, getattr(torch.nn.modules.module, name, {})) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
 # The attribute that marks a hook as an observer that may go uncalled where a patched path bypasses its
 # module (the family matrix's layout recorder): it does not make the path fall back.
 OBSERVER = "_tritongrad_observer"
@@ -117,9 +117,8 @@ def call_why_not(m, name: str, cls: type | None = None) -> str | None:
     for attr in _MODULE_HOOKS:
         if _hooks(m.__dict__.get(attr)):
             return f"{name} has module hooks ({attr.strip('_').replace('_', ' ')}), which its call would run"
-    glob = torch.nn.modules.module
-    for attr in _GLOBAL_HOOKS:
-        if _hooks(getattr(glob, attr, None)):
+    for attr, hooks in _GLOBAL_HOOKS:  # torch registers global hooks into these very dicts
+        if _hooks(hooks):
             return f"global module hooks ({attr.strip('_').replace('_', ' ')}) are registered, which {name}'s call would run"
     return None
 
@@ -414,20 +413,24 @@ def _owned(*projections) -> bool:
 
 def _act_why_not(m) -> str | None:
     """Why the gate's activation module cannot be bypassed (swiglu/geglu stand for its call), else None."""
-    act = gate_act(m)
-    return call_why_not(act, gate_act_name(m)) if isinstance(act, torch.nn.Module) else None
+    mods = m._modules  # gate_act's choice, without Module.__getattr__ (this runs at every call)
+    name = "act_fn" if "act_fn" in mods or callable(m.__dict__.get("act_fn")) else "activation_fn"
+    act = mods.get(name)
+    return None if act is None else call_why_not(act, name)
 
 
 def _gated_forward(self, x):
     kind = decided(self, GATE_ATTR)
     if kind and _act_why_not(self) is not None:
         kind = None
+    if kind:
+        mods = self._modules
+        gate_proj, up_proj, down_proj = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
+        owned = _owned(gate_proj, up_proj)
     if kind == "silu":
-        return self.down_proj(tritongrad.swiglu(self.gate_proj(x), self.up_proj(x),
-                                                inplace_backward=_owned(self.gate_proj, self.up_proj)))
+        return down_proj(tritongrad.swiglu(gate_proj(x), up_proj(x), inplace_backward=owned))
     if kind in ("tanh", "none"):
-        return self.down_proj(tritongrad.geglu(self.gate_proj(x), self.up_proj(x), approximate=kind,
-                                               inplace_backward=_owned(self.gate_proj, self.up_proj)))
+        return down_proj(tritongrad.geglu(gate_proj(x), up_proj(x), approximate=kind, inplace_backward=owned))
     # A class patched for a gate, built here with another activation.
     return original_forward_of(type(self))(self, x)
 
