@@ -84,6 +84,7 @@ def weighted_sum_cases():
 
 def plan_cases():
     from tritongrad.ops.cross_entropy import plans as CE
+    from tritongrad.ops.norm import plans as NP
     from tritongrad.ops.rope import plans as RP
     from tritongrad.ops.swiglu import plans as SW
 
@@ -101,6 +102,13 @@ def plan_cases():
             yield f"rope {T} {HQ} {HK} {D} {R} {elem}", lambda: RP.plan(T, HQ, HK, D, R, elem, RP.table())
     for N, D, elem in itertools.product((1, 7, 16384), (64, 1000, 4096, 11008, 14336, 13824), (2, 4, 8)):
         yield f"swiglu {N} {D} {elem}", lambda: SW.tile(N, D, elem, SW.table())
+    for (N, D), dt, wdt, cast_first in itertools.product(((1, 64), (7, 1000), (16384, 4096), (4096, 8192),
+                                                          (512, 9216)), DTYPES, ("same", torch.float32),
+                                                         (True, False)):
+        w_dtype = dt if wdt == "same" else wdt
+        yield f"add_norm {N}x{D} {dt} w={w_dtype} cast_first={cast_first}", lambda: NP.add_norm(
+            N=N, D=D, x_dtype=dt, w_dtype=w_dtype, props=rt.device_props(_DEV), t=NP.table(),
+            w_offset=0.0 if cast_first else 1.0, cast_first=cast_first)
 
 
 _DEV = torch.device("meta")

@@ -55,8 +55,10 @@ def main(cases) -> int:
         ):
             y.backward(torch.randn(y.shape, dtype=y.dtype))
         r = torch.randn(N, D, dtype=xdt, requires_grad=True)
-        y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6)
-        torch.autograd.backward((y, s), (torch.randn(y.shape, dtype=y.dtype), torch.randn(s.shape, dtype=s.dtype)))
+        for norm in ({}, {"weight_offset": 1.0, "cast_before_weight": False}):  # Llama's norm, Gemma's
+            y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6, **norm)
+            torch.autograd.backward((y, s), (torch.randn(y.shape, dtype=y.dtype),
+                                             torch.randn(s.shape, dtype=s.dtype)))
         # Large inputs take weighted_sum's backward in two launches (grad_x, then grad_w): compile those too.
         with ws_plans.using(dataclasses.replace(ws_plans.TABLE, SPLIT_BWD_BYTES=0, SPLIT_BWD_ROWS=0)):
             tritongrad.weighted_sum(x, w).backward(torch.randn(N, dtype=torch.promote_types(xdt, pdt)))

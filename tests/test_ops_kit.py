@@ -152,20 +152,26 @@ def softcap_saturated(dtype, device):
 
 
 # ---------------------------------------------------------------- fused_add_rms_norm: (norm(x + r), x + r)
-def add_norm_sample(lead, D, scale=1.0):
+def add_norm_sample(lead, D, scale=1.0, **norm):
     def make(dtype, device):
-        return (randn(*lead, D, dtype=dtype, device=device, scale=scale), randn(*lead, D, dtype=dtype, device=device),
-                weight(D, dtype=dtype, device=device), 1e-6)
+        return dict(x=randn(*lead, D, dtype=dtype, device=device, scale=scale),
+                    residual=randn(*lead, D, dtype=dtype, device=device), weight=weight(D, dtype=dtype, device=device),
+                    eps=1e-6, **norm)
 
-    make.__name__ = "x".join(map(str, (*lead, D)))
+    make.__name__ = "x".join(map(str, (*lead, D))) + "".join(
+        f"_{k}{v}" for k, v in norm.items()).replace("cast_before_weightFalse", "_f32")
     return make
 
 
+GEMMA = dict(weight_offset=1.0, cast_before_weight=False)  # Gemma's norm: (xhat * (1 + w)) in float32
 ADD_NORM_SAMPLES = [
     add_norm_sample((5,), 37),      # one tile, ragged columns
     add_norm_sample((70,), 24),     # rows over several tiles and backward programs (dw partials)
     add_norm_sample((2, 3), 20, scale=4.0),    # 3-D
     add_norm_sample((3,), 8200),    # longer than one tile: the add, then llama_rms_norm's kernels
+    add_norm_sample((70,), 24, **GEMMA),        # the product in float32, with the offset
+    add_norm_sample((5,), 37, cast_before_weight=False),  # Olmo2's: the product in float32, no offset
+    add_norm_sample((3,), 8200, **GEMMA),       # longer than one tile: the add, then rms_norm's kernels
 ]
 
 

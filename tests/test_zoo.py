@@ -108,9 +108,11 @@ def _run_matrix(names=None, modes=("eager",), only=None, kernels=False):
 CHUNKS = 1
 
 
-# The quick tier: loss and every gradient, what patch substitutes into each family; the extended tier adds
-# logits, gradient checkpointing and a second backward (the kernel families check those in the quick tier).
-CHECKS = [pytest.param(("loss", "grads"), id="loss-grads"),
+# The quick tier: loss and every gradient, what patch substitutes into each family, and the loss with a hook on
+# every module (a module call that a patched path bypasses must still count: docs/models.md#module-calls); the
+# extended tier adds logits, gradient checkpointing and a second backward (the kernel families check those in
+# the quick tier).
+CHECKS = [pytest.param(("loss", "grads", "loss, module hooks"), id="loss-grads-hooks"),
           pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
 
 

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 import warnings
 
 import torch
@@ -1287,31 +1288,46 @@ def config_gate_kind(mlp_cls: type, causal_lm_classes: list[type]) -> tuple[str 
 
 
 # ---------------------------------------------------------------- the decoder layer's residual add and norm
-# The three statements of Llama's decoder layer (and the families that copy it) that fuse, as ast.unparse
-# writes them; the forward is recompiled with them replaced by one call of add_norm.
+# The three statements of Llama's decoder layer (and the families that copy it, Gemma's sandwich norms too)
+# that fuse, as ast.unparse writes them, the norm any attribute; the forward is recompiled with them replaced by
+# one call of add_norm.
 ADD_NORM_STATEMENTS = ("hidden_states = residual + hidden_states", "residual = hidden_states",
-                       "hidden_states = self.post_attention_layernorm(hidden_states)")
-ADD_NORM_DETAIL = "residual + h and post_attention_layernorm -> fused_add_rms_norm (where the norm is Llama's)"
+                       "hidden_states = self.<norm>(hidden_states)")
+_ADD_NORM_CALL = re.compile(r"hidden_states = self\.([A-Za-z_]\w*norm\w*)\(hidden_states\)")  # a norm, by name
+# The norm kinds the fused op computes, by the patched norm's forward: (kind, weight_offset, cast_before_weight).
+ADD_NORM_KINDS = {"llama_rms_norm_forward": ("llama", 0.0, True), "gemma_rms_norm_forward": ("gemma", 1.0, False),
+                  "olmo2_rms_norm_forward": ("olmo2", 0.0, False)}
 
 
-def llama_norm_args(norm) -> tuple | None:
-    """``(weight, eps)`` where ``norm`` is an RMSNorm patched to llama_rms_norm (and established): the fused
-    op then computes what the norm would on the sum. Else None."""
+def add_norm_detail(norm: str) -> str:
+    return f"residual + h and {norm} -> fused_add_rms_norm (where the norm is patched: Llama's, Gemma's, Olmo2's)"
+
+
+def norm_args(norm) -> tuple | None:
+    """``(weight, eps, weight_offset, cast_before_weight)`` where ``norm`` is an RMSNorm patched to one of
+    :data:`ADD_NORM_KINDS` (and established): the fused op then computes what the norm would on the sum. Else
+    None."""
     forward = getattr(type(norm), "forward", None)
-    if getattr(forward, "__name__", None) != "llama_rms_norm_forward" or patched_op(forward) != "rms_norm":
+    found = ADD_NORM_KINDS.get(getattr(forward, "__name__", None))
+    if found is None or patched_op(forward) != "rms_norm":
         return None
-    ok = decided(norm, NORM_ATTR, "llama")
-    return (_plain(norm.weight), getattr(norm, eps_attr(norm))) if ok else None
+    kind, offset, cast = found
+    ok = decided(norm, NORM_ATTR, kind)
+    return (_plain(norm.weight), getattr(norm, eps_attr(norm)), offset, cast) if ok else None
 
 
 def add_norm(norm, hidden_states, residual):
-    """``(norm(residual + hidden_states), residual + hidden_states)``, fused where the norm is Llama's."""
-    args = llama_norm_args(norm)
-    if args is None or call_why_not(norm, "post_attention_layernorm") is not None or type(args[1]) is not float or hidden_states.shape != residual.shape or (
-            hidden_states.dtype != residual.dtype) or hidden_states.dim() == 0:
+    """``(norm(residual + hidden_states), residual + hidden_states)``, fused where the norm is patched to a kind
+    the fused op computes and its call is its forward alone."""
+    args = norm_args(norm)
+    if (args is None or type(args[1]) is not float or call_why_not(norm, "the norm") is not None
+            or hidden_states.shape != residual.shape or hidden_states.dtype != residual.dtype
+            or hidden_states.dim() == 0):
         s = residual + hidden_states
         return norm(s), s
-    return tritongrad.fused_add_rms_norm(hidden_states, residual, *args)
+    weight, eps, offset, cast = args
+    return tritongrad.fused_add_rms_norm(hidden_states, residual, weight, eps, weight_offset=offset,
+                                         cast_before_weight=cast)
 
 
 def wrappers(fn) -> tuple:
@@ -1337,9 +1353,9 @@ def add_norm_wrapped_as(cls: type, forward, subclass: bool) -> str | None:
 
 @functools.cache
 def add_norm_forward(cls: type) -> tuple:
-    """``(forward, None)``: ``cls``'s forward recompiled with :data:`ADD_NORM_STATEMENTS` (found once, in
-    order, in its body) replaced by ``hidden_states, residual = add_norm(self.post_attention_layernorm,
-    hidden_states, residual)``, its decorators kept; or ``(None, why not)``."""
+    """``(forward, norm, None)``: ``cls``'s forward recompiled with :data:`ADD_NORM_STATEMENTS` (found once, in
+    order, in its body; ``norm`` the attribute the third calls) replaced by ``hidden_states, residual =
+    add_norm(self.<norm>, hidden_states, residual)``, its decorators kept; or ``(None, None, why not)``."""
     import __future__
     import ast
     import linecache
@@ -1350,23 +1366,24 @@ def add_norm_forward(cls: type) -> tuple:
     try:
         src = textwrap.dedent(inspect.getsource(raw))
     except (OSError, TypeError):
-        return None, f"{cls.__name__}.forward has no readable source"
+        return None, None, f"{cls.__name__}.forward has no readable source"
     if raw.__code__.co_freevars:
-        return None, f"{cls.__name__}.forward reads closure variables ({', '.join(raw.__code__.co_freevars)})"
+        return None, None, f"{cls.__name__}.forward reads closure variables ({', '.join(raw.__code__.co_freevars)})"
     tree = ast.parse(src)
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef) or any(
             isinstance(n, (ast.Attribute, ast.Name)) and (getattr(n, "attr", None) or getattr(n, "id", "")
                                                          ).startswith("__") for n in ast.walk(fdef)):
-        return None, f"{cls.__name__}.forward is not a plain function (or uses private names)"
+        return None, None, f"{cls.__name__}.forward is not a plain function (or uses private names)"
     texts = [ast.unparse(s) for s in fdef.body]
-    hits = [i for i in range(len(texts) - 2) if tuple(texts[i:i + 3]) == ADD_NORM_STATEMENTS]
+    hits = [(i, m.group(1)) for i in range(len(texts) - 2) if tuple(texts[i:i + 2]) == ADD_NORM_STATEMENTS[:2]
+            and (m := _ADD_NORM_CALL.fullmatch(texts[i + 2]))]
     if len(hits) != 1:
-        return None, (f"{cls.__name__}.forward does not compute `{'; '.join(ADD_NORM_STATEMENTS)}` "
-                      f"{'more than once' if hits else 'in that order'}")
-    call = ast.parse("hidden_states, residual = _tritongrad_add_norm(self.post_attention_layernorm, "
-                     "hidden_states, residual)").body[0]
-    fdef.body[hits[0]:hits[0] + 3] = [call]
+        return None, None, (f"{cls.__name__}.forward does not compute `{'; '.join(ADD_NORM_STATEMENTS)}` "
+                            f"{'more than once' if hits else 'in that order'}")
+    (at, norm), = hits
+    call = ast.parse(f"hidden_states, residual = _tritongrad_add_norm(self.{norm}, hidden_states, residual)").body[0]
+    fdef.body[at:at + 3] = [call]
     # Compiled inside a factory whose argument is add_norm (a closure, not a global), then rebuilt on the
     # modeling module's live globals and given its decorators back: nothing is added to that module.
     decorators, fdef.decorator_list = fdef.decorator_list, []
@@ -1383,4 +1400,4 @@ def add_norm_forward(cls: type) -> tuple:
     forward.__qualname__, forward.__module__, forward.__doc__ = raw.__qualname__, raw.__module__, raw.__doc__
     for dec in reversed(decorators):
         forward = eval(compile(ast.Expression(dec), filename, "eval"), raw.__globals__)(forward)
-    return marked(forward, "fused_add_rms_norm"), None
+    return marked(forward, "fused_add_rms_norm"), norm, None

@@ -326,17 +326,20 @@ def _add_norm_attrs(hf, m, cls, base, name, on, report) -> tuple[dict, dict]:
         return {}, {}
     if _patched_before(hf, cls, "fused_add_rms_norm"):
         return {}, {"fused_add_rms_norm": ""}
-    norm = m.post_attention_layernorm
-    kind = hf.instance_norm_kind(norm)[0] if hf.looks_like_rms_norm(norm) else None
-    forward, why = hf.add_norm_forward(base) if kind == "llama" else (
-        None, f"its post_attention_layernorm ({type(norm).__name__}) is not Llama's RMSNorm")
+    forward, norm_name, why = hf.add_norm_forward(base)
+    if forward is not None:
+        norm = getattr(m, norm_name, None)
+        kind = hf.instance_norm_kind(norm)[0] if hf.looks_like_rms_norm(norm) else None
+        if kind not in {k for k, _, _ in hf.ADD_NORM_KINDS.values()}:
+            forward, why = None, (f"its {norm_name} ({type(norm).__name__}) is not an RMSNorm the fused op computes "
+                                  "(Llama's, Gemma's, Olmo2's)")
     if forward is not None:
         why = hf.add_norm_wrapped_as(base, forward, subclass=True)
         forward = forward if why is None else None
     if forward is None:
         report._add("skipped", "fused_add_rms_norm", name, why)
         return {}, {}
-    return {"forward": forward}, {"fused_add_rms_norm": hf.ADD_NORM_DETAIL}
+    return {"forward": forward}, {"fused_add_rms_norm": hf.add_norm_detail(norm_name)}
 
 
 def _gate_attrs(hf, m, cls, base, name, on, report, *, layout: str) -> tuple[dict, dict]:
@@ -495,14 +498,14 @@ def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
             _set(cls, "forward", hf.swiglu_forward if op == "swiglu" else hf.geglu_forward, op, report,
                  f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
     elif name.endswith("DecoderLayer") and {"fused_add_rms_norm", "rms_norm"} <= on:
-        forward, why = hf.add_norm_forward(cls)
+        forward, norm_name, why = hf.add_norm_forward(cls)
         if forward is not None:
             why = hf.add_norm_wrapped_as(cls, forward, subclass=False)
             forward = forward if why is None else None
         if forward is None:
             report._add("skipped", "fused_add_rms_norm", target, why)
         else:
-            _set(cls, "forward", forward, "fused_add_rms_norm", report, hf.ADD_NORM_DETAIL)
+            _set(cls, "forward", forward, "fused_add_rms_norm", report, hf.add_norm_detail(norm_name))
     elif cls in causal:
         why = hf.causal_lm_why_not(cls)
         for op in sorted(on & {"cross_entropy", "linear_cross_entropy"}):

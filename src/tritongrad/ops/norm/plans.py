@@ -368,14 +368,16 @@ class AddNormPlan:
 
 @functools.lru_cache(maxsize=1024)
 def add_norm(*, N: int, D: int, x_dtype: torch.dtype, w_dtype: torch.dtype, props: rt.DeviceProps,
-             t: NormTable = TABLE) -> AddNormPlan:
+             t: NormTable = TABLE, w_offset: float = 0.0, cast_first: bool = True) -> AddNormPlan:
     """The fused add + norm's plan for rows ``[N, D]`` (N a hint): the norms' row tiles, one tile a row; the
-    backward's row loop pipelined as the norms' (s, dy and the stream's gradient in flight)."""
-    out_dtype = torch.promote_types(x_dtype, w_dtype)
-    acc = rt.acc_dtype(out_dtype)
+    backward's row loop pipelined as the norms' (s, dy and the stream's gradient in flight). ``cast_first``:
+    Llama's norm (y in the promoted dtype), else rms_norm's with ``w_offset`` (y in x's dtype)."""
+    promoted = torch.promote_types(x_dtype, w_dtype)
+    out_dtype = promoted if cast_first else x_dtype
+    acc = rt.acc_dtype(promoted)
     fwd = rt.row_tile(N, D, t.BWD_MAX_BLOCK_D, t.CHUNK_D, t.FWD_TILE)
     bwd = rt.row_tile(N, D, t.BWD_MAX_BLOCK_D, t.CHUNK_D, t.BWD_TILE)
-    flags = dict(ACC=rt.tl_acc_dtype(acc), BLOCK_D=fwd.BLOCK_D)
+    flags = dict(ACC=rt.tl_acc_dtype(acc), BLOCK_D=fwd.BLOCK_D, CAST_FIRST=cast_first, **_offset(w_offset))
     return AddNormPlan(fwd.ONE_TILE, out_dtype, acc, dict(flags, BLOCK_N=fwd.BLOCK_N, num_warps=fwd.num_warps),
                        dict(flags, BLOCK_N=bwd.BLOCK_N, num_warps=bwd.num_warps,
                             STAGES=bwd_stages(bwd, 3 * x_dtype.itemsize, props.shared_mem_per_sm, None, t)),
