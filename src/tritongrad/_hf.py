@@ -88,8 +88,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 # A patched path that reads a module's weights instead of calling it (the LM head under the fused loss, the
-# post-attention norm under fused_add_rms_norm) or that writes gradients over a module's output
-# (inplace_backward) is exact only where the call runs the class's forward alone: docs/models.md#module-calls.
+# norm under fused_add_rms_norm), stands for its call (act_fn under swiglu) or writes gradients over a module's
+# output (inplace_backward) is exact only where the call runs the class's forward alone:
+# docs/models.md#module-calls.
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOKS = tuple((name, getattr(torch.nn.modules.module, name, {})) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
@@ -1289,8 +1290,8 @@ def config_gate_kind(mlp_cls: type, causal_lm_classes: list[type]) -> tuple[str 
 
 # ---------------------------------------------------------------- the decoder layer's residual add and norm
 # The three statements of Llama's decoder layer (and the families that copy it, Gemma's sandwich norms too)
-# that fuse, as ast.unparse writes them, the norm any attribute; the forward is recompiled with them replaced by
-# one call of add_norm.
+# that fuse, as ast.unparse writes them, the norm an attribute named *norm*; the forward is recompiled with
+# them replaced by one call of add_norm.
 ADD_NORM_STATEMENTS = ("hidden_states = residual + hidden_states", "residual = hidden_states",
                        "hidden_states = self.<norm>(hidden_states)")
 _ADD_NORM_CALL = re.compile(r"hidden_states = self\.([A-Za-z_]\w*norm\w*)\(hidden_states\)")  # a norm, by name
