@@ -427,8 +427,8 @@ def test_all_ops_match_hf(family, spy):
     report = tritongrad.patch(model)
     n_norms, n_mlps, gate = FAMILIES[family][1:]
     # Decoder layers fused: Llama's add and post-attention norm, Gemma's too (its norm's offset weight), Gemma 2's
-    # and 3's add and pre-feedforward norm; Olmo2 norms before its adds, Phi3 adds a dropout's output.
-    fused = FAMILIES[family][0] not in ("olmo2", "phi3")
+    # and 3's add and pre-feedforward norm, Phi3's add of a dropout's output; Olmo2 norms before its adds.
+    fused = FAMILIES[family][0] != "olmo2"
     assert report.ops() == {"rms_norm": n_norms, "rope": 1, "linear_cross_entropy": 1, "causal_mask": 2,
                             gate: n_mlps, **({"fused_add_rms_norm": 2} if fused else {})}
     assert all(e.op == "fused_add_rms_norm" and "does not compute" in e.detail
@@ -1128,3 +1128,36 @@ def test_a_logit_scale_set_after_patch_is_taken(family, name, value, compiled):
     grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
     _assert_matches(out, grads, refs)
     assert (out.logits is None) == (not compiled)  # eager: the fused loss with the new value
+
+
+@pytest.mark.parametrize("family, config", [("phi3", dict(resid_pdrop=0.25)),  # residual + dropout(h)
+                                            ("granite", dict(residual_multiplier=0.5)),  # residual + h * m
+                                            ("llama", {})])
+def test_the_fused_add_takes_what_the_layer_adds(family, config):
+    # The layer's added term, whatever expression it is, is evaluated as the layer evaluates it (a dropout draws
+    # the same random numbers), then the add and the norm run fused: the unpatched model's loss and gradients
+    # (the other ops off), to the norm's rounding.
+    model = _model(family, **config)
+    batch = _batch()
+    ref = copy.deepcopy(model)
+    report = tritongrad.patch(model, swiglu=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert report.ops().get("fused_add_rms_norm") == 2, report
+    calls = []
+    fused = tritongrad.fused_add_rms_norm
+    try:
+        tritongrad.fused_add_rms_norm = lambda *a, **k: calls.append(1) or fused(*a, **k)
+        for m in (ref, model):
+            torch.manual_seed(5)
+            m.zero_grad(set_to_none=True)
+            m(**batch).loss.backward()
+    finally:
+        tritongrad.fused_add_rms_norm = fused
+    assert len(calls) == 2
+    losses = []
+    for m in (ref, model):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            losses.append(m(**batch).loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)

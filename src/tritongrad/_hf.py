@@ -1290,9 +1290,10 @@ def config_gate_kind(mlp_cls: type, causal_lm_classes: list[type]) -> tuple[str 
 
 # ---------------------------------------------------------------- the decoder layer's residual add and norm
 # The three statements of Llama's decoder layer (and the families that copy it, Gemma's sandwich norms too)
-# that fuse, as ast.unparse writes them, the norm an attribute named *norm*; the forward is recompiled with
-# them replaced by one call of add_norm.
-ADD_NORM_STATEMENTS = ("hidden_states = residual + hidden_states", "residual = hidden_states",
+# that fuse, as ast.unparse writes them: <h> any expression (hidden_states; Granite's hidden_states *
+# self.residual_multiplier; Phi3's dropout of it), evaluated as the layer does, before the add; the norm an
+# attribute named *norm*. The forward is recompiled with them replaced by one call of add_norm.
+ADD_NORM_STATEMENTS = ("hidden_states = residual + <h>", "residual = hidden_states",
                        "hidden_states = self.<norm>(hidden_states)")
 _ADD_NORM_CALL = re.compile(r"hidden_states = self\.([A-Za-z_]\w*norm\w*)\(hidden_states\)")  # a norm, by name
 # The norm kinds the fused op computes, by the patched norm's forward: (kind, weight_offset, cast_before_weight).
@@ -1352,11 +1353,23 @@ def add_norm_wrapped_as(cls: type, forward, subclass: bool) -> str | None:
             f"gradient checkpointing), which {'the subclass' if subclass else 'a class-level patch'} would not keep")
 
 
+def _added(stmt) -> str | None:
+    """``h``'s source where ``stmt`` is ``hidden_states = residual + h``, else None."""
+    import ast
+
+    if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == "hidden_states" and isinstance(stmt.value, ast.BinOp)
+            and isinstance(stmt.value.op, ast.Add) and isinstance(stmt.value.left, ast.Name)
+            and stmt.value.left.id == "residual"):
+        return ast.unparse(stmt.value.right)
+    return None
+
+
 @functools.cache
 def add_norm_forward(cls: type) -> tuple:
     """``(forward, norm, None)``: ``cls``'s forward recompiled with :data:`ADD_NORM_STATEMENTS` (found once, in
     order, in its body; ``norm`` the attribute the third calls) replaced by ``hidden_states, residual =
-    add_norm(self.<norm>, hidden_states, residual)``, its decorators kept; or ``(None, None, why not)``."""
+    add_norm(self.<norm>, <h>, residual)``, its decorators kept; or ``(None, None, why not)``."""
     import __future__
     import ast
     import linecache
@@ -1377,13 +1390,13 @@ def add_norm_forward(cls: type) -> tuple:
                                                          ).startswith("__") for n in ast.walk(fdef)):
         return None, None, f"{cls.__name__}.forward is not a plain function (or uses private names)"
     texts = [ast.unparse(s) for s in fdef.body]
-    hits = [(i, m.group(1)) for i in range(len(texts) - 2) if tuple(texts[i:i + 2]) == ADD_NORM_STATEMENTS[:2]
-            and (m := _ADD_NORM_CALL.fullmatch(texts[i + 2]))]
+    hits = [(i, m.group(1), h) for i in range(len(texts) - 2) if (h := _added(fdef.body[i])) is not None
+            and texts[i + 1] == ADD_NORM_STATEMENTS[1] and (m := _ADD_NORM_CALL.fullmatch(texts[i + 2]))]
     if len(hits) != 1:
         return None, None, (f"{cls.__name__}.forward does not compute `{'; '.join(ADD_NORM_STATEMENTS)}` "
                             f"{'more than once' if hits else 'in that order'}")
-    (at, norm), = hits
-    call = ast.parse(f"hidden_states, residual = _tritongrad_add_norm(self.{norm}, hidden_states, residual)").body[0]
+    (at, norm, h), = hits
+    call = ast.parse(f"hidden_states, residual = _tritongrad_add_norm(self.{norm}, {h}, residual)").body[0]
     fdef.body[at:at + 3] = [call]
     # Compiled inside a factory whose argument is add_norm (a closure, not a global), then rebuilt on the
     # modeling module's live globals and given its decorators back: nothing is added to that module.
