@@ -1035,7 +1035,8 @@ def _scale_input(f):
     return lambda mod, args: (args[0] * f, *args[1:])
 
 
-# Each way a module's call runs more than its forward, on a module that a patched path bypasses.
+# Each way a module's call runs more than its forward, on a module that a patched path bypasses (or the module
+# replaced after patch).
 _CALLS = {
     "forward hook on lm_head": lambda m: m.lm_head.register_forward_hook(_scale_output(0.75)),
     "forward pre-hook on lm_head": lambda m: m.lm_head.register_forward_pre_hook(_scale_input(1.25)),
@@ -1044,6 +1045,7 @@ _CALLS = {
     "forward pre-hook on post_attention_layernorm": lambda m: m.model.layers[1].post_attention_layernorm
     .register_forward_pre_hook(_scale_input(0.5)),
     "forward hook on act_fn": lambda m: m.model.layers[0].mlp.act_fn.register_forward_hook(_scale_output(1.5)),
+    "act_fn replaced by a GELU": lambda m: setattr(m.model.layers[0].mlp, "act_fn", torch.nn.GELU()),
     "global forward hook": lambda m: torch.nn.modules.module.register_module_forward_hook(
         lambda mod, args, out: out * 1.125 if type(mod) is torch.nn.Linear else None),
 }

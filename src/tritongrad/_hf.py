@@ -379,6 +379,7 @@ GATE_DETAIL = {"silu": "down_proj(swiglu(gate_proj(x), up_proj(x)))",
                "tanh": "down_proj(geglu(gate_proj(x), up_proj(x), approximate='tanh'))",
                "none": "down_proj(geglu(gate_proj(x), up_proj(x)))"}
 GATE_ATTR = "_tritongrad_gate"
+GATE_ACT_ATTR = "_tritongrad_gate_act"  # the activation patch established the gate with (set by patch)
 
 
 def gate_kind(act) -> tuple[str | None, str | None]:
@@ -417,8 +418,11 @@ def _act_why_not(m) -> str | None:
     """Why the gate's activation module cannot be bypassed (swiglu/geglu stand for its call), else None."""
     mods = m._modules  # gate_act's choice, without Module.__getattr__ (this runs at every call)
     name = "act_fn" if "act_fn" in mods or callable(m.__dict__.get("act_fn")) else "activation_fn"
-    act = mods.get(name)
-    return None if act is None else call_why_not(act, name)
+    act = mods.get(name, m.__dict__.get(name))
+    established = m.__dict__.get(GATE_ACT_ATTR, act)
+    if act is not established:
+        return f"{name} was replaced after patch established the gate with another"
+    return call_why_not(act, name) if isinstance(act, torch.nn.Module) else None
 
 
 def _gated_forward(self, x):

@@ -350,7 +350,7 @@ def _gate_attrs(hf, m, cls, base, name, on, report, *, layout: str) -> tuple[dic
     if op not in on:
         return {}, {}
     if kind is not None and _patched_before(hf, cls, op, *(("_apply_gate",) if layout == "experts" else ())):
-        m.__dict__[hf.GATE_ATTR] = kind
+        m.__dict__[hf.GATE_ATTR], m.__dict__[hf.GATE_ACT_ATTR] = kind, hf.gate_act(m)
         return {}, {op: ""}
     state = hf._simple_state(m)  # the instance's plain attributes (a clipping limit) can change its math
     layout_why = {"mlp": lambda: hf.gated_mlp_why_not(base, state), "experts": lambda: hf.experts_why_not(m, base),
@@ -359,7 +359,7 @@ def _gate_attrs(hf, m, cls, base, name, on, report, *, layout: str) -> tuple[dic
     if why is not None:
         report._add("skipped", op, name, f"{base.__name__}: {why}")
         return {}, {}
-    m.__dict__[hf.GATE_ATTR] = kind
+    m.__dict__[hf.GATE_ATTR], m.__dict__[hf.GATE_ACT_ATTR] = kind, hf.gate_act(m)
     if layout == "experts":
         return {"_apply_gate": hf.experts_gate[op]}, {op: hf.EXPERTS_DETAIL[kind]}
     if layout == "fused":
@@ -458,6 +458,7 @@ def unpatch(model: torch.nn.Module) -> int:
         base = _BASE.get(cls) or back.get(cls)
         m.__dict__.pop(hf.SPEC_ATTR, None)
         m.__dict__.pop(hf.GATE_ATTR, None)
+        m.__dict__.pop(hf.GATE_ACT_ATTR, None)
         m.__dict__.pop(hf.NORM_ATTR, None)
         m.__dict__.pop(hf.WARNED_ATTR, None)
         if base is not None:
