@@ -925,3 +925,45 @@ def test_linear_grad_weight_in_float32(reduction):
     assert err[True][0] <= 2.0 ** -7 < err[False][0], (err[True][0], err[False][0])
     with pytest.raises(TypeError, match="grad_weight_f32 must be a bool, got 1"):
         tritongrad.linear_cross_entropy(h, W, t, grad_weight_f32=1)
+
+
+# ---------------------------------------------------------------- float16 under AMP's loss scale
+def _scaled_grads(fn, tensors, scale):
+    """Each tensor's gradient of ``scale * fn(*tensors)``, divided by the scale, in float64."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    (fn(*leaves) * scale).backward()
+    return [t.grad.double() / scale for t in leaves]
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_float16_gradients_take_the_loss_scale_before_rounding(op):
+    # AMP's GradScaler multiplies the loss by 2^16 so that float16 gradients of ~1e-7 survive their rounding.
+    # Near-uniform logits (an LM early in training) over many tokens make the logits' gradient (p - y) / D such
+    # values; made for an upstream gradient of 1 and scaled afterwards, they rounded to a few bits or to zero
+    # (grad_input 80x F's error at 8192 tokens; NaN where scaled sums overflowed). The backward now makes them
+    # with the scale, as F does. Measured through what the next product sees: the logits' gradient times the
+    # LM head (cross_entropy), the hidden states' gradient (linear_cross_entropy).
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 2048, 16, 1024  # p ~ 1e-3, D ~ 1800: (p - y) / D ~ 5e-7, float16's subnormals
+    h = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.05
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::9] = -100
+    if op == "cross_entropy":  # a float16 loss (F's dtype): 2^15, the largest power of two it holds
+        inputs, scale = [h @ w.t()], 2.0 ** 15
+        ours = lambda z: tritongrad.cross_entropy(z, t.to(z.device))  # noqa: E731
+        f = lambda z: F.cross_entropy(z, t.to(z.device))  # noqa: E731
+    else:  # the loss in float32, as the Hugging Face patch asks for it (and HF's upcast logits give)
+        inputs, scale = [h, w], 2.0 ** 16
+        ours = lambda x, m: tritongrad.linear_cross_entropy(x, m, t.to(x.device), out_dtype=torch.float32)  # noqa: E731
+        f = lambda x, m: F.cross_entropy((x @ m.t()).float(), t.to(x.device))  # noqa: E731
+    exact = _scaled_grads(f, [x.to(DEVICE) for x in inputs], 1.0)
+    half = [x.to(DEVICE, torch.float16) for x in inputs]
+    got, base = _scaled_grads(ours, half, scale), _scaled_grads(f, half, scale)
+    seen = (lambda d: d @ w.to(DEVICE)) if op == "cross_entropy" else (lambda d: d)  # noqa: E731
+    for k, (a, b, e) in enumerate(zip(got, base, exact)):
+        a, b, e = seen(a), seen(b), seen(e)
+        err, base_err = ((a - e).norm() / e.norm()).item(), ((b - e).norm() / e.norm()).item()
+        assert err <= 2 * base_err + 1e-4, f"{op} gradient {k}: error {err:.2e}, F's {base_err:.2e} (float16, x{scale:g})"
+        if op == "cross_entropy":
+            break

@@ -337,7 +337,10 @@ def cross_entropy(
             raise ValueError(f"tritongrad.cross_entropy: input of shape {shape} ([N, C, d1, ...]) takes target "
                              f"{want}, got {tuple(target.shape)}")
         x, t = input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1)
-    compute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+    # float16: the backward makes the gradient, where the upstream gradient (AMP's loss scale) multiplies it
+    # before its one float16 rounding, as F's does; made here for 1 and scaled later, it would underflow.
+    compute_grad = (reduction != "none" and torch.is_grad_enabled() and input.requires_grad
+                    and input.dtype != torch.float16)
     loss, lse = cross_entropy_op(x, t, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                                  compute_grad, return_lse, _as_float(logit_scale))
     if input.is_cuda and torch.is_autocast_enabled():
@@ -569,7 +572,9 @@ def linear_cross_entropy(
         and the backward only scales them by the upstream gradient (nothing when it is 1): three matrix
         products in all. grad_weight adds one product per chunk in a fixed order (deterministic), each
         accumulated in float32 and rounded to weight's dtype; grad_bias accumulates in float32. For
-        reduction="none" the backward recomputes the logits (four products in all). Under CUDA autocast, input,
+        reduction="none", and for float16 products (whose gradient, made for an upstream gradient of 1 and
+        scaled later, would underflow where AMP's loss scale is to prevent it), the backward recomputes the
+        logits with the upstream gradient (four products in all). Under CUDA autocast, input,
         weight and bias are cast to the autocast dtype first and the loss is float32, as F.linear and
         F.cross_entropy behave there.
     """
@@ -589,7 +594,9 @@ def linear_cross_entropy(
         bias = bias.to(dtype) if bias is not None else None
     x, t = input.reshape(-1, input.shape[-1]), target.reshape(-1)
     grads = None
-    if reduction != "none" and torch.is_grad_enabled():
+    # float16 products: the backward makes the gradients, where the upstream gradient (AMP's loss scale)
+    # multiplies the logits' gradient before its float16 rounding, as F's does (four products).
+    if reduction != "none" and torch.is_grad_enabled() and x.dtype != torch.float16:
         grads = [input.requires_grad, isinstance(weight, torch.Tensor) and weight.requires_grad,
                  isinstance(bias, torch.Tensor) and bias.requires_grad]
     if autocast and out_dtype is None:
