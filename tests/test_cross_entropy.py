@@ -940,9 +940,9 @@ def test_float16_gradients_take_the_loss_scale_before_rounding(op):
     # AMP's GradScaler multiplies the loss by 2^16 so that float16 gradients of ~1e-7 survive their rounding.
     # Near-uniform logits (an LM early in training) over many tokens make the logits' gradient (p - y) / D such
     # values; made for an upstream gradient of 1 and scaled afterwards, they rounded to a few bits or to zero
-    # (linear_cross_entropy's grad_input: 2.5e-2 relative error at 8192 tokens, F's 3.2e-4). The backward now makes them
-    # with the scale, as F does. Measured through what the next product sees: the logits' gradient times the
-    # LM head (cross_entropy), the hidden states' gradient (linear_cross_entropy).
+    # (linear_cross_entropy's grad_input: 2.5e-2 relative error at 8192 tokens, F's 3.2e-4). The backward now
+    # makes them with the scale, as F does. Measured through what the next product sees: the logits' gradient
+    # times the LM head (cross_entropy), the hidden states' gradient (linear_cross_entropy).
     g = torch.Generator().manual_seed(0)
     N, H, V = 2048, 16, 1024  # p ~ 1e-3, D ~ 1800: (p - y) / D ~ 5e-7, float16's subnormals
     h = torch.randn(N, H, generator=g, dtype=torch.float64)
