@@ -964,6 +964,7 @@ def test_float16_gradients_take_the_loss_scale_before_rounding(op):
     for k, (a, b, e) in enumerate(zip(got, base, exact)):
         a, b, e = seen(a), seen(b), seen(e)
         err, base_err = ((a - e).norm() / e.norm()).item(), ((b - e).norm() / e.norm()).item()
-        assert err <= 2 * base_err + 1e-4, f"{op} gradient {k}: error {err:.2e}, F's {base_err:.2e} (float16, x{scale:g})"
+        assert err <= 2 * base_err + 1e-4, (f"{op} gradient {k}: error {err:.2e}, F's {base_err:.2e} "
+                                            f"(float16, x{scale:g})")
         if op == "cross_entropy":
             break

@@ -43,6 +43,7 @@ from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol
 # 600 bytes of logits a chunk: 3 rows of 40 float32 logits, 7 of bfloat16; 16 columns a vocabulary step; DPO
 # chunks of 4000 bytes of whole pairs: one pair of two 5-row sequences of 40 float64 logits, two of float32
 SMALL = P.Limits(chunk_bytes=600, row_multiple=1, min_rows=1, block_bytes=64, pair_bytes=4000)
+DEFAULT_LIMITS = P.LIMITS
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -980,3 +981,46 @@ def test_dpo_reference_logps_are_constants_on_either_path(monkeypatch):
         loss, _ = linear_dpo_loss(t["input"], W, t["target"], ref_chosen_logps=rc, ref_rejected_logps=rr)
         loss.backward()
         assert rc.grad is None and rr.grad is None and W.grad is not None
+
+
+# ---------------------------------------------------------------- float16 under AMP's loss scale
+def _amp_grads(fn, tensors, scale):
+    """The gradients of ``scale * fn(*tensors)`` (the loss, float32 or float64), divided by the scale, in float64."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    (out[0] if isinstance(out, tuple) else out).mul(scale).backward()
+    return [t.grad.double() / scale for t in leaves]
+
+
+@pytest.mark.parametrize("loss, rows", [("jsd", 512), pytest.param("grpo", 2048, marks=pytest.mark.extended),
+                                        pytest.param("dpo", 2048, marks=pytest.mark.extended)])
+def test_float16_gradients_take_the_loss_scale_before_rounding(loss, rows, monkeypatch):
+    # AMP's GradScaler multiplies the loss by 2^16 so that tiny float16 gradients survive their rounding. These
+    # losses made their gradients in the forward for an upstream gradient of 1 and scaled them after rounding,
+    # so the scale did nothing: at 2048 rows (V 1024, near-uniform), JSD's gradients were 1.1e-1 off float64
+    # with or without it, GRPO's 2.6e-3, DPO's 1.1e-3. float16 products now make them in the backward, the
+    # scale inside (3.0e-4, 3.7e-4, 3.8e-4). Here: the scale must at least halve the unscaled error, as for F.
+    monkeypatch.setattr(P, "LIMITS", DEFAULT_LIMITS)  # the default chunks: the small ones are for the paths
+    g = torch.Generator().manual_seed(0)
+    B, H, V = rows // 64, 16, 1024
+    h, ht = (torch.randn(B, 64, H, generator=g, dtype=torch.float64) for _ in range(2))
+    w, wt = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.05 for _ in range(2))  # near-uniform p
+    ids = torch.randint(0, V, (B, 64), generator=g).to(DEVICE)
+    adv, ref = torch.randn(B, generator=g), torch.randn(B, generator=g)
+
+    def run(x, m):
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if loss == "grpo":
+            return linear_grpo_loss(x, m, ids, adv.to(DEVICE, f))
+        if loss == "dpo":
+            return linear_dpo_loss(x, m, ids, ref_chosen_logps=ref[: B // 2].to(DEVICE, f),
+                                   ref_rejected_logps=ref[B // 2:].to(DEVICE, f), beta=0.01)
+        return linear_jsd(x, m, ht.to(DEVICE, x.dtype), wt.to(DEVICE, x.dtype), 1.0, 0.5)
+
+    exact = _amp_grads(run, [h.to(DEVICE), w.to(DEVICE)], 1.0)
+    half = [h.to(DEVICE, torch.float16), w.to(DEVICE, torch.float16)]
+    plain, scaled = _amp_grads(run, half, 1.0), _amp_grads(run, half, 2.0 ** 16)
+    for name, a, b, e in zip(("input", "weight"), plain, scaled, exact):
+        err_plain, err_scaled = ((a - e).norm() / e.norm()).item(), ((b - e).norm() / e.norm()).item()
+        assert err_scaled <= 0.5 * err_plain, (f"{loss}: grad of {name} {err_scaled:.2e} off float64 with the loss "
+                                               f"scale, {err_plain:.2e} without")

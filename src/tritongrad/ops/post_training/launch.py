@@ -18,6 +18,9 @@ Work each call does (N rows, H hidden, V vocabulary; a "product" is one N x H x 
                          gradients are made in the forward, for an upstream gradient of 1) + 3 reads of each
                          student chunk, 2 of each teacher chunk; backward: a scale of the gradients (nothing when
                          the upstream gradient is 1).
+float16 products: no gradient is made in a forward for an upstream gradient of 1 (scaled after its float16
+rounding, AMP's loss scale would not keep it from underflowing): GRPO and DPO take linear_token_logprobs' path,
+the distillation losses make theirs in the backward, the upstream gradient folded into the rows' weights.
 """
 
 from __future__ import annotations
@@ -218,18 +221,21 @@ class _HeadGrads:
         return self.gi, gw, (self.gb.to(self.dtypes[1]) if self.gb is not None else None)
 
 
-def _forward_made(ctx, need, grad_loss, inputs, recompute) -> list:
+def _forward_made(ctx, need, grad_loss, inputs, recompute, folds: bool = False) -> list:
     """The gradients ``(input, weight, bias)`` asked for in ``need``, of an op whose forward made them for an
     upstream gradient of 1 (``ctx.grad_input``, ``ctx.grad_weight``, ``ctx.grad_bias``; ``inputs``: the tensors
     they are the gradients of): scaled by ``grad_loss`` (on the device; in place where the buffers may be taken,
-    ``_take_buffer``). Where one asked for was not made (the registered op called directly), ``recompute()``
-    makes all of ``need`` again."""
+    ``_take_buffer``). Where one asked for was not made (float16, or the registered op called directly),
+    ``recompute()`` makes all of ``need`` again, for 1, then scaled; with ``folds``, ``recompute(grad_loss)``
+    makes them with the upstream gradient inside, before their rounding."""
     made = (ctx.grad_input, ctx.grad_weight, ctx.grad_bias)
     have = (made[0].numel() > 0 or inputs[0].numel() == 0, made[1].numel() > 0 or inputs[1].numel() == 0,
             inputs[2] is None or made[2].numel() > 0 or inputs[2].numel() == 0)
     if all(h or not n for n, h in zip(need, have)):
         take = _take_buffer(ctx)
         return [_scale(g, grad_loss, bool(take)) if n else None for n, g in zip(need, made)]
+    if folds:
+        return list(recompute(grad_loss))
     return [_scale(g, grad_loss, True) if g is not None else None for g in recompute()]
 
 
@@ -271,6 +277,11 @@ def _linear_token_logprobs_backward(ctx, grad_logprobs: torch.Tensor, grad_entro
                                     ctx.ignore_index, ctx.logit_scale, (need_x, need_w, need_b),
                                     bool(ctx.grad_weight_f32), ctx.logit_softcap, ctx.post_scale)
     return gi, gw, None, gb
+
+
+def _products_dtype(input: torch.Tensor) -> torch.dtype:
+    """The dtype the head's products run in: autocast's (CUDA) where it is on, else input's."""
+    return torch.get_autocast_dtype("cuda") if input.is_cuda and torch.is_autocast_enabled() else input.dtype
 
 
 def _autocast_head(input, weight, bias):
@@ -549,10 +560,11 @@ def linear_grpo_loss(
     formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                    importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
                    num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch)
-    if importance_sampling_level != "token" or logit_softcap is not None:
+    if importance_sampling_level != "token" or logit_softcap is not None or _products_dtype(input) == torch.float16:
         # one importance weight per sequence: each token's loss depends on its whole sequence, so the
         # log-probabilities first, then the formula, whose gradient flows back through them (the fused op
-        # takes no soft cap: that path too)
+        # takes no soft cap: that path too; nor float16 products, whose gradients the backward must make with
+        # the upstream gradient, AMP's loss scale, before their float16 rounding)
         logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature,
                                                   return_entropy=True, ignore_index=ignore_index,
                                                   logit_softcap=logit_softcap)
@@ -819,9 +831,10 @@ def linear_dpo_loss(
                    rejected_tokens=tokens.chunk(2)[1])
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
-    if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()):
+    if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16:
         # a pair's logits over the budget: its loss needs all its tokens first, so the log-probabilities in chunks
-        # of rows, then the formula, whose gradient flows back through them (the logits made twice)
+        # of rows, then the formula, whose gradient flows back through them (the logits made twice); float16
+        # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale)
         logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
                                        logit_softcap=logit_softcap) * mask).sum(-1)
         chosen, rejected = logps.chunk(2)
@@ -931,13 +944,16 @@ def _linear_distill_backward(ctx, grad_loss: torch.Tensor):
     need_b = ctx.needs_input_grad[5] and ctx.student_bias is not None
     need = (need_x, need_w, need_b)
 
-    def recompute():
+    def recompute(scale):
+        # the upstream gradient folded into the rows' weights: it multiplies each row's gradient before rounding
         rows = torch.empty(ctx.student_input.shape[0], dtype=acc_dtype(ctx.student_input),
                            device=ctx.student_input.device)
         return _distill_pass(ctx.student_input, ctx.student_weight, ctx.teacher_input, ctx.teacher_weight,
-                             ctx.row_weight, ctx.student_bias, ctx.teacher_bias, ctx.beta, ctx.logit_scale, need, rows)
+                             ctx.row_weight * scale.to(ctx.row_weight.dtype), ctx.student_bias, ctx.teacher_bias,
+                             ctx.beta, ctx.logit_scale, need, rows)
 
-    out = _forward_made(ctx, need, grad_loss, (ctx.student_input, ctx.student_weight, ctx.student_bias), recompute)
+    out = _forward_made(ctx, need, grad_loss, (ctx.student_input, ctx.student_weight, ctx.student_bias), recompute,
+                        folds=True)
     return out[0], out[1], None, None, None, out[2], None
 
 
@@ -984,7 +1000,9 @@ def linear_jsd(
     items = w.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
     w = w / items
     grads = None
-    if torch.is_grad_enabled():
+    # float16 products: the backward makes the gradients, the upstream gradient (AMP's loss scale) folded into the
+    # rows' weights before the float16 rounding; made here for 1 and scaled later, they would underflow.
+    if torch.is_grad_enabled() and student_input.dtype != torch.float16:
         grads = [student_input.requires_grad, student_weight.requires_grad,
                  isinstance(student_bias, torch.Tensor) and student_bias.requires_grad]
     return linear_distill_op(
