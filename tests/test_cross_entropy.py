@@ -935,7 +935,8 @@ def _scaled_grads(fn, tensors, scale):
     return [t.grad.double() / scale for t in leaves]
 
 
-@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy", "cross_entropy_op",
+                                "linear_cross_entropy_op"])
 def test_float16_gradients_take_the_loss_scale_before_rounding(op):
     # AMP's GradScaler multiplies the loss by 2^16 so that float16 gradients of ~1e-7 survive their rounding.
     # Near-uniform logits (an LM early in training) over many tokens make the logits' gradient (p - y) / D such
@@ -949,22 +950,27 @@ def test_float16_gradients_take_the_loss_scale_before_rounding(op):
     w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.05
     t = torch.randint(0, V, (N,), generator=g)
     t[::9] = -100
-    if op == "cross_entropy":  # a float16 loss (F's dtype): 2^15, the largest power of two it holds
+    # the registered ops asked to make the gradients in the forward (as a direct caller may): float16 declines
+    if op.startswith("cross_entropy"):  # a float16 loss (F's dtype): 2^15, the largest power of two it holds
         inputs, scale = [h @ w.t()], 2.0 ** 15
-        ours = lambda z: tritongrad.cross_entropy(z, t.to(z.device))  # noqa: E731
+        ours = ((lambda z: tritongrad.cross_entropy(z, t.to(z.device))) if op == "cross_entropy" else
+                (lambda z: cross_entropy_op(z, t.to(z.device), compute_grad=True, return_lse=False)[0]))
         f = lambda z: F.cross_entropy(z, t.to(z.device))  # noqa: E731
     else:  # the loss in float32, as the Hugging Face patch asks for it (and HF's upcast logits give)
         inputs, scale = [h, w], 2.0 ** 16
-        ours = lambda x, m: tritongrad.linear_cross_entropy(x, m, t.to(x.device), out_dtype=torch.float32)  # noqa: E731
+        ours = ((lambda x, m: tritongrad.linear_cross_entropy(x, m, t.to(x.device), out_dtype=torch.float32))
+                if op == "linear_cross_entropy" else
+                (lambda x, m: linear_cross_entropy_op(x, m, t.to(x.device), grads=[True, True, False],
+                                                      out_dtype=torch.float32)))
         f = lambda x, m: F.cross_entropy((x @ m.t()).float(), t.to(x.device))  # noqa: E731
     exact = _scaled_grads(f, [x.to(DEVICE) for x in inputs], 1.0)
     half = [x.to(DEVICE, torch.float16) for x in inputs]
     got, base = _scaled_grads(ours, half, scale), _scaled_grads(f, half, scale)
-    seen = (lambda d: d @ w.to(DEVICE)) if op == "cross_entropy" else (lambda d: d)  # noqa: E731
+    seen = (lambda d: d @ w.to(DEVICE)) if op.startswith("cross_entropy") else (lambda d: d)  # noqa: E731
     for k, (a, b, e) in enumerate(zip(got, base, exact)):
         a, b, e = seen(a), seen(b), seen(e)
         err, base_err = ((a - e).norm() / e.norm()).item(), ((b - e).norm() / e.norm()).item()
         assert err <= 2 * base_err + 1e-4, (f"{op} gradient {k}: error {err:.2e}, F's {base_err:.2e} "
                                             f"(float16, x{scale:g})")
-        if op == "cross_entropy":
+        if op.startswith("cross_entropy"):
             break

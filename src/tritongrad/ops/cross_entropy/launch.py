@@ -211,7 +211,9 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
     N, C = input.shape
     acc = rt.acc_of(input, weight)
     x = input if input.stride(1) == 1 else input.contiguous()  # the kernels take rows of unit column stride
-    mean, fused = reduction == "mean", compute_grad and reduction != "none"
+    # float16: the backward makes the gradient, where the upstream gradient (AMP's loss scale) multiplies it
+    # before its one float16 rounding, as F's does; made here for 1 and scaled later, it would underflow.
+    mean, fused = reduction == "mean", compute_grad and reduction != "none" and input.dtype != torch.float16
     loss = torch.empty((N,) if reduction == "none" else (), dtype=input.dtype, device=input.device)
     lse = torch.empty(N, dtype=acc, device=input.device)
     grad = torch.empty((N, C) if fused else (0,), dtype=input.dtype, device=input.device)
@@ -337,10 +339,7 @@ def cross_entropy(
             raise ValueError(f"tritongrad.cross_entropy: input of shape {shape} ([N, C, d1, ...]) takes target "
                              f"{want}, got {tuple(target.shape)}")
         x, t = input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1)
-    # float16: the backward makes the gradient, where the upstream gradient (AMP's loss scale) multiplies it
-    # before its one float16 rounding, as F's does; made here for 1 and scaled later, it would underflow.
-    compute_grad = (reduction != "none" and torch.is_grad_enabled() and input.requires_grad
-                    and input.dtype != torch.float16)
+    compute_grad = reduction != "none" and torch.is_grad_enabled() and input.requires_grad
     loss, lse = cross_entropy_op(x, t, weight, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                                  compute_grad, return_lse, _as_float(logit_scale))
     if input.is_cuda and torch.is_autocast_enabled():
@@ -455,11 +454,18 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     return gi, (gw.to(weight.dtype) if f32 and need[1] else gw), (gb.to(bias.dtype) if need[2] else None)
 
 
+def _forward_grads(grads, reduction: str, input: torch.Tensor) -> bool:
+    """Whether the linear op's forward makes the gradients asked for in ``grads``: not for reduction="none"
+    (per-row upstream gradients), nor for float16 products, whose backward makes them with the upstream
+    gradient (AMP's loss scale) before their float16 rounding (four products)."""
+    return grads is not None and reduction != "none" and input.dtype != torch.float16
+
+
 def _lce_unsaved(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
                  grads, out_dtype, logit_scale, grad_weight_f32) -> tuple:
     """The hidden states are read again only to recompute; not when the forward computes the gradient of
     every input that requires one (their buffers serve every backward): autograd then does not keep them."""
-    if grads is None or reduction == "none" or input.shape[0] == 0:
+    if not _forward_grads(grads, reduction, input) or input.shape[0] == 0:
         return ()
     wants = (input.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     return ("input",) if all(g or not w for g, w in zip(grads, wants)) else ()
@@ -487,7 +493,7 @@ def linear_cross_entropy_op(input: torch.Tensor, weight: torch.Tensor, target: t
         return torch.empty(0, dtype=input.dtype, device=input.device)
 
     loss = torch.empty((N,) if reduction == "none" else (), dtype=out_dtype or input.dtype, device=input.device)
-    need = tuple(bool(g) for g in grads) if grads is not None and reduction != "none" else (False,) * 3
+    need = tuple(bool(g) for g in grads) if _forward_grads(grads, reduction, input) else (False,) * 3
     need = (need[0], need[1], need[2] and bias is not None)
     if N == 0:
         zero = [torch.zeros_like(t) if n else empty() for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
@@ -594,9 +600,7 @@ def linear_cross_entropy(
         bias = bias.to(dtype) if bias is not None else None
     x, t = input.reshape(-1, input.shape[-1]), target.reshape(-1)
     grads = None
-    # float16 products: the backward makes the gradients, where the upstream gradient (AMP's loss scale)
-    # multiplies the logits' gradient before its float16 rounding, as F's does (four products).
-    if reduction != "none" and torch.is_grad_enabled() and x.dtype != torch.float16:
+    if reduction != "none" and torch.is_grad_enabled():
         grads = [input.requires_grad, isinstance(weight, torch.Tensor) and weight.requires_grad,
                  isinstance(bias, torch.Tensor) and bias.requires_grad]
     if autocast and out_dtype is None:
