@@ -205,7 +205,8 @@ def cross_entropy_op(input: torch.Tensor, target: torch.Tensor, weight: Optional
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered cross_entropy over ``input [N, C]``: ``(loss, lse, grad, parts)``; :func:`cross_entropy` is
     the public function. With ``compute_grad`` and reduction mean/sum the forward also writes ``grad``, the
-    gradient for an upstream gradient of 1 (else ``grad`` is empty and the backward computes it). ``parts``
+    gradient for an upstream gradient of 1, except for float16 logits (else ``grad`` is empty and the backward
+    computes it, with the upstream gradient). ``parts``
     [2, N]: each row's max and the log of its shifted sum (lse = their sum), which the backward's softmax
     needs apart. Without ``return_lse``, ignored rows are not read: their lse is 0, without gradient."""
     N, C = input.shape
