@@ -121,7 +121,8 @@ def call_why_not(m, name: str, cls: type | None = None) -> str | None:
             return f"{name} has module hooks ({attr.strip('_').replace('_', ' ')}), which its call would run"
     for attr, hooks in _GLOBAL_HOOKS:  # torch registers global hooks into these very dicts
         if _hooks(hooks):
-            return f"global module hooks ({attr.strip('_').replace('_', ' ')}) are registered, which {name}'s call would run"
+            return (f"global module hooks ({attr.strip('_').replace('_', ' ')}) are registered, which {name}'s call "
+                    "would run")
     return None
 
 

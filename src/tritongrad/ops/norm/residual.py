@@ -14,8 +14,8 @@ not used), with xhat = s * r, g = dy * w' and c1[n] = (1/D) \sum_j g[n, j] xhat[
     dL/ds = r * (g - xhat * c1) + ds_out,         dL/dx = dL/dresidual = dL/ds
     dL/dw[d] = \sum_n dy[n, d] * round(xhat[n, d])    (cast_before_weight; otherwise xhat unrounded)
 
-(the norm's gradient is llama_rms_norm's or rms_norm's, kernels.py; the add passes dL/ds to both inputs). The two inputs'
-gradients are two tensors, each stored by the kernel: the caller owns every gradient it receives.
+(the norm's gradient is llama_rms_norm's or rms_norm's, kernels.py; the add passes dL/ds to both inputs). The
+two inputs' gradients are two tensors, each stored by the kernel: the caller owns every gradient it receives.
 
 Bytes (s-byte elements, x: [N, D]): forward reads x and residual and writes s and y, 4*N*D*s, where the add
 and the norm apart move 5*N*D*s (the add writes s, the norm reads it back). The backward reads s, dy and
