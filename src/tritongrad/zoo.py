@@ -368,9 +368,9 @@ def _checkpointed(model, batch):
 
 
 def _hooked(model, batch):
-    """A training step's loss with a forward hook on every module scaling its tensor output by its own factor
-    (1 + k/64): where a patched path bypasses a module's call (reads its weights, stands for it), that module's
-    hook must still count, so the path falls back to the call (docs/models.md#module-calls)."""
+    """A training step's loss with a forward hook on every module scaling its tensor output (by 1 + j/64, j in
+    1..5 by the module's place): where a patched path bypasses a module's call (reads its weights, stands for
+    it), that module's hook must still count, so the path falls back to the call (docs/models.md#module-calls)."""
     handles = []
     for k, m in enumerate(model.modules()):
         def hook(mod, args, out, f=1 + (k % 5 + 1) / 64):
