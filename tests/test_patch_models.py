@@ -1163,3 +1163,17 @@ def test_the_fused_add_takes_what_the_layer_adds(family, config):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_patch_transformers_mlp_whose_act_fn_is_replaced_runs_its_own_forward():
+    # Established on its first call (class-level patch), the gate keeps the activation it was established with:
+    # an act_fn set in its place afterwards makes the MLP run its own forward.
+    model, batch = _model("llama"), _batch()
+    ref = copy.deepcopy(model)
+    ref.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    refs = _references(ref, batch)  # unpatched (before patch_transformers)
+    tritongrad.patch_transformers("llama")
+    _run(model, batch)  # establishes each MLP, with SiLU
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    out, grads = _run(model, batch)
+    _assert_matches(out, grads, refs)

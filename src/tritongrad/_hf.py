@@ -404,8 +404,14 @@ def gate_kind(act) -> tuple[str | None, str | None]:
 
 
 # The gate ("silu", "tanh", "none") where the instance, its plain attributes included, is a gated MLP; else False.
-DECIDERS[GATE_ATTR] = lambda m, _: (gated_mlp_why_not(type(m), _simple_state(m)) is None
-                                    and gate_kind(m.act_fn)[0]) or False
+def _decide_gate(m, _):
+    kind = (gated_mlp_why_not(type(m), _simple_state(m)) is None and gate_kind(m.act_fn)[0]) or False
+    if kind and not torch.compiler.is_compiling():  # kept beside the decision (eager only, as decided keeps it)
+        m.__dict__[GATE_ACT_ATTR] = gate_act(m)
+    return kind
+
+
+DECIDERS[GATE_ATTR] = _decide_gate
 
 
 def _owned(*projections) -> bool:
