@@ -230,6 +230,32 @@ def test_patch_keeps_modules_parameters_and_state():
     assert isinstance(model.model.norm, norm_type) and type(model.model.norm).__name__ == norm_type.__name__
 
 
+def test_pickled_model_loads_as_transformers_defines_it_and_copies_stay_patched():
+    """torch.save stores the classes patch found (a tritongrad subclass is not importable by name, and its
+    per-instance state would go stale); copy.copy and copy.deepcopy (TRL's reference models) keep the patch."""
+    import io
+    model, batch = _model("gemma2"), _batch()
+    want = copy.deepcopy(model)(**batch).loss
+    classes = [type(m) for m in model.modules()]
+    first = tritongrad.patch(model)
+    model(**batch)  # the per-instance state patch's forwards keep (head spec, gate) is there to leave out
+    patched = [type(m) for m in model.modules()]
+    for twin in (copy.deepcopy(model), copy.copy(model)):
+        assert [type(m) for m in twin.modules()] == patched
+        torch.testing.assert_close(twin(**batch).loss, want, rtol=1e-5, atol=0)
+    deep = copy.deepcopy(model)
+    assert all(p is not q for p, q in zip(deep.parameters(), model.parameters()))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    tritongrad.unpatch(model)  # the module-wide rope too: the optional `kernels` package rebuilds it by name
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert [type(m) for m in loaded.modules()] == classes
+    assert not [k for m in loaded.modules() for k in vars(m) if k.startswith("_tritongrad")]
+    torch.testing.assert_close(loaded(**batch).loss, want, rtol=1e-6, atol=0)
+    again = tritongrad.patch(loaded)
+    assert again.ops() == first.ops() and not again.already and len(again.replaced) == len(first.replaced)
+
+
 def test_unpatch():
     model = _model("qwen3")
     classes = [type(m) for m in model.modules()]

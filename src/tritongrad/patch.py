@@ -11,6 +11,8 @@ docs/models.md.
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import dataclasses
 import importlib
 import sys
@@ -108,11 +110,33 @@ def _subclass(base: type, attrs: dict) -> type:
     key = (base, tuple(sorted((k, id(v)) for k, v in attrs.items())))
     sub = _SUBCLASSES.get(key)
     if sub is None:
-        sub = type(base.__name__, (base,), {**attrs, "__module__": base.__module__, "__doc__": base.__doc__})
+        sub = type(base.__name__, (base,), {**attrs, "__module__": base.__module__, "__doc__": base.__doc__,
+                                            "__reduce_ex__": _reduce_as_base, "__copy__": _copy_patched,
+                                            "__deepcopy__": _deepcopy_patched})
         sub.__qualname__ = base.__qualname__
         _SUBCLASSES[key] = sub
         _BASE[sub] = base
     return sub
+
+
+def _reduce_as_base(self, protocol):
+    """Pickle (``torch.save``) as the class ``patch`` found, without tritongrad's per-instance state: the subclass
+    is not importable by name, and the loaded model is the unpatched one (patch it again). docs/models.md."""
+    fn, args, state, *rest = object.__reduce_ex__(self, protocol)
+    if not (fn is copyreg.__newobj__ and args == (type(self),) and isinstance(state, dict)):
+        return fn, args, state, *rest
+    state = {k: v for k, v in state.items() if not k.startswith("_tritongrad_")}
+    return (copyreg._reconstructor, (_BASE[type(self)], object, None), state, *rest)
+
+
+def _copy_patched(self):
+    """``copy.copy`` keeps the patched class (pickling alone drops it)."""
+    return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
+
+
+def _deepcopy_patched(self, memo):
+    """``copy.deepcopy`` keeps the patched class: a reference model copied from a patched policy stays patched."""
+    return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
 
 
 def _own_attrs(cls: type) -> dict:
