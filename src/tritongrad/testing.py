@@ -362,6 +362,8 @@ class OpSuite:
             if self.op.native is not None:
                 add("native-memory", name, self.check_native_memory, sample)
             add("backward-reuse", name, self.check_backward_reuse, sample)
+            if self.op.scaled_grads and torch.float16 in self.dtypes:
+                add("loss-scale", name, self.check_loss_scale, sample)
             add("transforms", name, self.check_transforms, sample)
             add("gradcheck", name, self.check_gradcheck, sample)
             # AOT dispatch with dynamic shapes once: compile-dynamic traces it on every sample.
@@ -632,6 +634,24 @@ class OpSuite:
             f"{self.op.label}: its small-input path keeps {small} bytes for the backward, its kernels {kernels}; "
             f"declare it native_grad=False (or make native keep less) for inputs "
             f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}")
+
+    def check_loss_scale(self, sample) -> None:
+        """float16: no gradient the forward makes for an upstream gradient of 1 (a ``scaled_grads`` residual)
+        is float16; AMP's loss scale, the upstream gradient, must come before the float16 rounding it exists to
+        protect, or a loss's small gradients underflow (docs/writing-an-op.md#gradients-computed-in-the-forward)."""
+        op = self.op
+        args = list(self._args(sample, torch.float16))
+        for i in self._diff(args):
+            args[i] = args[i].detach().requires_grad_()
+        with torch.no_grad():  # the launcher as autograd's forward calls it
+            made = dict(zip(op.residuals, _tuple(op.forward(*args))[op.n_outputs:]))
+        for arg, k in op.scaled_grads:
+            r = made.get(op.save[k])
+            assert not (isinstance(r, torch.Tensor) and r.numel() and r.dtype == torch.float16), (
+                f"{op.label}: the forward made {op.save[k]} for {op._names[arg]} in float16 "
+                f"{tuple(r.shape)} for an upstream gradient of 1; under AMP's loss scale the backward multiplies "
+                f"it in after the rounding, and small gradients underflow: make float16 gradients in the "
+                f"backward, or the residual in float32")
 
     def check_backward_reuse(self, sample) -> None:
         """The caller owns what it gets: a backward through a retained graph three times (upstream gradient

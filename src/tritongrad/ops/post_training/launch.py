@@ -918,15 +918,18 @@ def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor,
     """The registered distillation op: ``(loss, grad_input, grad_weight, grad_bias)``, the loss
     ``sum_n row_weight[n] D_n`` (0-d, float32; float64 for float64) of the student's distribution against the
     teacher's (kernels.py). ``grads`` (student input, weight, bias): the gradients the forward computes for an
-    upstream gradient of 1; the others are empty, and the backward computes what is asked for and missing.
-    :func:`linear_jsd` and :func:`linear_kl_div` are the public functions."""
+    upstream gradient of 1 (none for float16 products); the others are empty, and the backward computes what is
+    asked for and missing. :func:`linear_jsd` and :func:`linear_kl_div` are the public functions."""
     N = student_input.shape[0]
     acc = acc_dtype(student_input)
 
     def empty():  # a fresh one per residual: a registered op's returns may not alias each other
         return torch.empty(0, dtype=student_input.dtype, device=student_input.device)
 
-    need = tuple(bool(g) for g in grads) if grads is not None else (False,) * 3
+    # float16 products: the backward makes the gradients, the upstream gradient (AMP's loss scale) folded into the
+    # rows' weights before the float16 rounding; made here for 1 and scaled later, they would underflow.
+    made = grads is not None and student_input.dtype != torch.float16
+    need = tuple(bool(g) for g in grads) if made else (False,) * 3
     need = (need[0], need[1], need[2] and student_bias is not None)
     if N == 0:
         zero = [torch.zeros_like(t) if n else empty()
@@ -1000,9 +1003,7 @@ def linear_jsd(
     items = w.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
     w = w / items
     grads = None
-    # float16 products: the backward makes the gradients, the upstream gradient (AMP's loss scale) folded into the
-    # rows' weights before the float16 rounding; made here for 1 and scaled later, they would underflow.
-    if torch.is_grad_enabled() and student_input.dtype != torch.float16:
+    if torch.is_grad_enabled():  # made in the forward where the op may (not float16: linear_distill_op)
         grads = [student_input.requires_grad, student_weight.requires_grad,
                  isinstance(student_bias, torch.Tensor) and student_bias.requires_grad]
     return linear_distill_op(
