@@ -18,8 +18,9 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 
 ``mode="compiled"`` runs the patched model's training step under ``torch.compile`` (``backend="aot_eager"``
 off the GPU: it traces the backward with fake tensors, with the layouts a compiled model's backward really
-gets) against the unpatched model's eager step; where the patched compiled step fails, the unpatched model's
-compiled step tells whether the family itself does not compile.
+gets) against the unpatched model's eager step, both with SDPA attention where the family has it (as models
+are compiled; the mask decision ``causal_mask`` replaces is made only there); where the patched compiled step
+fails, the unpatched model's compiled step tells whether the family itself does not compile.
 
 Each family and mode gets a :class:`Verdict`: ``exact`` (with what was patched), ``refused`` (nothing that
 was patched computes differently, and the report says why each op was left alone), ``wrong: <figures>`` or
@@ -213,8 +214,9 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def build(family: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny float32 causal LM, random-init with ``seed`` (eager attention, train mode)."""
+def build(family: str, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
+    """The family's tiny float32 causal LM, random-init with ``seed``, in train mode; ``attention``: the
+    ``attn_implementation`` ("eager", or "sdpa" where the family has it, else eager)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -225,8 +227,10 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
     if size > MAX_PARAMS:
         raise ValueError(f"the shrunk default config still has {size / 1e6:.1f}M parameters (a tiny model has "
                          f"at most {MAX_PARAMS / 1e6:g}M): the family needs an entry in zoo.FAMILY_CONFIG")
+    if attention != "eager" and not getattr(cls, f"_supports_{attention}", False):
+        attention = "eager"
     torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = cls._from_config(config, attn_implementation=attention, dtype=torch.float32)
     with torch.no_grad():  # norm weights away from their constant init, so that their semantics show
         g = torch.Generator().manual_seed(seed + 1)
         for m in model.modules():
@@ -550,8 +554,8 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     compiled = mode == "compiled"
-    try:
-        model = build(family).to(device)
+    try:  # compiled: SDPA where the family has it, as users compile, which causal_mask's decision serves
+        model = build(family, attention="sdpa" if compiled else "eager").to(device)
     except Exception as e:  # noqa: BLE001 - a family that cannot be built is reported, not dropped
         return Verdict(family, mode, "error", f"cannot build a tiny model: {type(e).__name__}: {_short(e)}")
     missing = [] if family in UNBUILT_OK else unbuilt(model)
@@ -649,7 +653,7 @@ def _patched(family: str, model, device, mode: str):
     try:
         patched = copy.deepcopy(model)
     except RuntimeError:  # non-leaf parameters (weight_norm): the same seed builds the same weights
-        patched = build(family).to(device)
+        patched = build(family, attention=model.config._attn_implementation).to(device)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
