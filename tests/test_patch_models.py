@@ -256,6 +256,44 @@ def test_pickled_model_loads_as_transformers_defines_it_and_copies_stay_patched(
     assert again.ops() == first.ops() and not again.already and len(again.replaced) == len(first.replaced)
 
 
+def test_trainer_with_gradient_accumulation_updates_as_unpatched(tmp_path):
+    """transformers' Trainer, two micro-batches per step of unequal token counts (padding): the patched loss
+    takes the step's ``num_items_in_batch`` as the model's does (a per-micro-batch mean weighs their tokens
+    otherwise), and the forward's signature still shows Trainer the loss kwargs."""
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, TINY["vocab_size"], (3 + 4 * i,), generator=g).tolist()}
+            for i in range(8)]
+
+    def collate(batch):
+        n = max(len(r["input_ids"]) for r in batch)
+        pad = [n - len(r["input_ids"]) for r in batch]
+        ids = torch.tensor([r["input_ids"] + [0] * k for r, k in zip(batch, pad)])
+        mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * k for r, k in zip(batch, pad)])
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    start = _model("llama")
+    runs = []
+    for patched in (False, True):
+        model = copy.deepcopy(start)
+        if patched:
+            assert "linear_cross_entropy" in tritongrad.patch(model).ops()
+        args = TrainingArguments(str(tmp_path / str(patched)), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=2, learning_rate=1.0, optim="sgd",
+                                 lr_scheduler_type="constant", report_to=[], use_cpu=DEVICE == "cpu", seed=0,
+                                 logging_steps=1, save_strategy="no", dataloader_drop_last=True)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+        trainer.train()
+        assert trainer.model_accepts_loss_kwargs
+        runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                     {n: p.detach() - q.detach() for (n, p), q in zip(model.named_parameters(), start.parameters())}))
+    (want_loss, want), (got_loss, got) = runs
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+    for n, w in want.items():  # each parameter's total update
+        torch.testing.assert_close(got[n], w, rtol=0, atol=1e-4 * w.abs().max().item(), msg=lambda m: f"{n}: {m}")
+
+
 def test_unpatch():
     model = _model("qwen3")
     classes = [type(m) for m in model.modules()]
