@@ -375,11 +375,9 @@ def test_forward_in_parts(norm, D, dtype, wdtype, layout, launches):
         torch.testing.assert_close(got.double(), ref, rtol=1e-5 if got.dtype == f32 else 1e-12, atol=1e-6)
     if norm == "rms_norm":
         assert (y[2] == 0).all()
-    else:  # x - mean is exactly 0 on a constant row: y = b, rounded to y's dtype (the interpreter truncates
-        # a float32 b to 16 bits where a GPU rounds: one ulp apart)
+    else:  # x - mean is exactly 0 on a constant row: y = b, rounded to y's dtype as PyTorch rounds it
         want = b if b is not None else torch.zeros(D, device=DEVICE, dtype=y.dtype)
-        rtol = 0 if want.dtype == y.dtype else torch.finfo(y.dtype).eps
-        torch.testing.assert_close(y[1].float(), want.to(y.dtype).float(), atol=0, rtol=rtol)
+        assert torch.equal(y[1], want.to(y.dtype))
 
 
 @pytest.mark.parametrize(
@@ -848,8 +846,8 @@ def test_llama_rms_norm_semantics():
         want = llama_rms_norm_reference(x, w, 1e-6)
         assert y.dtype == want.dtype == torch.promote_types(xdt, wdt)
         # Where the float32 statistics differ in their last bit, xhat may round the other way: one ulp of
-        # x's dtype (the interpreter truncates bfloat16, a second ulp).
-        rtol = 2 * torch.finfo(xdt).eps if xdt != f32 else 1e-6
+        # x's dtype.
+        rtol = torch.finfo(xdt).eps if xdt != f32 else 1e-6
         torch.testing.assert_close(y, want, rtol=rtol, atol=0)
         g = torch.randn_like(y)
         gx, gw = torch.autograd.grad(y, (x, w), g)
@@ -919,15 +917,16 @@ def _decoder_add_norm(x, residual, weight, eps):
 
 @pytest.mark.parametrize("D", [48, 8200])  # one tile; longer rows (the add, then llama_rms_norm's kernels)
 def test_fused_add_rms_norm_is_the_decoder_layers_add_and_norm(D):
-    # float16 (the interpreter rounds bfloat16 by truncation): the stream bitwise, y to its one rounding;
-    # a float32 weight gives a float32 y, as Hugging Face's product promotes.
-    x, r = torch.randn(2, 3, D, device=DEVICE).half(), torch.randn(2, 3, D, device=DEVICE).half()
-    for w in (torch.rand(D, device=DEVICE).half() + 0.5, torch.rand(D, device=DEVICE) + 0.5):
-        y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6)
-        want_y, want_s = _decoder_add_norm(x, r, w, 1e-6)
-        assert torch.equal(s, want_s) and y.dtype == want_y.dtype and s.is_contiguous()
-        # xhat is rounded to x's dtype before the product: a statistic's last bit may flip that rounding
-        torch.testing.assert_close(y, want_y, atol=0, rtol=2 * torch.finfo(x.dtype).eps)
+    # The stream bitwise, y to its one rounding; a float32 weight gives a float32 y, as Hugging Face's product
+    # promotes.
+    for dtype in (torch.float16, torch.bfloat16):
+        x, r = torch.randn(2, 3, D, device=DEVICE).to(dtype), torch.randn(2, 3, D, device=DEVICE).to(dtype)
+        for w in (torch.rand(D, device=DEVICE).to(dtype) + 0.5, torch.rand(D, device=DEVICE) + 0.5):
+            y, s = tritongrad.fused_add_rms_norm(x, r, w, 1e-6)
+            want_y, want_s = _decoder_add_norm(x, r, w, 1e-6)
+            assert torch.equal(s, want_s) and y.dtype == want_y.dtype and s.is_contiguous()
+            # xhat is rounded to x's dtype before the product: a statistic's last bit may flip that rounding
+            torch.testing.assert_close(y, want_y, atol=0, rtol=2 * torch.finfo(dtype).eps)
     # transposed inputs (read in place): the stream still comes back contiguous, bitwise the add
     xt, rt_ = torch.randn(D, 5, device=DEVICE).half().t(), torch.randn(D, 5, device=DEVICE).half().t()
     y, s = tritongrad.fused_add_rms_norm(xt, rt_, torch.rand(D, device=DEVICE).half() + 0.5, 1e-6)

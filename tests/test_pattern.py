@@ -1329,3 +1329,33 @@ def test_compile_cache_tag_keeps_the_users_own(tmp_path):
         assert cfg.cache_key_tag == "other|" + second.split("|")[1], cfg.cache_key_tag
     finally:
         cfg.cache_key_tag = before
+
+
+@triton.jit
+def _to_bfloat16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n).to(tl.bfloat16), mask=o < n)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter")
+def test_interpreter_rounds_float32_to_bfloat16_as_a_gpu():
+    """The interpreter truncates float32 to bfloat16 (and its "rtne" mode does not carry into the exponent);
+    tritongrad's patch rounds to nearest even, as a GPU's conversion and PyTorch's do: every bit pattern of a
+    random sample, ties, overflow to infinity, subnormals, NaN, bitwise PyTorch's. The kit's tolerances allow
+    no truncation ulp since."""
+    from tritongrad import _runtime as rt
+
+    assert not rt.BF16_TRUNCATES
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0.0, -0.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1.0 - 2**-9, 3.3961775e38,
+                            -3.3961775e38, float("inf"), float("-inf"), float("nan"), 1e-45, 2**-130, 1.0 + 2**-7])
+    x = torch.cat([bits.view(torch.float32), special])
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _to_bfloat16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    want = x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
+    assert (y[~nan].view(torch.int16) != truncated[~nan].view(torch.int16)).float().mean() > 0.4  # rounding shows

@@ -195,6 +195,45 @@ def _interpreter_overflow_checks_follow_debug() -> None:
     builder.options = dataclasses.replace(options, sanitize_overflow=options.debug)
 
 
+def _bfloat16_rounded(values):
+    """float32 ``values`` (a numpy array) as bfloat16 bit patterns (uint16), rounded to nearest even as a
+    GPU's conversion rounds; NaN stays a quiet NaN of the same sign."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    bits = np.where(nan, bits | 0x00400000, bits + (0x7FFF + ((bits >> 16) & 1)))
+    return (bits >> 16).astype(np.uint16).reshape(np.shape(values))
+
+
+def _interpreter_bfloat16_rounds_to_nearest() -> bool:
+    """The interpreter converts float32 to bfloat16 by dropping the low 16 bits (truncation; its "rtne" mode
+    adds the cut-off bit without carrying it into the exponent), where a GPU rounds to nearest even: an
+    interpreted bfloat16 result was up to a whole ulp off where a GPU's is half an ulp. Its conversion from
+    float32 to bfloat16 rounds to nearest even instead, so CPU results are the GPU's. Returns whether it does
+    (False: an interpreter this does not recognise, which the kit's tolerances then allow for)."""
+    from triton.runtime import interpreter
+
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None or getattr(convert, "_rounds", False):
+        return convert is not None
+    try:
+        if list(inspect.signature(convert).parameters) != ["input", "input_dtype", "output_dtype", "rounding_mode"]:
+            return False
+    except (TypeError, ValueError):
+        return False
+
+    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and getattr(rounding_mode, "name", "RTNE") == "RTNE":
+            return _bfloat16_rounded(input)
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    _convert_float._rounds = True
+    _convert_float.__wrapped__ = convert
+    interpreter._convert_float = _convert_float
+    return True
+
+
 def _interpreter_types_once() -> None:
     """The interpreter runs Triton's front end for every operation of every program: each result builds its
     block type (unwrapping and validating the shape, formatting its name) and its tensor (a tuple of
@@ -303,6 +342,9 @@ if INTERPRET:
     _interpreter_dtype_table_once()
     _interpreter_types_once()
     _interpreter_overflow_checks_follow_debug()
+# Whether interpreted kernels round float32 to bfloat16 by truncation (a GPU, and the patched interpreter,
+# round to nearest even): the kit then allows one more bfloat16 ulp.
+BF16_TRUNCATES: bool = INTERPRET and not _interpreter_bfloat16_rounds_to_nearest()
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
