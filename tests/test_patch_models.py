@@ -293,6 +293,21 @@ def test_trainer_with_gradient_accumulation_updates_as_unpatched(tmp_path):
         torch.testing.assert_close(got[n], w, rtol=0, atol=1e-4 * w.abs().max().item(), msg=lambda m: f"{n}: {m}")
 
 
+def test_head_that_casts_its_input_keeps_the_cast():
+    """Mamba's forward runs its head on ``h.to(lm_head.weight.dtype)`` (a float32 stream, a bfloat16 head): the
+    probe establishes that cast, and the fused loss makes it too, where it raised on the two dtypes. Llama's calls
+    the head as it is, which F.linear refuses for two dtypes, as the fused loss does."""
+    mamba, llama = zoo.build("mamba"), zoo.build("llama")
+    assert _hf.head_spec(mamba).cast_input and not _hf.head_spec(llama).cast_input
+    mamba = mamba.to(DEVICE).to(torch.bfloat16)
+    batch = zoo._batch(mamba.config.vocab_size, DEVICE)
+    want = zoo._bfloat16_step(mamba, batch)
+    assert "linear_cross_entropy" in tritongrad.patch(mamba).ops()
+    got = zoo._bfloat16_step(mamba, batch)
+    ref = zoo._bfloat16_step(zoo._float64(zoo.build("mamba").to(DEVICE)), batch)
+    assert zoo._error(zoo.BFLOAT16, got, ref)[0] <= 1.5 * zoo._error(zoo.BFLOAT16, want, ref)[0]
+
+
 def test_unpatch():
     model = _model("qwen3")
     classes = [type(m) for m in model.modules()]

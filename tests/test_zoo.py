@@ -109,10 +109,11 @@ CHUNKS = 1
 
 
 # The quick tier: loss and every gradient, what patch substitutes into each family, and the loss with a hook on
-# every module (a module call that a patched path bypasses must still count: docs/models.md#module-calls); the
+# every module (a module call that a patched path bypasses must still count: docs/models.md#module-calls), and a
+# bfloat16 copy's step against the float64 model (the family's own casts: docs/models.md#the-family-matrix); the
 # extended tier adds logits, gradient checkpointing and a second backward (the kernel families check those in
 # the quick tier).
-CHECKS = [pytest.param(("loss", "grads", "loss, module hooks"), id="loss-grads-hooks"),
+CHECKS = [pytest.param(("loss", "grads", "loss, module hooks", zoo.BFLOAT16), id="loss-grads-hooks-bf16"),
           pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
 
 

@@ -1013,6 +1013,7 @@ class HeadSpec:
     softcap: float | None = None
     router_logits: bool = False  # a MoE forward whose loss adds the router's aux loss when asked for
     read: tuple = ()  # the values of SCALE_NAMES the probe ran with (head_values): a later change re-establishes
+    cast_input: bool = False  # the forward casts h to the head's dtype (Mamba's float32 stream, bfloat16 head)
 
 
 # What a head's logits depend on beyond its weights, by (on the config or the model, name): the scales
@@ -1112,7 +1113,27 @@ def head_spec(model: torch.nn.Module) -> HeadSpec | str:
         if not isinstance(got, torch.Tensor) or not torch.allclose(got.double(), expect, rtol=1e-5, atol=0):
             return (f"{cls.__name__}.forward's loss is not Hugging Face's shifted cross-entropy of its logits "
                     "(mean over labelled tokens, or sum / num_items_in_batch)")
-    return HeadSpec(prefix, head_name, s, c, router, head_values(model))
+    return HeadSpec(prefix, head_name, s, c, router, head_values(model),
+                    _casts_to_head(original, probe, head_name, stand_in, h, call, s, c))
+
+
+def _casts_to_head(original, probe, head_name: str, stand_in, h, call: dict, s: float, c) -> bool:
+    """Whether the forward casts float32 ``h`` to a bfloat16 head's dtype (``lm_head(h.to(weight.dtype))``, as
+    Mamba's does for its float32 stream): the probe again with the stand-in head in bfloat16. Most forwards
+    call the head as it is, and F.linear refuses the two dtypes (as linear_cross_entropy does)."""
+    head16 = copy.deepcopy(stand_in).to(torch.bfloat16)
+    probe.__dict__["_modules"] = {**probe._modules, head_name: head16}
+    try:
+        with torch.no_grad():
+            logits = original(probe, **call).logits
+    except Exception:  # noqa: BLE001 - the head called with two dtypes fails: no cast
+        return False
+    finally:
+        probe.__dict__["_modules"] = {**probe._modules, head_name: stand_in}
+    with torch.no_grad():
+        raw = head16(h.to(torch.bfloat16)).float()
+    z = raw * s if c is None else torch.tanh(raw * s / c) * c
+    return isinstance(logits, torch.Tensor) and torch.allclose(logits.float(), z, rtol=2.0**-7, atol=1e-6)
 
 
 def _base_and_head(model: torch.nn.Module):
@@ -1196,6 +1217,8 @@ def _linear_loss_forward(self, spec: HeadSpec, parts, labels, logits_to_keep=0, 
         UNPACKED.value = outer
     hidden_states = slice_to_keep(outputs[0], logits_to_keep)
     head = getattr(self, spec.head)
+    if spec.cast_input and hidden_states.dtype != head.weight.dtype:  # as the forward does (head_spec)
+        hidden_states = hidden_states.to(head.weight.dtype)
     loss = causal_lm_linear_loss(hidden_states, head.weight, head.bias, labels, spec.softcap,
                                  logit_scale=spec.logit_scale, **kwargs)
     fields = {name: getattr(outputs, name, None) for name in copied}

@@ -14,6 +14,8 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 - gradient checkpointing; a second backward through the retained graph (twice the gradients);
 - the loss with a forward hook on every module that scales its output: a hook on a module that a patched
   path bypasses (the LM head under the fused loss, a gate's activation) must count;
+- a bfloat16 copy's training step: the median error of the loss and gradients against the float64 model at
+  most twice the unpatched model's (the family's own casts, which float32 cannot show);
 - :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
 
 ``mode="compiled"`` runs the patched model's training step under ``torch.compile`` (``backend="aot_eager"``
@@ -389,6 +391,16 @@ def _hooked(model, batch):
             h.remove()
 
 
+def _bfloat16_step(model, batch):
+    """A training step of a bfloat16 copy of a float32 model (float64 as it is: the reference
+    :func:`_earned` compares both models' errors against): the loss and every gradient, in float64."""
+    copied = copy.deepcopy(model)
+    if next(copied.parameters()).dtype == torch.float32:
+        copied = copied.to(torch.bfloat16)
+    loss, grads = _step(copied, batch, False)
+    return {"loss": loss.double(), **{n: g.double() for n, g in grads.items()}}
+
+
 def _generate(model, batch):
     model.eval()
     try:
@@ -427,6 +439,7 @@ def _check_fns(batch, compiled: bool) -> dict:
         "gradient checkpointing": lambda m: _checkpointed(m, batch),
         "second backward": lambda m: _second_backward(m, batch),
         "loss, module hooks": lambda m: _hooked(m, batch),
+        BFLOAT16: lambda m: _bfloat16_step(m, batch),
     }
 
 
@@ -447,6 +460,12 @@ def _error(key: str, g, w) -> tuple[float, str]:
     """How far ``g`` is from ``w`` for check ``key`` (relative; inf where they cannot be compared), and where."""
     if key == "generate":
         return (0.0 if g is not None and torch.equal(g, w) else math.inf), ""
+    if key == BFLOAT16:  # the median over the loss and the gradients (docs/models.md#the-family-matrix)
+        if set(w) != set(g or {}):
+            return math.inf, f"gradients of {sorted(set(w) ^ set(g or {}))[:3]} present on one side only"
+        floor = 1e-2 * max((t.abs().max().item() for n, t in w.items() if n != "loss" and t.numel()), default=0.0)
+        errs = sorted(_rel(g[n], w[n], 0.0 if n == "loss" else floor) for n in w)
+        return errs[len(errs) // 2], "median over the loss and gradients"
     if isinstance(w, dict):
         if set(w) != set(g or {}):
             return math.inf, f"gradients of {sorted(set(w) ^ set(g or {}))[:3]} present on one side only"
@@ -478,10 +497,7 @@ def _earned(model, fns: dict, got: dict, want: dict, keys) -> tuple[dict, str]:
     when its error is at most twice the unpatched model's, plus a tenth of the tolerance."""
     keys = [k for k in keys if k != "generate"]
     try:
-        model64 = copy.deepcopy(model).double()
-        if getattr(model64.config, "_experts_implementation", None) not in (None, "eager"):
-            model64.config._experts_implementation = "eager"  # grouped GEMMs take no float64
-        ref, failed = _checks(model64, fns, only=keys)
+        ref, failed = _checks(_float64(model), fns, only=keys)
     except Exception:  # noqa: BLE001 - no float64 model: the fixed tolerances stand
         return {}, ""
     held, notes = {}, []
@@ -495,6 +511,26 @@ def _earned(model, fns: dict, got: dict, want: dict, keys) -> tuple[dict, str]:
     return held, ", ".join(notes)
 
 
+def _float64(model):
+    model64 = copy.deepcopy(model).double()
+    if getattr(model64.config, "_experts_implementation", None) not in (None, "eager"):
+        model64.config._experts_implementation = "eager"  # grouped GEMMs take no float64
+    return model64
+
+
+def _bfloat16_problems(model, fns: dict, got: dict, want: dict) -> dict:
+    """The bfloat16 step (:data:`BFLOAT16`): where the patched model's median error against the float64 model is
+    more than twice the unpatched model's (plus 1e-4), what it is; nothing where there is no float64 model."""
+    try:
+        ref = fns[BFLOAT16](_float64(model))
+    except Exception:  # noqa: BLE001 - no float64 model: nothing to hold the bfloat16 step to
+        return {}
+    e_p, e_u = _error(BFLOAT16, got.get(BFLOAT16), ref)[0], _error(BFLOAT16, want[BFLOAT16], ref)[0]
+    if e_p <= 2 * e_u + 1e-4:
+        return {}
+    return {BFLOAT16: f"{BFLOAT16}: median error {e_p:.2e} against float64, the unpatched model's {e_u:.2e}"}
+
+
 def _report_ops(report) -> dict:
     ops = {}
     for e in report.replaced + report.already:
@@ -506,8 +542,13 @@ def _report_ops(report) -> dict:
     return out
 
 
+# A bfloat16 copy's training step: compared only through the float64 model, the patched model's median error
+# (over the loss and the gradients) at most twice the unpatched model's. It holds each patched piece to the family's own
+# bfloat16 rounding (where it casts, what it computes in float32), which float32 cannot show.
+BFLOAT16 = "loss and grads, bfloat16"
+
 # The checks that exercise the kernels (the others differ only in what the model computes around them).
-TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward")
+TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", BFLOAT16)
 
 
 # Families whose tiny model leaves out an experts class on purpose: the other configuration of the family is
@@ -579,11 +620,14 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
     tritongrad.unpatch(patched)
     if errors:
         return _error_verdict(family, mode, model, fns, errors, ops)
+    got_low, want_low = ({BFLOAT16: d.pop(BFLOAT16)} if BFLOAT16 in d else {} for d in (got, want))
     bad = _compare(got, want)
     earned = ""
     if bad:
         held, earned = _earned(model, ref, got, want, bad)
         bad = {k: v for k, v in bad.items() if k not in held}
+    if BFLOAT16 in want_low:
+        bad.update(_bfloat16_problems(model, ref, got_low, want_low))
     if not compiled:
         bad.update(_unpatch_problems(patched, model, batch, want))
     if bad:
