@@ -14,8 +14,9 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 - gradient checkpointing; a second backward through the retained graph (twice the gradients);
 - the loss with a forward hook on every module that scales its output: a hook on a module that a patched
   path bypasses (the LM head under the fused loss, a gate's activation) must count;
-- a bfloat16 copy's training step: the median error of the loss and gradients against the float64 model at
-  most twice the unpatched model's (the family's own casts, which float32 cannot show);
+- a training step of a bfloat16 copy, and one under bfloat16 autocast: the median error of the loss and
+  gradients against the float64 model at most twice the unpatched model's (the family's own casts, which
+  float32 cannot show);
 - :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
 
 ``mode="compiled"`` runs the patched model's training step under ``torch.compile`` (``backend="aot_eager"``
@@ -391,13 +392,16 @@ def _hooked(model, batch):
             h.remove()
 
 
-def _bfloat16_step(model, batch):
-    """A training step of a bfloat16 copy of a float32 model (float64 as it is: the reference
-    :func:`_earned` compares both models' errors against): the loss and every gradient, in float64."""
+def _low_step(model, batch, autocast: bool):
+    """A training step of a float32 model's copy in bfloat16, or under bfloat16 autocast (a float64 model as it
+    is: the reference :func:`_low_problems` holds both models to): the loss and every gradient, in float64."""
     copied = copy.deepcopy(model)
-    if next(copied.parameters()).dtype == torch.float32:
+    low = next(copied.parameters()).dtype == torch.float32
+    if low and not autocast:
         copied = copied.to(torch.bfloat16)
-    loss, grads = _step(copied, batch, False)
+    device = next(copied.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=low and autocast):
+        loss, grads = _step(copied, batch, False)
     return {"loss": loss.double(), **{n: g.double() for n, g in grads.items()}}
 
 
@@ -439,7 +443,8 @@ def _check_fns(batch, compiled: bool) -> dict:
         "gradient checkpointing": lambda m: _checkpointed(m, batch),
         "second backward": lambda m: _second_backward(m, batch),
         "loss, module hooks": lambda m: _hooked(m, batch),
-        BFLOAT16: lambda m: _bfloat16_step(m, batch),
+        BFLOAT16: lambda m: _low_step(m, batch, autocast=False),
+        AUTOCAST: lambda m: _low_step(m, batch, autocast=True),
     }
 
 
@@ -460,7 +465,7 @@ def _error(key: str, g, w) -> tuple[float, str]:
     """How far ``g`` is from ``w`` for check ``key`` (relative; inf where they cannot be compared), and where."""
     if key == "generate":
         return (0.0 if g is not None and torch.equal(g, w) else math.inf), ""
-    if key == BFLOAT16:  # the median over the loss and the gradients (docs/models.md#the-family-matrix)
+    if key in (BFLOAT16, AUTOCAST):  # the median over the loss and the gradients (docs/models.md#the-family-matrix)
         if set(w) != set(g or {}):
             return math.inf, f"gradients of {sorted(set(w) ^ set(g or {}))[:3]} present on one side only"
         floor = 1e-2 * max((t.abs().max().item() for n, t in w.items() if n != "loss" and t.numel()), default=0.0)
@@ -518,17 +523,24 @@ def _float64(model):
     return model64
 
 
-def _bfloat16_problems(model, fns: dict, got: dict, want: dict) -> dict:
-    """The bfloat16 step (:data:`BFLOAT16`): where the patched model's median error against the float64 model is
-    more than twice the unpatched model's (plus 1e-4), what it is; nothing where there is no float64 model."""
+def _low_problems(model, fns: dict, got: dict, want: dict) -> dict:
+    """The bfloat16 steps (:data:`LOW_PRECISION`) the unpatched model ran: where the patched model's median error
+    against the float64 model is more than twice the unpatched model's (plus 1e-4), what it is; nothing where
+    there is no float64 model."""
+    bad = {}
     try:
-        ref = fns[BFLOAT16](_float64(model))
-    except Exception:  # noqa: BLE001 - no float64 model: nothing to hold the bfloat16 step to
+        model64 = _float64(model)
+    except Exception:  # noqa: BLE001 - no float64 model: nothing to hold the bfloat16 steps to
         return {}
-    e_p, e_u = _error(BFLOAT16, got.get(BFLOAT16), ref)[0], _error(BFLOAT16, want[BFLOAT16], ref)[0]
-    if e_p <= 2 * e_u + 1e-4:
-        return {}
-    return {BFLOAT16: f"{BFLOAT16}: median error {e_p:.2e} against float64, the unpatched model's {e_u:.2e}"}
+    for key in want:
+        try:
+            ref = fns[key](model64)
+        except Exception:  # noqa: BLE001
+            continue
+        e_p, e_u = _error(key, got.get(key), ref)[0], _error(key, want[key], ref)[0]
+        if e_p > 2 * e_u + 1e-4:
+            bad[key] = f"{key}: median error {e_p:.2e} against float64, the unpatched model's {e_u:.2e}"
+    return bad
 
 
 def _report_ops(report) -> dict:
@@ -546,9 +558,11 @@ def _report_ops(report) -> dict:
 # (over the loss and the gradients) at most twice the unpatched model's. It holds each patched piece to the family's own
 # bfloat16 rounding (where it casts, what it computes in float32), which float32 cannot show.
 BFLOAT16 = "loss and grads, bfloat16"
+AUTOCAST = "loss and grads, bfloat16 autocast"  # float32 weights, as Trainer's bf16=True trains
+LOW_PRECISION = (BFLOAT16, AUTOCAST)
 
 # The checks that exercise the kernels (the others differ only in what the model computes around them).
-TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", BFLOAT16)
+TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", *LOW_PRECISION)
 
 
 # Families whose tiny model leaves out an experts class on purpose: the other configuration of the family is
@@ -620,14 +634,14 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
     tritongrad.unpatch(patched)
     if errors:
         return _error_verdict(family, mode, model, fns, errors, ops)
-    got_low, want_low = ({BFLOAT16: d.pop(BFLOAT16)} if BFLOAT16 in d else {} for d in (got, want))
+    got_low, want_low = ({k: d.pop(k) for k in LOW_PRECISION if k in d} for d in (got, want))
     bad = _compare(got, want)
     earned = ""
     if bad:
         held, earned = _earned(model, ref, got, want, bad)
         bad = {k: v for k, v in bad.items() if k not in held}
-    if BFLOAT16 in want_low:
-        bad.update(_bfloat16_problems(model, ref, got_low, want_low))
+    if want_low:
+        bad.update(_low_problems(model, ref, got_low, want_low))
     if not compiled:
         bad.update(_unpatch_problems(patched, model, batch, want))
     if bad:
