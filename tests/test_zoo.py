@@ -108,12 +108,12 @@ def _run_matrix(names=None, modes=("eager",), only=None, kernels=False):
 CHUNKS = 1
 
 
-# The quick tier: loss and every gradient, what patch substitutes into each family, and the loss with a hook on
-# every module (a module call that a patched path bypasses must still count: docs/models.md#module-calls), and a
-# bfloat16 copy's step against the float64 model (the family's own casts: docs/models.md#the-family-matrix); the
-# extended tier adds logits, gradient checkpointing and a second backward (the kernel families check those in
-# the quick tier).
-CHECKS = [pytest.param(("loss", "grads", "loss, module hooks", zoo.BFLOAT16), id="loss-grads-hooks-bf16"),
+# The quick tier: loss and every gradient, what patch substitutes into each family, also with two sequences
+# packed in a row, the loss with a hook on every module (a module call that a patched path bypasses must still
+# count: docs/models.md#module-calls), and a bfloat16 copy's step against the float64 model (the family's own
+# casts: docs/models.md#the-family-matrix); the extended tier adds logits, gradient checkpointing, a second
+# backward and bfloat16 autocast (the kernel families check those in the quick tier).
+CHECKS = [pytest.param(("loss", "grads", *zoo.PACKED, "loss, module hooks", zoo.BFLOAT16), id="quick-checks"),
           pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
 
 

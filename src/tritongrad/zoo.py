@@ -10,6 +10,7 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 - the training loss (labels with ignored positions): relative difference at most :data:`LOSS_RTOL`;
 - every parameter's gradient: relative difference (max abs over max abs) at most :data:`GRAD_RTOL`;
 - eval-mode logits, with padding (a left-padded attention mask), with ``position_ids`` given;
+- the loss and gradients with two sequences packed in each row (``position_ids`` restarting);
 - ``generate`` of 3 tokens (greedy): the same tokens;
 - gradient checkpointing; a second backward through the retained graph (twice the gradients);
 - the loss with a forward hook on every module that scales its output: a hook on a module that a patched
@@ -19,7 +20,7 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
   float32 cannot show);
 - :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
 
-``mode="compiled"`` runs the patched model's training step under ``torch.compile`` (``backend="aot_eager"``
+``mode="compiled"`` runs the patched model's training step (and the packed one) under ``torch.compile`` (``backend="aot_eager"``
 off the GPU: it traces the backward with fake tensors, with the layouts a compiled model's backward really
 gets) against the unpatched model's eager step, both with SDPA attention where the family has it (as models
 are compiled; the mask decision ``causal_mask`` replaces is made only there); where the patched compiled step
@@ -417,23 +418,29 @@ def _generate(model, batch):
 
 def _check_fns(batch, compiled: bool) -> dict:
     """The checks, by name: each a function of the model returning tensors to compare."""
-    steps = {}  # one training step per model gives both its loss and its gradients (the model held: its id)
-
-    def step(m):
-        if id(m) not in steps:
-            steps.clear()
-            steps[id(m)] = (m, _step(m, batch, compiled))
-        return steps[id(m)][1]
-
-    if compiled:
-        return {"loss": lambda m: step(m)[0], "grads": lambda m: step(m)[1]}
     ids = batch["input_ids"]
+    # Two sequences packed in each row (positions restart, as DataCollatorWithFlattening gives): the model masks
+    # attention across them, and causal_mask's decisions must leave that mask alone.
+    packed = torch.cat([torch.arange(5), torch.arange(ids.shape[1] - 5)]).to(ids.device).expand_as(ids)
+    steps = {}  # one training step per model and batch gives both its loss and its gradients (the model held)
+
+    def step(m, kind="plain"):
+        if steps.get("model") is not m:
+            steps.clear()
+            steps["model"] = m
+        if kind not in steps:
+            steps[kind] = _step(m, batch, compiled, **({"position_ids": packed} if kind == "packed" else {}))
+        return steps[kind]
+
+    training = {"loss": lambda m: step(m)[0], "grads": lambda m: step(m)[1],
+                PACKED[0]: lambda m: step(m, "packed")[0], PACKED[1]: lambda m: step(m, "packed")[1]}
+    if compiled:
+        return training
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     return {
-        "loss": lambda m: step(m)[0],
-        "grads": lambda m: step(m)[1],
+        **training,
         "logits": lambda m: _logits(m, batch),
         "logits, padding mask": lambda m: _logits(m, batch, attention_mask=mask),
         "logits, position_ids": lambda m: _logits(m, batch, position_ids=pos),
@@ -560,6 +567,7 @@ def _report_ops(report) -> dict:
 BFLOAT16 = "loss and grads, bfloat16"
 AUTOCAST = "loss and grads, bfloat16 autocast"  # float32 weights, as Trainer's bf16=True trains
 LOW_PRECISION = (BFLOAT16, AUTOCAST)
+PACKED = ("loss, packed sequences", "grads, packed sequences")
 
 # The checks that exercise the kernels (the others differ only in what the model computes around them).
 TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", *LOW_PRECISION)
