@@ -209,7 +209,7 @@ def _bfloat16_rounded(values):
 def _interpreter_bfloat16_rounds_to_nearest() -> bool:
     """The interpreter converts float32 to bfloat16 by dropping the low 16 bits (truncation; its "rtne" mode
     adds the cut-off bit without carrying it into the exponent), where a GPU rounds to nearest even: an
-    interpreted bfloat16 result was up to a whole ulp off where a GPU's is half an ulp. Its conversion from
+    interpreted bfloat16 result would be up to a whole ulp off where a GPU's is half an ulp. Its conversion from
     float32 to bfloat16 rounds to nearest even instead, so CPU results are the GPU's. Returns whether it does
     (False: an interpreter this does not recognise, which the kit's tolerances then allow for)."""
     from triton.runtime import interpreter
@@ -224,7 +224,8 @@ def _interpreter_bfloat16_rounds_to_nearest() -> bool:
         return False
 
     def _convert_float(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and getattr(rounding_mode, "name", "RTNE") == "RTNE":
+        rtne = getattr(rounding_mode, "name", "RTNE") == "RTNE"  # None: a plain cast, which a GPU rounds so
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rtne:
             return _bfloat16_rounded(input)
         return convert(input, input_dtype, output_dtype, rounding_mode)
 

@@ -20,11 +20,12 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
   float32 cannot show);
 - :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
 
-``mode="compiled"`` runs the patched model's training step (and the packed one) under ``torch.compile`` (``backend="aot_eager"``
-off the GPU: it traces the backward with fake tensors, with the layouts a compiled model's backward really
-gets) against the unpatched model's eager step, both with SDPA attention where the family has it (as models
-are compiled; the mask decision ``causal_mask`` replaces is made only there); where the patched compiled step
-fails, the unpatched model's compiled step tells whether the family itself does not compile.
+``mode="compiled"`` runs the patched model's training step (and the packed one) under ``torch.compile``
+(``backend="aot_eager"`` off the GPU: it traces the backward with fake tensors, with the layouts a compiled
+model's backward really gets) against the unpatched model's eager step, both with SDPA attention where the
+family has it (as models are compiled; the mask decision ``causal_mask`` replaces is made only there); where the
+patched compiled step fails, the unpatched model's compiled step tells whether the family itself does not
+compile.
 
 Each family and mode gets a :class:`Verdict`: ``exact`` (with what was patched), ``refused`` (nothing that
 was patched computes differently, and the report says why each op was left alone), ``wrong: <figures>`` or
@@ -474,7 +475,7 @@ def _error(key: str, g, w) -> tuple[float, str]:
     """How far ``g`` is from ``w`` for check ``key`` (relative; inf where they cannot be compared), and where."""
     if key == "generate":
         return (0.0 if g is not None and torch.equal(g, w) else math.inf), ""
-    if key in (BFLOAT16, AUTOCAST):  # the median over the loss and the gradients (docs/models.md#the-family-matrix)
+    if key in LOW_PRECISION:  # the median over the loss and the gradients (docs/models.md#the-family-matrix)
         if set(w) != set(g or {}):
             return math.inf, f"gradients of {sorted(set(w) ^ set(g or {}))[:3]} present on one side only"
         floor = 1e-2 * max((t.abs().max().item() for n, t in w.items() if n != "loss" and t.numel()), default=0.0)
