@@ -1255,3 +1255,31 @@ def test_patch_transformers_mlp_whose_act_fn_is_replaced_runs_its_own_forward():
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()
     out, grads = _run(model, batch)
     _assert_matches(out, grads, refs)
+
+
+def test_a_decorator_that_fails_on_the_recompiled_layer_forward_is_a_refusal(tmp_path):
+    # The fused add recompiles the layer's forward and applies its decorators again; one that reads where its
+    # function lives (transformers' auto_docstring of some versions reads the source path) may raise there.
+    # patch must not: the layer keeps its forward and the reason is given.
+    import importlib.util
+
+    (tmp_path / "layer_with_decorator.py").write_text(
+        "import inspect, torch\n"
+        "def where(f):\n"
+        "    if not inspect.getsourcefile(f).endswith('.py'):\n"
+        "        raise IndexError('not a source file')\n"
+        "    return f\n"
+        "class Layer(torch.nn.Module):\n"
+        "    @where\n"
+        "    def forward(self, residual, h):\n"
+        "        hidden_states = residual + h\n"
+        "        residual = hidden_states\n"
+        "        hidden_states = self.post_attention_layernorm(hidden_states)\n"
+        "        return hidden_states, residual\n")
+    spec = importlib.util.spec_from_file_location("layer_with_decorator", tmp_path / "layer_with_decorator.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    forward, norm, why = _hf.add_norm_forward(module.Layer)
+    assert forward is None and norm is None
+    assert why == ("Layer.forward's decorator @where raised IndexError: not a source file on the recompiled "
+                   "forward"), why

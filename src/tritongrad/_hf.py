@@ -1447,5 +1447,9 @@ def add_norm_forward(cls: type) -> tuple:
     forward.__kwdefaults__, forward.__annotations__ = inner.__kwdefaults__, dict(raw.__annotations__)
     forward.__qualname__, forward.__module__, forward.__doc__ = raw.__qualname__, raw.__module__, raw.__doc__
     for dec in reversed(decorators):
-        forward = eval(compile(ast.Expression(dec), filename, "eval"), raw.__globals__)(forward)
+        try:  # a decorator that inspects where its function lives can fail on the recompiled one
+            forward = eval(compile(ast.Expression(dec), filename, "eval"), raw.__globals__)(forward)
+        except Exception as e:
+            return None, None, (f"{cls.__name__}.forward's decorator @{ast.unparse(dec)} raised "
+                                f"{type(e).__name__}: {e} on the recompiled forward")
     return marked(forward, "fused_add_rms_norm"), norm, None
