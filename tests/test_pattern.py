@@ -1321,10 +1321,11 @@ def test_compile_cache_tag_keeps_the_users_own(tmp_path):
         rt.note_sources(helper.helper)
         second = cfg.cache_key_tag
         assert re.fullmatch(r"mine\|tritongrad:[0-9a-f]{20}", second) and second != first
-        # A tag set after the declarations: tracing an op puts the digest back before the caches are keyed.
+        # A tag set after the declarations: tracing an op puts the digest back before the caches are keyed
+        # (where the op serves the tensors: a CPU without the interpreter traces the reference instead).
         cfg.cache_key_tag = "other"
         torch._dynamo.reset()
-        x, w = torch.randn(3, 8), torch.randn(8)
+        x, w = torch.randn(3, 8, device=DEVICE), torch.randn(8, device=DEVICE)
         torch.compile(tritongrad.weighted_sum, backend="aot_eager", fullgraph=True)(x, w)
         assert cfg.cache_key_tag == "other|" + second.split("|")[1], cfg.cache_key_tag
     finally:
