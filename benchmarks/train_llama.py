@@ -150,6 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "LCE_EFFICIENT_ROWS); what fewer, larger chunks save in host time and cost in peak memory")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N steps with torch.profiler: runs/<run>-profile.txt, device time per op")
+    p.add_argument("--peak-step", type=int, default=None,
+                   help="record the allocator during this step (a warm-up step: it runs slower) and list what is "
+                        "alive at its peak, by where it was allocated: runs/<run>-peak.txt")
     p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
     p.add_argument("--stem", default=None, help="output file stem (default train-<device>-<time>)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # provider:mode, set by the orchestrator
@@ -179,6 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.run_list = pairs
     if args.fsdp and args.ddp:
         raise SystemExit("--fsdp and --ddp: choose one")
+    if args.peak_step is not None and not 0 <= args.peak_step < args.warmup:
+        raise SystemExit(f"--peak-step {args.peak_step}: a warm-up step (0 to {args.warmup - 1}), since recording "
+                         f"slows it")
     args.world_size_list = [_world_arg(args, w.strip()) for w in args.world_sizes.split(",") if w.strip()]
     return args
 
@@ -455,6 +461,10 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             prof = torch.profiler.profile(activities=_activities())
             prof.__enter__()
         ids = batches[step, rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)
+        recording = step == args.peak_step and device.type == "cuda" and rank == 0
+        if recording:
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
         t0 = time.perf_counter()
         loss = step_model(input_ids=ids, labels=ids).loss
         phases = [_max_alloc(device)]
@@ -473,6 +483,10 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             result["optimizer"] = "AdamW (fused refused)"
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if recording:
+            snapshot = torch.cuda.memory._snapshot(device)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            _write_peak(snapshot, before, os.path.join(args.out, "runs", result["run"] + "-peak.txt"), result, step)
         if step < 3 and device.type == "cuda":  # where the peak is set: forward, backward or optimizer step
             result.setdefault("peak_by_phase_gib", []).append([round(v / 2**30, 3) for v in (*phases, _max_alloc(device))])
         loss = loss.detach().float()
@@ -537,6 +551,37 @@ def _write_profile(prof, path: str, result: dict, steps: int) -> None:
         f.write("\n\n")
         f.write(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
     result["profile"] = os.path.basename(path)
+
+
+def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int) -> None:
+    """The blocks alive at the recorded step's highest allocation, grouped by the two innermost frames outside
+    PyTorch's own files (Inductor's generated code counts as outside): what sets the step's peak."""
+    trace = snapshot["device_traces"][0]
+    cur, best, at = 0, -1, -1
+    for i, e in enumerate(trace):
+        cur += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        if cur > best:
+            best, at = cur, i
+    live = {}
+    for e in trace[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups = {}
+    for e in live.values():
+        frames = [f for f in e.get("frames", ()) if "torchinductor" in f["filename"]
+                  or not any(k in f["filename"] for k in ("/torch/", "/contextlib.py", "/functools.py"))]
+        key = " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:2]) or "?"
+        n, total = groups.get(key, (0, 0))
+        groups[key] = (n + 1, total + e["size"])
+    with open(path, "w") as f:
+        f.write(f"{result['run']}: step {step}; {before / 2**30:.3f} GiB allocated before it, its peak "
+                f"{(before + best) / 2**30:.3f} GiB (+{best / 2**20:.1f} MiB) at event {at} of {len(trace)}; "
+                f"alive then, allocated in the step:\n\n")
+        for key, (n, total) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:40]:
+            f.write(f"{total / 2**20:10.1f} MiB  {n:5d} blocks  {key}\n")
+    result["peak_listing"] = os.path.basename(path)
 
 
 def _max_alloc(device) -> int:
