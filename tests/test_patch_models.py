@@ -1048,8 +1048,11 @@ class _LoraLike(torch.nn.Module):
     def __init__(self, base: torch.nn.Linear, rank: int = 2):
         super().__init__()
         self.base_layer = base
+        # a at PEFT's init scale (kaiming: about 1 / sqrt(in_features)); b nonzero (PEFT starts it at zero) so
+        # that the term shows: about as large as the Linear's own output here.
         g = torch.Generator().manual_seed(3)
-        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features, generator=g).to(base.weight.device))
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features, generator=g).to(base.weight.device)
+                                    / base.in_features ** 0.5)
         self.b = torch.nn.Parameter(torch.randn(base.out_features, rank, generator=g).to(base.weight.device) / 8)
 
     @property
