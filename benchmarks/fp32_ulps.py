@@ -9,8 +9,12 @@ magnitude (testing.eps_err), ``q75`` the 0.75 quantile of each element's error i
 (testing.typical_eps_err), each as ours/eager's.
 """
 import torch
-import torch.nn.functional as F
+
 import tritongrad
+from tritongrad.ops.norm.reference import llama_rms_norm_reference as llama_norm
+from tritongrad.ops.norm.residual import fused_add_rms_norm_reference
+from tritongrad.ops.rope.reference import apply_rotary_pos_emb_reference as rope_ref
+from tritongrad.ops.swiglu.reference import swiglu_reference
 from tritongrad.testing import eps_err, typical_eps_err
 
 torch.manual_seed(0)
@@ -18,34 +22,14 @@ dev = "cuda"
 N, D = 8192, 1024
 
 
-def llama_norm(x, w, eps=1e-6):
-    xf = x.float() if x.dtype != torch.float64 else x
-    v = xf.pow(2).mean(-1, keepdim=True)
-    return w * (xf * torch.rsqrt(v + eps)).to(x.dtype)
-
-
-def rot(x):
-    a, b = x.chunk(2, -1)
-    return torch.cat((-b, a), -1)
-
-
-def rope_ref(q, k, cos, sin):
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * c + rot(q) * s, k * c + rot(k) * s
-
-
-def fused_ref(x, r, w, eps=1e-6):
-    s = x + r
-    return llama_norm(s, w, eps), s
-
-
 CASES = {
     "llama_rms_norm": (lambda s: [torch.randn(N, D) * s, 1 + 0.3 * torch.randn(D)],
                        lambda x, w: tritongrad.llama_rms_norm(x, w, 1e-6), llama_norm),
     "fused_add_rms_norm": (lambda s: [torch.randn(N, D) * s, torch.randn(N, D) * s, 1 + 0.3 * torch.randn(D)],
-                           lambda x, r, w: tritongrad.fused_add_rms_norm(x, r, w, 1e-6)[:2], fused_ref),
+                           lambda x, r, w: tritongrad.fused_add_rms_norm(x, r, w, 1e-6)[:2],
+                           lambda x, r, w: fused_add_rms_norm_reference(x, r, w, 1e-6)[:2]),
     "swiglu": (lambda s: [torch.randn(N, 4 * D) * s, torch.randn(N, 4 * D) * s],
-               lambda g, u: tritongrad.swiglu(g, u), lambda g, u: F.silu(g) * u),
+               lambda g, u: tritongrad.swiglu(g, u), swiglu_reference),
     "rope": (lambda s: [torch.randn(4, 16, 2048, 128) * s, torch.randn(4, 16, 2048, 128) * s,
                         torch.cos(torch.randn(4, 2048, 128) * 3), torch.sin(torch.randn(4, 2048, 128) * 3)],
              lambda q, k, c, s_: tritongrad.apply_rotary_pos_emb(q, k, c, s_), rope_ref),

@@ -224,7 +224,7 @@ def _interpreter_bfloat16_rounds_to_nearest() -> bool:
         return False
 
     def _convert_float(input, input_dtype, output_dtype, rounding_mode):
-        rtne = getattr(rounding_mode, "name", "RTNE") == "RTNE"  # None: a plain cast, which a GPU rounds so
+        rtne = getattr(rounding_mode, "name", "RTNE") == "RTNE"  # None: a plain cast, rounded to nearest on a GPU too
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rtne:
             return _bfloat16_rounded(input)
         return convert(input, input_dtype, output_dtype, rounding_mode)
