@@ -557,7 +557,7 @@ def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int)
     """The blocks alive at the recorded step's highest allocation, grouped by the two innermost frames outside
     PyTorch's own files (Inductor's generated code counts as outside): what sets the step's peak."""
     trace = snapshot["device_traces"][0]
-    cur, best, at = 0, -1, -1
+    cur, best, at = 0, 0, -1  # at -1: nothing in the step rose above what was allocated before it
     for i, e in enumerate(trace):
         cur += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
         if cur > best:

@@ -39,3 +39,47 @@ def test_fsdp2_and_ddp_runs_match_one_process(tmp_path):
             float(r["tokens_per_s_per_gpu"]) / float(one["tokens_per_s"]), rel=1e-3), r
     assert sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "runs" / "*.json"))) == [
         "tritongrad-eager-ddp2.json", "tritongrad-eager-fsdp2.json", "tritongrad-eager.json"]
+
+
+def _train_llama():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_llama", os.path.join(ROOT, "benchmarks", "train_llama.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peak_listing_names_the_blocks_alive_at_the_steps_highest_allocation(tmp_path):
+    """``--peak-step``'s listing from an allocator trace in torch's snapshot format: a block freed before the
+    peak is not listed, one allocated after it is not, and a free of a block older than the step lowers it."""
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    model = [frame("/x/torch/nn/modules/module.py", 1, "_call_impl"), frame("/m/modeling_llama.py", 40, "forward"),
+             frame("/m/train_llama.py", 470, "run")]
+    kernel = [frame("/x/torch/autograd/function.py", 2, "apply"), frame("/t/tritongrad/ops/mlp.py", 9, "swiglu"),
+              frame("/m/modeling_llama.py", 50, "forward")]
+    mib = 2**20
+    trace = [
+        {"action": "free_completed", "addr": 1, "size": 8 * mib},       # a block from before the step
+        {"action": "alloc", "addr": 2, "size": 4 * mib, "frames": model},
+        {"action": "alloc", "addr": 3, "size": 2 * mib, "frames": kernel},
+        {"action": "free_requested", "addr": 2, "size": 4 * mib},
+        {"action": "free_completed", "addr": 2, "size": 4 * mib},
+        {"action": "alloc", "addr": 4, "size": 6 * mib, "frames": model},
+        {"action": "alloc", "addr": 5, "size": 3 * mib, "frames": kernel},  # the peak: 2 + 6 + 3 - 8 = 3 MiB
+        {"action": "free_completed", "addr": 5, "size": 3 * mib},
+        {"action": "alloc", "addr": 6, "size": 1 * mib, "frames": model},
+    ]
+    result = {"run": "tritongrad-compile"}
+    path = tmp_path / "peak.txt"
+    _train_llama()._write_peak({"device_traces": [trace]}, 100 * mib, str(path), result, 2)
+    text = path.read_text()
+    head, rows = text.split("\n\n", 1)
+    assert "step 2" in head and "+3.0 MiB" in head and "at event 6 of 9" in head, head
+    assert f"{(100 + 3) / 1024:.3f} GiB (" in head, head
+    assert rows.splitlines() == [
+        "       6.0 MiB      1 blocks  modeling_llama.py:40 forward <- train_llama.py:470 run",
+        "       5.0 MiB      2 blocks  mlp.py:9 swiglu <- modeling_llama.py:50 forward",
+    ], rows
+    assert result["peak_listing"] == "peak.txt"
