@@ -150,9 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "LCE_EFFICIENT_ROWS); what fewer, larger chunks save in host time and cost in peak memory")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N steps with torch.profiler: runs/<run>-profile.txt, device time per op")
-    p.add_argument("--peak-step", type=int, default=None,
-                   help="record the allocator during this step (a warm-up step: it runs slower) and list what is "
-                        "alive at its peak, by where it was allocated: runs/<run>-peak.txt")
+    p.add_argument("--peak-step", type=_steps_arg, default=(),
+                   help="comma list of warm-up steps (recording slows them): record the allocator during each and "
+                        "list what is alive at its peak, by where it was allocated: runs/<run>-peak<step>.txt")
     p.add_argument("--out", default=os.environ.get("OUT") or "train-out", help="output folder (default $OUT)")
     p.add_argument("--stem", default=None, help="output file stem (default train-<device>-<time>)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # provider:mode, set by the orchestrator
@@ -182,9 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.run_list = pairs
     if args.fsdp and args.ddp:
         raise SystemExit("--fsdp and --ddp: choose one")
-    if args.peak_step is not None and not 0 <= args.peak_step < args.warmup:
-        raise SystemExit(f"--peak-step {args.peak_step}: a warm-up step (0 to {args.warmup - 1}), since recording "
-                         f"slows it")
+    if any(not 0 <= s < args.warmup for s in args.peak_step):
+        raise SystemExit(f"--peak-step {args.peak_step}: warm-up steps only (0 to {args.warmup - 1}), since "
+                         f"recording slows them")
     args.world_size_list = [_world_arg(args, w.strip()) for w in args.world_sizes.split(",") if w.strip()]
     return args
 
@@ -205,6 +205,10 @@ def parallel(args, world: int) -> str | None:
     if args.ddp:
         return "ddp"
     return "fsdp" if args.fsdp or world > 1 else None
+
+
+def _steps_arg(text: str) -> tuple[int, ...]:
+    return tuple(int(s) for s in text.split(",") if s.strip())
 
 
 def _vocab_arg(text: str):
@@ -461,10 +465,10 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
             prof = torch.profiler.profile(activities=_activities())
             prof.__enter__()
         ids = batches[step, rank * per_rank:(rank + 1) * per_rank].to(device, non_blocking=True)
-        recording = step == args.peak_step and device.type == "cuda" and rank == 0
+        recording = step in args.peak_step and device.type == "cuda" and rank == 0
         if recording:
             before = torch.cuda.memory_allocated(device)
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
         t0 = time.perf_counter()
         loss = step_model(input_ids=ids, labels=ids).loss
         phases = [_max_alloc(device)]
@@ -486,7 +490,8 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
         if recording:
             snapshot = torch.cuda.memory._snapshot(device)
             torch.cuda.memory._record_memory_history(enabled=None)
-            _write_peak(snapshot, before, os.path.join(args.out, "runs", result["run"] + "-peak.txt"), result, step)
+            _write_peak(snapshot, before, os.path.join(args.out, "runs", f"{result['run']}-peak{step}.txt"), result,
+                        step)
         if step < 3 and device.type == "cuda":  # where the peak is set: forward, backward or optimizer step
             result.setdefault("peak_by_phase_gib", []).append([round(v / 2**30, 3) for v in (*phases, _max_alloc(device))])
         loss = loss.detach().float()
@@ -570,8 +575,8 @@ def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int)
             live.pop(e["addr"], None)
     groups = {}
     for e in live.values():
-        frames = [f for f in e.get("frames", ()) if "torchinductor" in f["filename"]
-                  or not any(k in f["filename"] for k in ("/torch/", "/contextlib.py", "/functools.py"))]
+        frames = [f for f in e.get("frames", ()) if f["filename"].endswith(".py") and ("torchinductor" in f["filename"]
+                  or not any(k in f["filename"] for k in ("/torch/", "/contextlib.py", "/functools.py")))]
         key = " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:2]) or "?"
         n, total = groups.get(key, (0, 0))
         groups[key] = (n + 1, total + e["size"])
@@ -581,7 +586,7 @@ def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int)
                 f"alive then, allocated in the step:\n\n")
         for key, (n, total) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:40]:
             f.write(f"{total / 2**20:10.1f} MiB  {n:5d} blocks  {key}\n")
-    result["peak_listing"] = os.path.basename(path)
+    result.setdefault("peak_listings", []).append(os.path.basename(path))
 
 
 def _max_alloc(device) -> int:
