@@ -57,6 +57,7 @@ import gc
 import importlib.util
 import inspect
 import json
+import linecache
 import math
 import os
 import statistics
@@ -560,7 +561,8 @@ def _write_profile(prof, path: str, result: dict, steps: int) -> None:
 
 def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int) -> None:
     """The blocks alive at the recorded step's highest allocation, grouped by the two innermost frames outside
-    PyTorch's own files (Inductor's generated code counts as outside): what sets the step's peak."""
+    PyTorch's own files (Inductor's generated code counts as outside), the innermost with its line of code;
+    then the last allocations up to the peak: what sets the step's peak."""
     trace = snapshot["device_traces"][0]
     cur, best, at = 0, 0, -1  # at -1: nothing in the step rose above what was allocated before it
     for i, e in enumerate(trace):
@@ -573,19 +575,30 @@ def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int)
             live[e["addr"]] = e
         elif e["action"] == "free_completed":
             live.pop(e["addr"], None)
-    groups = {}
-    for e in live.values():
+
+    def where(e) -> str:
         frames = [f for f in e.get("frames", ()) if f["filename"].endswith(".py") and ("torchinductor" in f["filename"]
                   or not any(k in f["filename"] for k in ("/torch/", "/contextlib.py", "/functools.py")))]
-        key = " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:2]) or "?"
-        n, total = groups.get(key, (0, 0))
-        groups[key] = (n + 1, total + e["size"])
+        names = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:2]]
+        if names:
+            code = linecache.getline(frames[0]["filename"], frames[0]["line"]).strip()[:100]
+            names[0] += f" `{code}`" if code else ""
+        return " <- ".join(names) or "?"
+
+    groups = {}
+    for e in live.values():
+        n, total = groups.get(where(e), (0, 0))
+        groups[where(e)] = (n + 1, total + e["size"])
     with open(path, "w") as f:
         f.write(f"{result['run']}: step {step}; {before / 2**30:.3f} GiB allocated before it, its peak "
                 f"{(before + best) / 2**30:.3f} GiB (+{best / 2**20:.1f} MiB) at event {at} of {len(trace)}; "
                 f"alive then, allocated in the step:\n\n")
         for key, (n, total) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:40]:
             f.write(f"{total / 2**20:10.1f} MiB  {n:5d} blocks  {key}\n")
+        f.write("\nthe last allocations up to the peak:\n\n")
+        last = [e for e in trace[:at + 1] if e["action"] == "alloc"][-8:]
+        for e in last:
+            f.write(f"{e['size'] / 2**20:10.1f} MiB  {'alive' if live.get(e['addr']) is e else 'freed'}  {where(e)}\n")
     result.setdefault("peak_listings", []).append(os.path.basename(path))
 
 

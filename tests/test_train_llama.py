@@ -59,7 +59,9 @@ def test_peak_listing_names_the_blocks_alive_at_the_steps_highest_allocation(tmp
     model = [frame("??", 0, "torch::unwind::unwind()"), frame("/x/torch/nn/modules/module.py", 1, "_call_impl"),
              frame("/m/modeling_llama.py", 40, "forward"),
              frame("/m/train_llama.py", 470, "run")]
-    kernel = [frame("/x/torch/autograd/function.py", 2, "apply"), frame("/t/tritongrad/ops/mlp.py", 9, "swiglu"),
+    generated = tmp_path / "cgen.py"  # Inductor's generated code: its line of code is listed with it
+    generated.write_text("def call(args):\n    buf0 = empty_strided_cuda((8192, 4096), (4096, 1), torch.bfloat16)\n")
+    kernel = [frame("/x/torch/autograd/function.py", 2, "apply"), frame(str(generated), 2, "call"),
               frame("/m/modeling_llama.py", 50, "forward")]
     mib = 2**20
     trace = [
@@ -76,12 +78,15 @@ def test_peak_listing_names_the_blocks_alive_at_the_steps_highest_allocation(tmp
     result = {"run": "tritongrad-compile"}
     path = tmp_path / "peak.txt"
     _train_llama()._write_peak({"device_traces": [trace]}, 100 * mib, str(path), result, 2)
-    text = path.read_text()
-    head, rows = text.split("\n\n", 1)
+    head, rows, title, last = path.read_text().split("\n\n")
     assert "step 2" in head and "+3.0 MiB" in head and "at event 6 of 9" in head, head
     assert f"{(100 + 3) / 1024:.3f} GiB (" in head, head
-    assert rows.splitlines() == [
-        "       6.0 MiB      1 blocks  modeling_llama.py:40 forward <- train_llama.py:470 run",
-        "       5.0 MiB      2 blocks  mlp.py:9 swiglu <- modeling_llama.py:50 forward",
-    ], rows
+    model_at, kernel_at = ("modeling_llama.py:40 forward <- train_llama.py:470 run",
+                           "cgen.py:2 call `buf0 = empty_strided_cuda((8192, 4096), (4096, 1), torch.bfloat16)` "
+                           "<- modeling_llama.py:50 forward")
+    assert rows.splitlines() == [f"       6.0 MiB      1 blocks  {model_at}",
+                                 f"       5.0 MiB      2 blocks  {kernel_at}"], rows
+    assert title == "the last allocations up to the peak:", title
+    assert last.splitlines() == [f"       4.0 MiB  freed  {model_at}", f"       2.0 MiB  alive  {kernel_at}",
+                                     f"       6.0 MiB  alive  {model_at}", f"       3.0 MiB  alive  {kernel_at}"], last
     assert result["peak_listings"] == ["peak.txt"]
