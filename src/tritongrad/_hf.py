@@ -834,7 +834,8 @@ class _Unpacked:
     itself. One flag per process: forwards running concurrently in threads, one of them on packed sequences,
     need causal_mask=False."""
 
-    value: bool = False
+    def __init__(self):
+        self.value = False  # an instance attribute from the start: torch.compile guards on the instance's dict
 
 
 UNPACKED = _Unpacked()

@@ -22,7 +22,8 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 
 ``mode="compiled"`` runs the patched model's training step (and the packed one) under ``torch.compile``
 (``backend="aot_eager"`` off the GPU: it traces the backward with fake tensors, with the layouts a compiled
-model's backward really gets) against the unpatched model's eager step, both with SDPA attention where the
+model's backward really gets), twice: the second step must reuse the first's graphs (no recompilation) and
+give the same loss; against the unpatched model's eager step, both with SDPA attention where the
 family has it (as models are compiled; the mask decision ``causal_mask`` replaces is made only there); where the
 patched compiled step fails, the unpatched model's compiled step tells whether the family itself does not
 compile.
@@ -38,6 +39,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import re
 import traceback
 import warnings
 
@@ -344,6 +346,19 @@ def _step(model, batch, compiled: bool, **extra):
     loss = fn(**batch, **_no_cache(model), **extra).loss
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if compiled:  # the next step reuses this one's graphs: state a patched path leaves changed fails no guard
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        try:
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                again = fn(**batch, **_no_cache(model), **extra).loss
+        except torch._dynamo.exc.RecompileError as e:
+            why = [" ".join(ln.split()[1:]) for ln in str(e).splitlines() if re.match(r"\s*- \d+/\d+:", ln)][:2]
+            raise RuntimeError(f"a second compiled step recompiled: {'; '.join(why) or _short(e)}") from e
+        again.backward()
+        if not torch.equal(again.detach(), loss.detach()):
+            raise RuntimeError(f"a second compiled step's loss {again.item()!r} is not the first's {loss.item()!r}")
+        model.zero_grad(set_to_none=True)
     return loss.detach(), grads
 
 
