@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import DEVICE, GC_THRESHOLDS
 
-from tritongrad import zoo
+from tritongrad import _hf, zoo
 
 pytest.importorskip("transformers")
 
@@ -492,3 +492,14 @@ def test_models_json_is_all_that_stdout_holds(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out) == [{"family": "llama", "eager": "exact", "ops": {}}]
     assert "not a recognized input" in err
+
+
+def test_a_patched_path_that_leaves_guarded_state_changed_is_an_error_compiled(monkeypatch):
+    # The linear loss's unpacked-positions flag as a class attribute: its first write adds it to the instance's
+    # dict, which torch.compile guards on, so every compiled training run compiled again on its second step.
+    class Flag:
+        value = False
+
+    monkeypatch.setattr(_hf, "UNPACKED", Flag())
+    v = zoo.check("llama", "compiled", only=("loss",))
+    assert v.status == "error" and "second compiled step recompiled" in v.detail and "UNPACKED" in v.detail, v.line()
