@@ -503,3 +503,26 @@ def test_a_patched_path_that_leaves_guarded_state_changed_is_an_error_compiled(m
     monkeypatch.setattr(_hf, "UNPACKED", Flag())
     v = zoo.check("llama", "compiled", only=("loss",))
     assert v.status == "error" and "second compiled step recompiled" in v.detail and "UNPACKED" in v.detail, v.line()
+
+
+def test_a_familys_own_recompilation_is_a_note_not_an_error_compiled(monkeypatch):
+    # State a guard reads, changed on every call of the family's own base model, which patch leaves alone: both
+    # models recompile on their second step, so the verdict stays exact and says why.
+    import functools
+
+    from transformers.models.llama import modeling_llama
+
+    class Flag:
+        calls = 0
+
+    original = modeling_llama.LlamaModel.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        modeling_llama.FLAG.calls += 1  # read and written on every call: a guard on its value
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "FLAG", Flag(), raising=False)
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", forward)
+    v = zoo.check("llama", "compiled", only=("loss",))
+    assert v.status == "exact" and "second compiled step recompiles too" in v.detail, v.line()
