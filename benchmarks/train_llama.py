@@ -521,11 +521,13 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
     times = result["step_times"][args.warmup:args.steps - args.profile_steps]  # profiled steps run slower
     result["tokens_per_s"] = args.batch * args.seq / statistics.median(times) if times else None
     if device.type == "cuda":
-        peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                            device=device, dtype=torch.float64)
+        # requested: the bytes asked for, without the allocator's rounding and unsplit block ends (MiB apart)
+        requested = torch.cuda.memory_stats(device).get("requested_bytes.all.peak", float("nan"))
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
+                             requested], device=device, dtype=torch.float64)
         if world > 1:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        result["peak_mem_gib"], result["peak_reserved_gib"] = (peak / 2**30).tolist()
+        result["peak_mem_gib"], result["peak_reserved_gib"], result["peak_requested_gib"] = (peak / 2**30).tolist()
     if provider == "tritongrad":
         import tritongrad
 
