@@ -503,6 +503,10 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
         dt = time.perf_counter() - t0
         result["step_times"].append(dt)
         result["losses"].append(value)
+        if mode == "compile" and step == 0:
+            from torch._dynamo.utils import counters
+
+            graphs_first = counters["stats"]["unique_graphs"]
         if bar is not None:
             bar.update(value, args.batch * args.seq / dt)
         if not math.isfinite(value):
@@ -518,6 +522,8 @@ def run_one(args, provider: str, mode: str, chain: MarkovChain, batches: torch.T
 
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["graph_break_reasons"] = sorted(counters["graph_break"])[:20]
+        if result["step_times"]:  # graphs compiled after the first step: recompilations (0 in a steady loop)
+            result["graphs_after_first_step"] = counters["stats"]["unique_graphs"] - graphs_first
     times = result["step_times"][args.warmup:args.steps - args.profile_steps]  # profiled steps run slower
     result["tokens_per_s"] = args.batch * args.seq / statistics.median(times) if times else None
     if device.type == "cuda":
