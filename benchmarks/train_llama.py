@@ -44,7 +44,10 @@ updated after every run: ``<stem>.json`` (settings, each run's losses, step time
 (one row per run: tokens/s, the median over the steps after warm-up, in all and per GPU; peak memory, the max
 over the ranks; the loss differences to Hugging Face eager and, for FSDP2 and DDP runs, to the same provider
 and mode on one GPU (unwrapped where that ran), with tokens/s per GPU as a fraction of that run's), ``<stem>-loss.png``,
-``<stem>-throughput.png``, ``<stem>-memory.png``, and ``runs/<run>.json`` as each run goes.
+``<stem>-throughput.png``, ``<stem>-memory.png``, and ``runs/<run>.json`` as each run goes. Each run's record
+also has the peak of the bytes requested from the allocator (``peak_requested_gib``, without its rounding)
+and, compiled, ``graphs_after_first_step``: graphs compiled after the first step, which a steady training
+loop does not need.
 """
 
 from __future__ import annotations
