@@ -336,11 +336,21 @@ def _no_cache(model) -> dict:
 
 
 class Recompiled(RuntimeError):
-    """A second compiled training step recompiled; ``why``: the guards that failed."""
+    """A second compiled training step recompiled; ``guards``: the failed guards, as Dynamo gives them."""
 
-    def __init__(self, why: str):
-        super().__init__(f"a second compiled step recompiled: {why}")
-        self.why = why
+    def __init__(self, guards: list[str]):
+        self.guards = guards
+        self.why = "; ".join(guards)
+        super().__init__(f"a second compiled step recompiled: {self.why}")
+
+    def sources(self) -> list[str]:
+        """Where each failed guard reads its value (the code and its line), else the guard; without Dynamo's
+        frame numbers and the guarded values, which differ between two models with the same cause."""
+        out = []
+        for g in self.guards:
+            g = re.sub(r"^\d+/\d+: ", "", g)
+            out.append(g.split(" # ", 1)[1].split(" (HINT")[0] if " # " in g else g)
+        return out
 
 
 def _step(model, batch, compiled: bool, recompiles_ok: bool = False, **extra):
@@ -363,7 +373,7 @@ def _step(model, batch, compiled: bool, recompiles_ok: bool = False, **extra):
                 again = fn(**batch, **_no_cache(model), **extra).loss
         except torch._dynamo.exc.RecompileError as e:
             why = [" ".join(ln.split()[1:]) for ln in str(e).splitlines() if re.match(r"\s*- \d+/\d+:", ln)][:2]
-            raise Recompiled("; ".join(why) or _short(e)) from e
+            raise Recompiled(why or [_short(e)]) from e
         again.backward()
         if not torch.equal(again.detach(), loss.detach()):
             raise RuntimeError(f"a second compiled step's loss {again.item()!r} is not the first's {loss.item()!r}")
@@ -774,11 +784,12 @@ def _patched(family: str, model, device, mode: str):
 
 def _own_recompile(model, fns: dict, errors: dict) -> str:
     """The failed guards when every check the patched model failed recompiled on its second compiled step and the
-    unpatched model's do too (the family's own); else empty."""
+    unpatched model's do too, on the same guards (the family's own); else empty."""
     if not errors or not all(isinstance(e, Recompiled) for e in errors.values()):
         return ""
     own = _checks(model, fns, only=list(errors))[1]
-    if len(own) < len(errors) or not all(isinstance(e, Recompiled) for e in own.values()):
+    if set(own) != set(errors) or any(not isinstance(own[k], Recompiled) or own[k].sources() != e.sources()
+                                      for k, e in errors.items()):
         return ""
     return next(iter(own.values())).why
 
