@@ -573,7 +573,8 @@ def _write_profile(prof, path: str, result: dict, steps: int) -> None:
 def _write_peak(snapshot: dict, before: int, path: str, result: dict, step: int) -> None:
     """The blocks alive at the recorded step's highest allocation, grouped by the two innermost frames outside
     PyTorch's own files (Inductor's generated code counts as outside), the innermost with its line of code;
-    then the last allocations up to the peak: what sets the step's peak."""
+    then the last allocations up to the peak: what sets the step's peak. An allocation in a compiled backward
+    has a forward's frame second (as recorded on the GPU): its innermost frame is the one to read."""
     trace = snapshot["device_traces"][0]
     cur, best, at = 0, 0, -1  # at -1: nothing in the step rose above what was allocated before it
     for i, e in enumerate(trace):
