@@ -85,14 +85,14 @@ KERNEL_LAYOUTS = {
 }
 
 
-def _run_matrix(names=None, modes=("eager",), only=None, kernels=False):
+def _run_matrix(names=None, modes=("eager",), only=None, kernels=False, with_variants=False):
     code = (
         "import json, sys, warnings; warnings.filterwarnings('ignore');"
         "import transformers; transformers.logging.set_verbosity_error();"
         "from tritongrad import zoo;"
         # as the test processes do after collection (tests/conftest.py)
         f"import gc; gc.collect(); gc.freeze(); gc.set_threshold(*{GC_THRESHOLDS!r});"
-        f"print(json.dumps(zoo.run({names!r}, {modes!r}, only={only!r})))"
+        f"print(json.dumps(zoo.run({names!r}, {modes!r}, only={only!r}, with_variants={with_variants!r})))"
     )
     # Off the GPU: the PyTorch path, or with ``kernels`` Triton's kernels in the interpreter.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -142,6 +142,66 @@ def test_every_family_eager(chunk, checks):
                for f in now if f in record}
     dropped = {f: ops for f, ops in dropped.items() if ops}
     assert not dropped, dropped
+
+
+# Variants each of these families must have (zoo.VARIANTS): a config value the family's checks reach only there.
+VARIANT_COVERAGE = {
+    "llama": {"gelu", "gelu-tanh", "relu", "mlp-bias", "attention-bias", "tied", "head-dim", "rms-eps"},
+    "phi3": {"partial-rotary", "full-rotary"},
+    "gpt_neox": {"full-rotary", "serial-residual"},
+    "gemma2": {"gemma-gelu", "softcap", "no-softcap"},
+    "granite": {"logits-scaling", "multipliers"},
+    "cohere": {"logit-scale", "qk-norm"},
+    "stablelm": {"qk-layernorm", "parallel-residual"},
+    "qwen3_moe": {"norm-topk"},
+}
+
+
+@pytest.mark.slow
+def test_config_variants():
+    # The families that must stay exact, each also with every config variant that applies: the activation
+    # (GeGLU exact or tanh, or left alone), biases, a tied head, wider heads, an eps, rotary width, logit scales
+    # and caps, residual forms. A variant is exact, or the unpatched model cannot train with it (the family's
+    # own limit); never wrong.
+    rows = _run_matrix(list(EXACT), only=("loss", "grads", *zoo.PACKED), with_variants=True)
+    ran = {}
+    for r in rows:
+        ran.setdefault(r["family"], set()).add(r.get("variant"))
+    missing = {f: want - ran.get(f, set()) for f, want in VARIANT_COVERAGE.items() if want - ran.get(f, set())}
+    assert not missing, missing
+    bad = {(r["family"], r.get("variant")): r["eager"] for r in rows
+           if not r["eager"].startswith("exact")
+           and not (r.get("variant") and r["eager"].startswith("error: the unpatched model fails"))}
+    assert not bad, bad
+    assert all(not r["eager"].startswith("error") for r in rows if not r.get("variant"))
+
+
+def test_family_config_values_are_taken():
+    # Every value zoo.FAMILY_CONFIG gives a family is in its tiny config (an attribute, its text config's or a
+    # rope_parameters entry): a value the config drops silently would leave the case it is there for unchecked
+    # (Phi3's partial rotary once ran full width).
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
+
+    # Values the config stores under its own spelling.
+    respelled = {"layers_block_type": {"mamba": "linear_attention"}, "layer_types": {"mamba": "linear_attention",
+                                                                                    "attention": "full_attention"}}
+    lost = {}
+    for family, own in zoo.FAMILY_CONFIG.items():
+        if family not in names:
+            continue
+        config = zoo._tiny_config(family, getattr(transformers, names[family]))
+        flat = {k: v for k, v in own.items() if not isinstance(v, dict)}
+        got = zoo._config_values(config, flat)
+        for k, v in flat.items():
+            if isinstance(v, (list, tuple)):
+                v = [respelled.get(k, {}).get(x, x) if isinstance(x, str) else x for x in v]
+                g = list(got[k]) if isinstance(got.get(k), (list, tuple)) else got.get(k, "absent")
+            else:
+                g = got.get(k, "absent")
+            if g != v:
+                lost[(family, k)] = (v, g)
+    assert not lost, lost
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
@@ -483,7 +543,7 @@ def test_models_json_is_all_that_stdout_holds(monkeypatch, capsys):
     # Some families print while they run; `tritongrad models --json | jq` must still get JSON alone.
     from tritongrad.cli import main
 
-    def run(names, modes, progress=None):
+    def run(names, modes, progress=None, with_variants=False):
         print("Warning: position_ids is not a recognized input.")
         return [{"family": n, "eager": "exact", "ops": {}} for n in names]
 

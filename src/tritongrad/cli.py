@@ -67,11 +67,13 @@ def models(args) -> int:
 
     def progress(v):
         if not args.json:
-            print(f"{v.family:28} {v.mode:9} {v.line()}", flush=True)
+            name = f"{v.family} [{v.variant}]" if v.variant else v.family
+            print(f"{name:28} {v.mode:9} {v.line()}", flush=True)
 
     # With --json, stdout holds the JSON alone: what the models print while they run goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        rows = zoo.run(names, modes, progress=progress if not args.markdown else None)
+        rows = zoo.run(names, modes, progress=progress if not args.markdown else None,
+                       with_variants=args.variants)
     if args.json:
         print(json.dumps(rows, indent=1))
     elif args.markdown:
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p_models.add_argument("--json", action="store_true", help="print a list of {family, eager, compiled, ops}")
     p_models.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table")
     p_models.add_argument("--list", action="store_true", help="list the families and exit")
+    p_models.add_argument("--variants", action="store_true",
+                          help="after each family, a row per config variant that applies to it (zoo.VARIANTS: "
+                               "activation, biases, tied head, head width, eps, rotary width, logit scales and "
+                               "caps), with a \"variant\" key in --json")
     p_models.add_argument("--no-kernels", action="store_true",
                           help="off the GPU, the ops on their PyTorch references instead of Triton's interpreter: "
                                "checks what patch substitutes, in seconds a family")

@@ -66,6 +66,9 @@ TINY = dict(
     dropout=0.0, activation_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, resid_dropout=0.0,
     embed_dropout=0.0, mlp_dropout=0.0, classifier_dropout=0.0, local_attention_probs_dropout_prob=0.0,
     lsh_attention_probs_dropout_prob=0.0,
+    # Weights of about 1 / sqrt(hidden_size): pre-activations and logits of order 1, where GELU and its tanh
+    # form, or a soft cap and none, differ by far more than the tolerances (0.02 keeps them where they agree).
+    initializer_range=0.15, init_std=0.15,
 )
 # Per family: values its defaults need beyond TINY (e.g. a vocabulary its special tokens fit in).
 FAMILY_CONFIG: dict[str, dict] = {
@@ -104,7 +107,7 @@ FAMILY_CONFIG: dict[str, dict] = {
     "kolibri1_1": dict(index_num_heads=2, index_topk=8, mlp_only_layers=[0]),
     # Local attention only: LSH attention hashes into buckets, and a rounding-level change moves a token.
     "reformer": dict(is_decoder=True, axial_pos_shape=[3, 4], axial_pos_embds_dim=[32, 32],
-                     attn_layers=["local", "local"], chunk_size_lm_hd=0),
+                     attn_layers=["local", "local"]),
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     # Hybrids whose first two default layers have no attention: one of each, so that attention (and the rope,
@@ -206,12 +209,82 @@ class Verdict:
     status: str                     # "exact", "refused", "wrong", "error"
     detail: str = ""
     ops: dict = dataclasses.field(default_factory=dict)     # op -> "replaced xN" | "left alone: why"
+    variant: str = ""                                         # a name in VARIANTS, or the default config
 
     def line(self) -> str:
         detail = self.detail
         if self.status == "error" and self.family in FAMILY_NOTE:
             detail = f"{FAMILY_NOTE[self.family]} ({detail})" if detail else FAMILY_NOTE[self.family]
         return self.status if not detail else f"{self.status}: {detail}"
+
+
+# Config variants (``tritongrad models --variants``): a family's tiny config with values that change what a patch
+# must establish, each checked like the default. A variant runs on a family whose config has every attribute,
+# keeps the values it is given (Gemma's config turns hidden_act "gelu" into the tanh form) and changes one of them.
+VARIANTS: dict[str, dict] = {
+    "gelu": dict(hidden_act="gelu"),  # the gate's activation: GeGLU without the tanh approximation ...
+    "gelu-tanh": dict(hidden_act="gelu_pytorch_tanh"),  # ... with it ...
+    "relu": dict(hidden_act="relu"),  # ... or no op of tritongrad's (left alone)
+    "gemma-gelu": dict(hidden_activation="gelu"),  # Gemma's name for it
+    "mlp-bias": dict(mlp_bias=True),  # biases in the gate, up and down projections
+    "attention-bias": dict(attention_bias=True),
+    "tied": dict(tie_word_embeddings=True),  # the loss's weight is the input embedding's
+    "head-dim": dict(head_dim=32),  # heads wider than hidden / heads
+    "rms-eps": dict(rms_norm_eps=0.3),  # an eps the norms must take
+    "layer-norm-eps": dict(layer_norm_eps=0.3),
+    "partial-rotary": dict(partial_rotary_factor=0.25),
+    "full-rotary": dict(partial_rotary_factor=1.0),
+    "rotary-pct": dict(rotary_pct=1.0),
+    "softcap": dict(final_logit_softcapping=5.0),  # the loss's soft cap on ...
+    "no-softcap": dict(final_logit_softcapping=None, attn_logit_softcapping=None),  # ... and off
+    "logits-scaling": dict(logits_scaling=0.25),  # Granite: logits / logits_scaling
+    "logit-scale": dict(logit_scale=3.0),  # Cohere: logits * logit_scale
+    "multipliers": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3),
+    "qk-norm": dict(use_qk_norm=True),
+    "qk-layernorm": dict(qk_layernorm=True),
+    "parallel-residual": dict(use_parallel_residual=True),
+    "serial-residual": dict(use_parallel_residual=False),
+    "norm-topk": dict(norm_topk_prob=True),  # the experts' routing weights renormalised
+}
+
+
+def _config_values(config, names) -> dict:
+    """The values of ``names`` a config holds, where it has them: its text config's attribute, its own, or an
+    entry of its ``rope_parameters``."""
+    out = {}
+    for k in names:
+        for c in (getattr(config, "text_config", None), config):
+            if c is not None and k in _known(c):
+                out[k] = getattr(c, k, None)
+                break
+            rope = getattr(c, "rope_parameters", None) if c is not None else None
+            if isinstance(rope, dict) and k in rope:
+                out[k] = rope[k]
+                break
+    return out
+
+
+def variants(family: str) -> list[str]:
+    """The names of the :data:`VARIANTS` that apply to ``family`` (see there), in the table's order."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    try:
+        default = _config_values(_tiny_config(family, cls), {k for v in VARIANTS.values() for k in v})
+    except Exception:  # noqa: BLE001 - a family whose tiny config does not build has no variants
+        return []
+    out = []
+    for name, values in VARIANTS.items():
+        if not set(values) <= set(default):
+            continue
+        try:
+            got = _config_values(_tiny_config(family, cls, values), values)
+        except Exception:  # noqa: BLE001 - values the config rejects
+            continue
+        if got == values and any(default[k] != v for k, v in values.items()):
+            out.append(name)
+    return out
 
 
 def families() -> list[str]:
@@ -221,14 +294,15 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def build(family: str, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
+def build(family: str, seed: int = 0, attention: str = "eager", variant: str | None = None) -> torch.nn.Module:
     """The family's tiny float32 causal LM, random-init with ``seed``, in train mode; ``attention``: the
-    ``attn_implementation`` ("eager", or "sdpa" where the family has it, else eager)."""
+    ``attn_implementation`` ("eager", or "sdpa" where the family has it, else eager); ``variant``: a name in
+    :data:`VARIANTS`, whose values its config takes."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
-    config = _tiny_config(family, cls)
+    config = _tiny_config(family, cls, VARIANTS[variant] if variant else None)
     with torch.device("meta"):  # sized first, on no memory
         size = sum(p.numel() for p in cls._from_config(config, attn_implementation="eager").parameters())
     if size > MAX_PARAMS:
@@ -263,13 +337,13 @@ def _known(config) -> set:
     return set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
 
 
-def _tiny_config(family: str, cls):
+def _tiny_config(family: str, cls, extra: dict | None = None):
     """The family's default config with :data:`TINY`'s sizes where it has them, then :data:`FAMILY_CONFIG`'s
-    values; a text config inside it shrunk too."""
+    values, then ``extra``'s; a text config inside it shrunk too."""
     import transformers
 
     config_cls = _config_class(family, cls)
-    own = FAMILY_CONFIG.get(family, {})
+    own = {**FAMILY_CONFIG.get(family, {}), **(extra or {})}
     try:
         default = config_cls()
     except Exception:  # noqa: BLE001 - a default that does not validate by itself: with the family's values
@@ -277,6 +351,10 @@ def _tiny_config(family: str, cls):
     wanted = {**TINY, **own}
     known = _known(default)
     kwargs = {k: v for k, v in wanted.items() if k in known}
+    rope = getattr(default, "rope_parameters", None)
+    moved = {k: v for k, v in own.items() if k not in known and isinstance(rope, dict) and k in rope}
+    if moved:  # rotary settings (partial_rotary_factor) that the config keeps in its rope_parameters
+        kwargs["rope_parameters"] = {**rope, **kwargs.get("rope_parameters", {}), **moved}
     text = getattr(default, "text_config", None)
     if isinstance(text, transformers.PretrainedConfig) and isinstance(own.get("text_config"), dict):
         # A text config given as values of its own: built with the tiny sizes it has too.
@@ -468,8 +546,13 @@ def _check_fns(batch, compiled: bool, recompiles_ok: bool = False) -> dict:
                                 **({"position_ids": packed} if kind == "packed" else {}))
         return steps[kind]
 
-    # The tokens shifted along each row: a second batch for the bfloat16 steps (:func:`_low_problems`).
-    rolled = {k: torch.roll(v, 1, dims=1) for k, v in batch.items()}
+    # The bfloat16 steps' batches (:func:`_low_problems`): this one, and its tokens shuffled over rows and
+    # positions (each in another context) twice, the same positions ignored.
+    lows = [batch]
+    for seed in LOW_PRECISION_SHUFFLES:
+        shuffled = ids.flatten()[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed)).to(
+            ids.device)].view_as(ids)
+        lows.append({"input_ids": shuffled, "labels": torch.where(batch["labels"] == -100, -100, shuffled)})
     training = {"loss": lambda m: step(m)[0], "grads": lambda m: step(m)[1],
                 PACKED[0]: lambda m: step(m, "packed")[0], PACKED[1]: lambda m: step(m, "packed")[1]}
     if compiled:
@@ -488,8 +571,8 @@ def _check_fns(batch, compiled: bool, recompiles_ok: bool = False) -> dict:
         "gradient checkpointing": lambda m: _checkpointed(m, batch),
         "second backward": lambda m: _second_backward(m, batch),
         "loss, module hooks": lambda m: _hooked(m, batch),
-        BFLOAT16: lambda m: [_low_step(m, b, autocast=False) for b in (batch, rolled)],
-        AUTOCAST: lambda m: [_low_step(m, b, autocast=True) for b in (batch, rolled)],
+        BFLOAT16: lambda m: [_low_step(m, b, autocast=False) for b in lows],
+        AUTOCAST: lambda m: [_low_step(m, b, autocast=True) for b in lows],
     }
 
 
@@ -569,11 +652,11 @@ def _float64(model):
 
 
 def _low_problems(model, fns: dict, got: dict, want: dict) -> dict:
-    """The bfloat16 steps (:data:`LOW_PRECISION`) the unpatched model ran: where, on both batches, the patched
-    model's median error against the float64 model is more than twice the unpatched model's (plus 1e-4), what
-    it is; nothing where there is no float64 model. Both: a rounding that flips a MoE router's top-k in the
-    first layer moves most gradients, patched or not, on one batch by chance (Qwen3-MoE in float16, one seed
-    of four); a patched piece that loses precision does so on every batch."""
+    """The bfloat16 steps (:data:`LOW_PRECISION`) the unpatched model ran: where, on every batch (three), the
+    patched model's median error against the float64 model is more than twice the unpatched model's (plus
+    1e-4), what it is; nothing where there is no float64 model. Every batch: a rounding that flips a MoE
+    router's top-k moves most gradients, patched or not, on a batch by chance (docs/models.md#the-family-matrix);
+    a patched piece that loses precision does so on every batch."""
     bad = {}
     try:
         model64 = _float64(model)
@@ -584,11 +667,11 @@ def _low_problems(model, fns: dict, got: dict, want: dict) -> dict:
             ref = fns[key](model64)
         except Exception:  # noqa: BLE001
             continue
-        errs = [(_error(key, g, r)[0], _error(key, w, r)[0]) for g, w, r in zip(got.get(key) or [None] * 2,
-                                                                                  want[key], ref)]
+        errs = [(_error(key, g, r)[0], _error(key, w, r)[0])
+                for g, w, r in zip(got.get(key) or [None] * len(want[key]), want[key], ref)]
         if all(e_p > 2 * e_u + 1e-4 for e_p, e_u in errs):
             bad[key] = f"{key}: median error " + ", ".join(
-                f"{e_p:.2e} (unpatched {e_u:.2e})" for e_p, e_u in errs) + " against float64, on two batches"
+                f"{e_p:.2e} (unpatched {e_u:.2e})" for e_p, e_u in errs) + f" against float64, on {len(errs)} batches"
     return bad
 
 
@@ -609,6 +692,7 @@ def _report_ops(report) -> dict:
 BFLOAT16 = "loss and grads, bfloat16"
 AUTOCAST = "loss and grads, bfloat16 autocast"  # float32 weights, as Trainer's bf16=True trains
 LOW_PRECISION = (BFLOAT16, AUTOCAST)
+LOW_PRECISION_SHUFFLES = (1, 2)  # the seeds of the bfloat16 steps' batches beyond the first (_check_fns)
 PACKED = ("loss, packed sequences", "grads, packed sequences")
 
 # The checks that exercise the kernels (the others differ only in what the model computes around them).
@@ -652,15 +736,21 @@ def unbuilt(model) -> list[str]:
     return sorted(missing)
 
 
-def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
+def check(family: str, mode: str = "eager", device=None, only=None, variant: str | None = None) -> Verdict:
     """One family in one mode (``"eager"`` or ``"compiled"``): see the module docstring. ``only``: the names
-    of the checks to run (e.g. :data:`TRAINING_CHECKS`), default all."""
+    of the checks to run (e.g. :data:`TRAINING_CHECKS`), default all; ``variant``: a name in :data:`VARIANTS`
+    (one of :func:`variants`), the default config without."""
+    v = _check(family, mode, device, only, variant)
+    return dataclasses.replace(v, variant=variant or "")
+
+
+def _check(family: str, mode: str, device, only, variant) -> Verdict:
     import tritongrad
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     compiled = mode == "compiled"
     try:  # compiled: SDPA where the family has it, as users compile, which causal_mask's decision serves
-        model = build(family, attention="sdpa" if compiled else "eager").to(device)
+        model = build(family, attention="sdpa" if compiled else "eager", variant=variant).to(device)
     except Exception as e:  # noqa: BLE001 - a family that cannot be built is reported, not dropped
         return Verdict(family, mode, "error", f"cannot build a tiny model: {type(e).__name__}: {_short(e)}")
     missing = [] if family in UNBUILT_OK else unbuilt(model)
@@ -675,7 +765,7 @@ def check(family: str, mode: str = "eager", device=None, only=None) -> Verdict:
         e = failed.get("loss") or failed["grads"]
         return Verdict(family, mode, "error", f"the unpatched model fails a training step: {type(e).__name__}: "
                                               f"{_short(e)}")
-    patched = _patched(family, model, device, mode)
+    patched = _patched(family, model, device, mode, variant)
     if isinstance(patched, Verdict):
         return patched
     patched, ops = patched
@@ -736,10 +826,11 @@ def _layouts(model, into: dict, on: bool = True):
 def _layout_moved(unpatched: dict, patched: dict) -> str:
     """The first module (in the order outputs were made) whose output the patched model lays out otherwise
     than the unpatched one, with both strides: values the same, but the next ops may copy it (a defect of
-    memory and speed the values do not show: docs/norms.md#rows-and-layouts). Empty where none."""
+    memory and speed the values do not show: docs/norms.md#rows-and-layouts). A dim of size 1 has no layout
+    (its stride is never stepped). Empty where none."""
     for name, (shape, stride) in unpatched.items():
         got = patched.get(name)
-        if got is not None and got[0] == shape and got[1] != stride:
+        if got is not None and got[0] == shape and any(n > 1 and a != b for n, a, b in zip(shape, got[1], stride)):
             return f"layout: {name or 'the model'}'s output {shape} has strides {got[1]} (unpatched {stride})"
     return ""
 
@@ -758,7 +849,7 @@ def _check_plan(model, device, compiled: bool, only) -> tuple:
     return batch, fns, ref
 
 
-def _patched(family: str, model, device, mode: str):
+def _patched(family: str, model, device, mode: str, variant: str | None = None):
     """``(a patched copy of model, the report's ops)``, or the Verdict when patch raises or replaces nothing."""
     import warnings
 
@@ -767,7 +858,7 @@ def _patched(family: str, model, device, mode: str):
     try:
         patched = copy.deepcopy(model)
     except RuntimeError:  # non-leaf parameters (weight_norm): the same seed builds the same weights
-        patched = build(family, attention=model.config._attn_implementation).to(device)
+        patched = build(family, attention=model.config._attn_implementation, variant=variant).to(device)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -826,24 +917,27 @@ def _where(e: BaseException) -> str:
     return f"  at {f.filename.rsplit('/', 2)[-1]}:{f.lineno} ({f.name})"
 
 
-def run(names=None, modes=("eager", "compiled"), device=None, progress=None, only=None) -> list[dict]:
+def run(names=None, modes=("eager", "compiled"), device=None, progress=None, only=None,
+        with_variants: bool = False) -> list[dict]:
     """``[{"family", "eager", "compiled", "ops"}]`` for ``names`` (default: every family); ``only``: as
-    :func:`check`'s."""
+    :func:`check`'s. ``with_variants``: after each family's default config, a row per variant that applies
+    (:func:`variants`), with a ``"variant"`` key."""
     rows = []
     for family in names or families():
-        row = {"family": family}
-        ops = {}
-        for mode in modes:
-            try:
-                v = check(family, mode, device, only)
-            except Exception as e:  # noqa: BLE001 - one family's failure never stops the matrix
-                v = Verdict(family, mode, "error", f"{type(e).__name__}: {_short(e)}")
-            row[mode] = v.line()
-            ops = ops or v.ops
-            if progress:
-                progress(v)
-        row["ops"] = ops
-        rows.append(row)
+        for variant in [None, *(variants(family) if with_variants else ())]:
+            row = {"family": family, **({"variant": variant} if variant else {})}
+            ops = {}
+            for mode in modes:
+                try:
+                    v = check(family, mode, device, only, variant)
+                except Exception as e:  # noqa: BLE001 - one family's failure never stops the matrix
+                    v = Verdict(family, mode, "error", f"{type(e).__name__}: {_short(e)}", variant=variant or "")
+                row[mode] = v.line()
+                ops = ops or v.ops
+                if progress:
+                    progress(v)
+            row["ops"] = ops
+            rows.append(row)
     return rows
 
 
@@ -859,6 +953,7 @@ def markdown(rows: list[dict], modes=("eager", "compiled")) -> str:
         done = ", ".join(f"{op} {v.split()[-1]}" for op, v in sorted(ops.items()) if v.startswith("replaced"))
         alone = "; ".join(f"{op}: {v[len('left alone: '):]}" for op, v in sorted(ops.items())
                           if v.startswith("left alone"))
-        lines.append(f"| {r['family']} | " + " | ".join(cell(r.get(m, '')) for m in modes)
+        name = f"{r['family']} [{r['variant']}]" if r.get("variant") else r["family"]
+        lines.append(f"| {name} | " + " | ".join(cell(r.get(m, '')) for m in modes)
                      + f" | {cell(done)} | {cell(alone)} |")
     return "\n".join(lines)
