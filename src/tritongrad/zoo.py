@@ -28,6 +28,11 @@ family has it (as models are compiled; the mask decision ``causal_mask`` replace
 patched compiled step fails, the unpatched model's compiled step tells whether the family itself does not
 compile.
 
+With ``variants``, each family runs again with each of :data:`VARIANTS` that its config has and keeps (the
+activation, biases, a tied head, head width, rotary width, logit scales and caps, ...): the default config is one
+point of a family. The tiny models' weights are drawn at about 1/sqrt(hidden) (``TINY``'s ``initializer_range``),
+so that functions the patch must tell apart differ by more than the tolerances.
+
 Each family and mode gets a :class:`Verdict`: ``exact`` (with what was patched), ``refused`` (nothing that
 was patched computes differently, and the report says why each op was left alone), ``wrong: <figures>`` or
 ``error: <message>``. A family whose tiny model cannot be built is an ``error``, never left out.
@@ -234,7 +239,6 @@ VARIANTS: dict[str, dict] = {
     "layer-norm-eps": dict(layer_norm_eps=0.3),
     "partial-rotary": dict(partial_rotary_factor=0.25),
     "full-rotary": dict(partial_rotary_factor=1.0),
-    "rotary-pct": dict(rotary_pct=1.0),
     "softcap": dict(final_logit_softcapping=5.0),  # the loss's soft cap on ...
     "no-softcap": dict(final_logit_softcapping=None, attn_logit_softcapping=None),  # ... and off
     "logits-scaling": dict(logits_scaling=0.25),  # Granite: logits / logits_scaling
