@@ -173,7 +173,6 @@ def test_config_variants():
            if not r["eager"].startswith("exact")
            and not (r.get("variant") and r["eager"].startswith("error: the unpatched model fails"))}
     assert not bad, bad
-    assert all(not r["eager"].startswith("error") for r in rows if not r.get("variant"))
 
 
 def test_family_config_values_are_taken():
