@@ -316,12 +316,15 @@ def build(family: str, seed: int = 0, attention: str = "eager", variant: str | N
         attention = "eager"
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation=attention, dtype=torch.float32)
-    with torch.no_grad():  # norm weights away from their constant init, so that their semantics show
+    with torch.no_grad():  # norm weights and biases away from their constant init, so that their semantics show
         g = torch.Generator().manual_seed(seed + 1)
         for m in model.modules():
             w = getattr(m, "weight", None)
             if "norm" in type(m).__name__.lower() and isinstance(w, torch.Tensor) and w.dim() == 1:
                 w.add_(0.3 * torch.randn(w.shape, generator=g).to(w.dtype))
+        for name, p in model.named_parameters():  # a kernel that drops a zero bias would still be exact
+            if name.rsplit(".", 1)[-1] == "bias" and p.dim() == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=g).to(p.dtype))
     return model.train()
 
 
