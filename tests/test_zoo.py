@@ -585,3 +585,25 @@ def test_a_familys_own_recompilation_is_a_note_not_an_error_compiled(monkeypatch
     monkeypatch.setattr(modeling_llama.LlamaModel, "forward", forward)
     v = zoo.check("llama", "compiled", only=("loss",))
     assert v.status == "exact" and "second compiled step recompiles too" in v.detail, v.line()
+
+
+@pytest.mark.parametrize("family, op", [("gpt_neox", "layer_norm"), ("phi", "linear_cross_entropy")])
+def test_an_op_that_drops_its_bias_is_wrong(monkeypatch, family, op):
+    # The families initialise biases to zero; zoo.build moves them, else an op that ignores its bias's value
+    # (and passes its gradient on) stays exact (docs/models.md#the-family-matrix).
+    import tritongrad.nn
+
+    def dropped(b):
+        return None if b is None else b - b.detach()
+
+    if op == "layer_norm":
+        def forward(self, x):
+            return tritongrad.nn.layer_norm(x, self.normalized_shape, self.weight, dropped(self.bias), self.eps)
+
+        monkeypatch.setattr(tritongrad.nn.LayerNorm, "forward", forward)
+    else:
+        loss = _hf.causal_lm_linear_loss
+        monkeypatch.setattr(_hf, "causal_lm_linear_loss",
+                            lambda h, w, b, *args, **kwargs: loss(h, w, dropped(b), *args, **kwargs))
+    v = zoo.check(family, "eager", only=("loss",))
+    assert v.status == "wrong" and "loss: off by" in v.detail, v.line()
