@@ -110,10 +110,11 @@ CHUNKS = 1
 
 # The quick tier: loss and every gradient, what patch substitutes into each family, also with two sequences
 # packed in a row, the loss with a hook on every module (a module call that a patched path bypasses must still
-# count: docs/models.md#module-calls), and a bfloat16 copy's step against the float64 model (the family's own
+# count: docs/models.md#module-calls), the loss over Trainer's num_items_in_batch, and a bfloat16 copy's step against the float64 model (the family's own
 # casts: docs/models.md#the-family-matrix); the extended tier adds logits, gradient checkpointing, a second
 # backward and bfloat16 autocast (the kernel families check those in the quick tier).
-CHECKS = [pytest.param(("loss", "grads", *zoo.PACKED, "loss, module hooks", zoo.BFLOAT16), id="quick-checks"),
+CHECKS = [pytest.param(("loss", "grads", *zoo.PACKED, "loss, module hooks", "loss, num_items_in_batch", zoo.BFLOAT16),
+                       id="quick-checks"),
           pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
 
 
@@ -607,3 +608,13 @@ def test_an_op_that_drops_its_bias_is_wrong(monkeypatch, family, op):
                             lambda h, w, b, *args, **kwargs: loss(h, w, dropped(b), *args, **kwargs))
     v = zoo.check(family, "eager", only=("loss",))
     assert v.status == "wrong" and "loss: off by" in v.detail, v.line()
+
+
+def test_a_loss_that_ignores_num_items_in_batch_is_wrong(monkeypatch):
+    # Trainer passes num_items_in_batch under gradient accumulation: a patched loss that took the mean instead of
+    # the sum over it would scale every accumulated step's gradient.
+    loss = _hf.causal_lm_linear_loss
+    monkeypatch.setattr(_hf, "causal_lm_linear_loss",
+                        lambda *args, num_items_in_batch=None, **kwargs: loss(*args, **kwargs))
+    v = zoo.check("llama", "eager", only=("loss", "loss, num_items_in_batch"))
+    assert v.status == "wrong" and "loss, num_items_in_batch: off by" in v.detail, v.line()

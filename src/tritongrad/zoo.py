@@ -567,6 +567,7 @@ def _check_fns(batch, compiled: bool, recompiles_ok: bool = False) -> dict:
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    items = torch.tensor(7, device=ids.device)
     return {
         **training,
         "logits": lambda m: _logits(m, batch),
@@ -574,6 +575,8 @@ def _check_fns(batch, compiled: bool, recompiles_ok: bool = False) -> dict:
         "logits, position_ids": lambda m: _logits(m, batch, position_ids=pos),
         "loss, padding mask": lambda m: _step(m, batch, False, attention_mask=mask)[0],
         "loss, position_ids": lambda m: _step(m, batch, False, position_ids=pos)[0],
+        # as Trainer passes it under gradient accumulation: the loss is then the labelled tokens' sum over it
+        "loss, num_items_in_batch": lambda m: _step(m, batch, False, num_items_in_batch=items)[0],
         "generate": lambda m: _generate(m, batch),
         "gradient checkpointing": lambda m: _checkpointed(m, batch),
         "second backward": lambda m: _second_backward(m, batch),
