@@ -75,6 +75,21 @@ TINY = dict(
     # form, or a soft cap and none, differ by far more than the tolerances (0.02 keeps them where they agree).
     initializer_range=0.15, init_std=0.15,
 )
+# Per family: the depth of its tiny model where TINY's two layers would leave out a kind of layer the default
+# config builds (sliding and full attention, dense and sparse MLPs, linear and full attention, rope and no rope,
+# cross-attention): the smallest depth that has every kind (missing_layer_kinds; tests/test_zoo.py checks it).
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(("dots3_note", "dots3_note_text", "hy_v4"), 3),
+    **dict.fromkeys(("afmoe", "cohere2", "cohere2_moe", "dory", "ergo", "exaone4", "exaone_moe", "flint",
+                     "lara_mini", "llama4", "llama4_text", "mllama", "modernbert-decoder", "olmo3"), 4),
+    **dict.fromkeys(("beam", "deepseek_v4", "gemma3n_text", "kimi_linear", "kolibri1", "lfm3"), 5),
+    **dict.fromkeys(("bailing_hybrid", "gemma3", "gemma3_text", "inkling2_text", "inkling_text", "mimo_v2_flash"), 6),
+    **dict.fromkeys(("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "kolibri1_1"), 7),
+    "inkling2_loop_text": 12,
+}
+# The config attributes that list each layer's kind.
+LAYER_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types", "attention_types",
+               "kv_source_layers")
 # Per family: values its defaults need beyond TINY (e.g. a vocabulary its special tokens fit in).
 FAMILY_CONFIG: dict[str, dict] = {
     # Mamba mixers at the tiny width (the defaults' 128 heads of 64 and 256 states cost seconds a step on CPU).
@@ -109,7 +124,11 @@ FAMILY_CONFIG: dict[str, dict] = {
     # tiny model's query heads.
     "ergo": dict(first_dense_intermediate_size=128, shared_intermediate_size=64, moe_intermediate_size=32,
                  num_experts=4, num_experts_per_tok=2),
-    "kolibri1_1": dict(index_num_heads=2, index_topk=8, mlp_only_layers=[0]),
+    "kolibri1_1": dict(index_num_heads=2, index_topk=8, mlp_only_layers=[0],
+                       # indexed layers of each kind the default has: storing keys and values, reusing them,
+                       # their own (the fewest that missing_layer_kinds finds)
+                       layer_types=["sliding_attention"] * 2 + ["indexed_attention"] * 5,
+                       kv_source_layers=[0, 1, 2, 2, 2, 5, 6]),
     # Local attention only: LSH attention hashes into buckets, and a rounding-level change moves a token.
     "reformer": dict(is_decoder=True, axial_pos_shape=[3, 4], axial_pos_embds_dim=[32, 32],
                      attn_layers=["local", "local"]),
@@ -119,15 +138,13 @@ FAMILY_CONFIG: dict[str, dict] = {
     # norms and masks it reaches) runs (tests/test_zoo.py checks that every text attention class is built).
     **{f: dict(layer_types=["linear_attention", "full_attention"])
        for f in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")},
-    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, head_dim=8),
+    "bailing_hybrid": dict(num_key_value_heads=4, head_dim=8),
     **{f: dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
                indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2)
        for f in ("qwen4_exp", "qwen4_exp_text")},
-    "lfm3": dict(layer_types=["conv", "full_attention"]),
     # MoE families whose first default layers are dense, or whose experts, shared expert or attention layer are
     # off by default: one of each in two layers, so that the experts' gate (and what else the patch reaches
     # there) runs.
-    "beam": dict(mlp_layer_types=["dense", "sparse"]),
     "flint": dict(mlp_only_layers=[0]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "granitemoeshared": dict(logits_scaling=4.0, shared_intermediate_size=32),
@@ -137,8 +154,13 @@ FAMILY_CONFIG: dict[str, dict] = {
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_state=16,
                              mamba_chunk_size=8),
-    "dots3_note_text": dict(num_key_value_heads=4),
-    "dots3_note": dict(num_key_value_heads=4),
+    # dots3's third layer (sliding attention) takes sizes of its own; the indexer's heads shrunk too.
+    **{f: dict(num_key_value_heads=4, index_n_heads=4, index_head_dim=16,
+               per_layer_config={"2": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                                           kv_lora_rank=16, head_dim=16, qk_nope_head_dim=8, v_head_dim=16,
+                                           qk_rope_head_dim=8)})
+       for f in ("dots3_note", "dots3_note_text")},
+    "deepseek_v4": dict(o_lora_rank=16, index_n_heads=4, index_head_dim=16),
     "gemma4_assistant": dict(text_config=dict(model_type="gemma4_text", hidden_size_per_layer_input=0,
                                               vocab_size_per_layer_input=0)),
     **{f: dict(text_config=dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=256),
@@ -157,8 +179,10 @@ FAMILY_CONFIG: dict[str, dict] = {
     "cpmant": dict(dim_ff=128, dim_head=16, position_bias_num_buckets=32),
     "moshi": dict(ffn_dim=128),
     "kimi_linear": dict(linear_head_dim=16, linear_num_heads=4, num_key_value_heads=4, head_dim=8),
-    "inkling2_text": dict(unpadded_vocab_size=256),
-    "inkling2_loop_text": dict(unpadded_vocab_size=256),
+    # Inkling's sliding-window layers take head counts and widths of their own.
+    **{f: dict(unpadded_vocab_size=256, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
+       for f in ("inkling2_text", "inkling2_loop_text")},
+    "inkling_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
     "longcat_flash": dict(num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4,
                           moe_topk=2, zero_expert_num=2, num_key_value_heads=4, head_dim=8),
     "gemma3n_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, num_kv_shared_layers=0),
@@ -291,6 +315,51 @@ def variants(family: str) -> list[str]:
     return out
 
 
+def layer_kinds(model: torch.nn.Module) -> set:
+    """The kinds of layer in ``model``'s longest stack of layers (a ModuleList named ``layers``, ``h``,
+    ``blocks``, ...): each layer's module classes, with their flag and name attributes (``is_sliding``,
+    ``layer_type``, ...) and whether they hold a sliding window."""
+    stacks = [m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)
+              and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks", "layer", "block")]
+    if not stacks:
+        return set()
+
+    def kind(layer):
+        return tuple(sorted({(type(m).__name__, getattr(m, "sliding_window", None) is not None,
+                              tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, (bool, str))
+                                           and not k.startswith("_") and k != "training")))
+                             for m in layer.modules()}, key=repr))
+
+    return {kind(layer) for layer in max(stacks, key=len)}
+
+
+def missing_layer_kinds(family: str) -> list:
+    """The kinds of layer (:func:`layer_kinds`) that the family's tiny config at the default config's depth builds
+    and :func:`build`'s tiny model lacks: what cutting the default pattern to the tiny depth (:data:`LAYERS`)
+    leaves out. Both models are sized on the meta device."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    own = FAMILY_CONFIG.get(family, {})
+    config_cls = _config_class(family, cls)
+    try:
+        default = config_cls()
+    except Exception:  # noqa: BLE001 - as _tiny_config
+        default = config_cls(**own)
+    depth = getattr(default.get_text_config(), "num_hidden_layers", None)
+    # The family's per-layer kinds (layer_types, ...) as the default has them, its other values kept.
+    deep = {"num_hidden_layers": depth, **{k: getattr(default, k, None) for k in own if k in LAYER_LISTS}}
+    if any(v is None for k, v in deep.items() if k in LAYER_LISTS):  # no default kinds: the family's own list
+        deep = {"num_hidden_layers": TINY["num_hidden_layers"]}
+    if isinstance(own.get("text_config"), dict):
+        deep["text_config"] = {**own["text_config"], "num_hidden_layers": depth}
+    with torch.device("meta"):
+        tiny = layer_kinds(cls._from_config(_tiny_config(family, cls), attn_implementation="eager"))
+        full = layer_kinds(cls._from_config(_tiny_config(family, cls, deep), attn_implementation="eager"))
+    return sorted(full - tiny, key=repr)
+
+
 def families() -> list[str]:
     """Every ``model_type`` transformers maps to a causal-LM class, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -355,7 +424,7 @@ def _tiny_config(family: str, cls, extra: dict | None = None):
         default = config_cls()
     except Exception:  # noqa: BLE001 - a default that does not validate by itself: with the family's values
         default = config_cls(**own)
-    wanted = {**TINY, **own}
+    wanted = {**TINY, "num_hidden_layers": LAYERS.get(family, TINY["num_hidden_layers"]), **own}
     known = _known(default)
     kwargs = {k: v for k, v in wanted.items() if k in known}
     rope = getattr(default, "rope_parameters", None)
@@ -366,7 +435,7 @@ def _tiny_config(family: str, cls, extra: dict | None = None):
     if isinstance(text, transformers.PretrainedConfig) and isinstance(own.get("text_config"), dict):
         # A text config given as values of its own: built with the tiny sizes it has too.
         tk = _known(text)
-        kwargs["text_config"] = {"model_type": text.model_type, **{k: v for k, v in TINY.items() if k in tk},
+        kwargs["text_config"] = {"model_type": text.model_type, **{k: v for k, v in wanted.items() if k in tk},
                                  **own["text_config"]}
         kwargs["text_config"]["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
     if ("head_dim" in kwargs and "hidden_size" in kwargs and "num_attention_heads" in kwargs
