@@ -82,9 +82,10 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("dots3_note", "dots3_note_text", "hy_v4"), 3),
     **dict.fromkeys(("afmoe", "cohere2", "cohere2_moe", "dory", "ergo", "exaone4", "exaone_moe", "flint",
                      "lara_mini", "llama4", "llama4_text", "mllama", "modernbert-decoder", "olmo3"), 4),
-    **dict.fromkeys(("beam", "deepseek_v4", "gemma3n_text", "kimi_linear", "kolibri1", "lfm3"), 5),
+    **dict.fromkeys(("beam", "deepseek_v4", "kimi_linear", "kolibri1", "lfm3"), 5),
     **dict.fromkeys(("bailing_hybrid", "gemma3", "gemma3_text", "inkling2_text", "inkling_text", "mimo_v2_flash"), 6),
     **dict.fromkeys(("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "kolibri1_1"), 7),
+    "gemma3n_text": 10,  # transformers 5.17 needs 10, 5.25 five
     "inkling2_loop_text": 12,
 }
 # The config attributes that list each layer's kind.
