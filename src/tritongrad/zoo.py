@@ -343,11 +343,7 @@ def missing_layer_kinds(family: str) -> list:
 
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
     own = FAMILY_CONFIG.get(family, {})
-    config_cls = _config_class(family, cls)
-    try:
-        default = config_cls()
-    except Exception:  # noqa: BLE001 - as _tiny_config
-        default = config_cls(**own)
+    default = _default_config(_config_class(family, cls), own)
     depth = getattr(default.get_text_config(), "num_hidden_layers", None)
     # The family's per-layer kinds (layer_types, ...) as the default has them, its other values kept.
     deep = {"num_hidden_layers": depth, **{k: getattr(default, k, None) for k in own if k in LAYER_LISTS}}
@@ -410,6 +406,14 @@ def _config_class(family: str, cls):
     return config_cls
 
 
+def _default_config(config_cls, own: dict):
+    """The family's default config; one that does not validate by itself, with the family's values ``own``."""
+    try:
+        return config_cls()
+    except Exception:  # noqa: BLE001 - e.g. sub-configs the defaults leave inconsistent
+        return config_cls(**own)
+
+
 def _known(config) -> set:
     return set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
 
@@ -421,10 +425,7 @@ def _tiny_config(family: str, cls, extra: dict | None = None):
 
     config_cls = _config_class(family, cls)
     own = {**FAMILY_CONFIG.get(family, {}), **(extra or {})}
-    try:
-        default = config_cls()
-    except Exception:  # noqa: BLE001 - a default that does not validate by itself: with the family's values
-        default = config_cls(**own)
+    default = _default_config(config_cls, own)
     wanted = {**TINY, "num_hidden_layers": LAYERS.get(family, TINY["num_hidden_layers"]), **own}
     known = _known(default)
     kwargs = {k: v for k, v in wanted.items() if k in known}
