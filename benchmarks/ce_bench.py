@@ -15,7 +15,10 @@ chunks of whole pairs and in chunks of rows, against the three products), ``dist
 with chunks of 192-768 MiB, against its four products), ``f32`` (linear_cross_entropy at the target shape
 with grad_weight accumulated in bf16 and in float32, alternated twice), ``whole_row`` (a probe of another
 design: each program loads a whole row once, rows pipelined through shared memory, one exp per element; against
-tritongrad's cross_entropy at three shapes, docs/cross-entropy.md#where-it-stands).
+tritongrad's cross_entropy at three shapes, docs/cross-entropy.md#where-it-stands), ``split_row`` (a probe of
+a row split over a group of programs that meet at a counter in global memory, each chunk read once and kept in
+registers, against tritongrad's cross_entropy at the four benchmark vocabularies; ``SPLIT_SHAPES=NxC,...``
+picks others).
 Options: ``--quick`` (fewer repetitions, no torch.compile).
 
 Times: ``triton.testing.do_bench`` (median, ms) of one forward+backward, gradients set to None between
@@ -519,6 +522,120 @@ def whole_row(bw: float):
     RESULTS["whole_row"] = rows
 
 
+@triton.jit
+def _split_row_probe(x_ptr, t_ptr, loss_ptr, part_ptr, sync_ptr, N, C, stride, inv_d, GROUPS, G: tl.constexpr,
+                     GP2: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+    """A mean cross-entropy's per-row loss and gradient (over the logits), each row split over a group of G
+    programs of CHUNK columns: a chunk stays in registers from its one read to its gradient's write. Each member
+    publishes its chunk's max and sum of exp, the group meets at a counter in global memory (release, then
+    acquire), and every member combines the G partials into the row's lse. Ids come from a ticket taken when a
+    program starts, so a group's members that wait have only earlier-started programs to wait on (no deadlock
+    when the grid outgrows the SMs). ``PREFETCH``: the group's next row is loaded before the meeting."""
+    pid = tl.atomic_add(sync_ptr, 1)
+    grp = pid // G
+    k = pid - grp * G
+    o = k * CHUNK + tl.arange(0, CHUNK)
+    m = o < C
+    cnt = sync_ptr + 1 + grp
+    j = tl.arange(0, GP2)
+    jm = j < G
+    nxt = tl.load(x_ptr + tl.cast(grp, tl.int64) * stride + o, mask=o < tl.where(grp < N, C, 0), other=float("-inf"))
+    it = 0
+    for row in range(grp, N, GROUPS):
+        r64 = tl.cast(row, tl.int64)
+        if PREFETCH:
+            xr = nxt
+            nrow = row + GROUPS
+            nxt = tl.load(x_ptr + tl.cast(nrow, tl.int64) * stride + o, mask=o < tl.where(nrow < N, C, 0),
+                          other=float("-inf"))
+        else:
+            xr = tl.load(x_ptr + r64 * stride + o, mask=m, other=float("-inf"))
+        x = xr.to(tl.float32)
+        t = tl.load(t_ptr + r64)
+        xt = tl.load(x_ptr + r64 * stride + t).to(tl.float32)  # before the meeting: no member has written yet
+        mx = tl.max(x, 0)
+        s = tl.sum(tl.exp(x - mx), 0)
+        tl.store(part_ptr + r64 * (2 * GP2) + k, mx)
+        tl.store(part_ptr + r64 * (2 * GP2) + GP2 + k, s)
+        it += 1
+        tl.debug_barrier()
+        tl.atomic_add(cnt, 1, sem="release")
+        seen = tl.load(cnt, volatile=True)
+        while seen < it * G:
+            seen = tl.load(cnt, volatile=True)
+        tl.atomic_add(cnt, 0, sem="acquire")
+        tl.debug_barrier()
+        pm = tl.load(part_ptr + r64 * (2 * GP2) + j, mask=jm, other=float("-inf"), volatile=True)
+        ps = tl.load(part_ptr + r64 * (2 * GP2) + GP2 + j, mask=jm, other=0.0, volatile=True)
+        mrow = tl.max(pm, 0)
+        ls = tl.log(tl.sum(ps * tl.exp(pm - mrow), 0))
+        g = tl.exp(x - mrow - ls) * inv_d - tl.where(o == t, inv_d, 0.0)
+        tl.store(x_ptr + r64 * stride + o, g.to(x_ptr.dtype.element_ty), mask=m)
+        if k == 0:
+            tl.store(loss_ptr + r64, (mrow - xt) + ls)
+
+
+def split_row(bw: float):
+    """The probe above against tritongrad's cross_entropy forward+backward at the four benchmark vocabularies:
+    CUDA-graph device time (the probe's includes zeroing its counters), % of copy; each configuration's
+    gradient and per-row loss checked against F's on the first replay's input."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    shapes = [(16384, 32000), (8192, 128256), (4096, 151936), (4096, 262144)]
+    if os.environ.get("SPLIT_SHAPES"):
+        shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["SPLIT_SHAPES"].split(",")]
+    for N, C in shapes:
+        x = torch.randn(N, C, device="cuda", generator=_gen(), dtype=torch.bfloat16)
+        t = torch.randint(0, C, (N,), device="cuda", generator=_gen())
+        floor_gb = 2 * N * C * 2 / 1e9
+        loss = torch.empty(N, device="cuda", dtype=torch.float32)
+        ref = x.float().requires_grad_()
+        F.cross_entropy(ref, t).backward()
+        ref_rows = F.cross_entropy(x.float(), t, reduction="none")
+        xg = x.clone().requires_grad_()
+        ms = triton.testing.do_bench_cudagraph(lambda: tritongrad.cross_entropy(xg, t).backward(), grad_to_none=[xg],
+                                               return_mode="median")
+        rows.append(dict(N=N, C=C, variant="tritongrad", ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3))
+        print(f"  {N}x{C} tritongrad: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy", flush=True)
+        for chunk in (2048, 4096, 8192):
+            G = triton.cdiv(C, chunk)
+            part = torch.empty(N, 2 * triton.next_power_of_2(G), device="cuda", dtype=torch.float32)
+            for warps in (4, 8):
+                for per_sm in (2, 4, 8, 16):
+                    groups = max(1, per_sm * sms // G)
+                    sync = torch.zeros(1 + groups, device="cuda", dtype=torch.int32)
+                    for pre in (0, 1):
+                        variant = f"chunk {chunk} (G {G}), warps {warps}, programs/SM {per_sm}, prefetch {pre}"
+
+                        def probe(y):
+                            sync.zero_()
+                            return _split_row_probe[(groups * G,)](
+                                y, t, loss, part, sync, N, C, y.stride(0), 1.0 / N, groups, G=G,
+                                GP2=triton.next_power_of_2(G), CHUNK=chunk, PREFETCH=pre, num_warps=warps)
+                        try:
+                            y = x.clone()
+                            k = probe(y)
+                            torch.cuda.synchronize()
+                            err = ((y.float() - ref.grad).abs().max() / ref.grad.abs().max()).item()
+                            lerr = ((loss - ref_rows).abs().max() / ref_rows.abs().max()).item()
+                            ms = triton.testing.do_bench_cudagraph(lambda: probe(y), return_mode="median")
+                        except Exception as e:  # noqa: BLE001
+                            print(f"  {N}x{C} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                            continue
+                        rows.append(dict(N=N, C=C, variant=variant, ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3,
+                                         grad_err=err, loss_err=lerr, regs=getattr(k, "n_regs", None),
+                                         spills=getattr(k, "n_spills", None)))
+                        print(f"  {N}x{C} {variant}: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy, grad err "
+                              f"{err:.1e}, loss err {lerr:.1e}, regs {rows[-1]['regs']}, spills "
+                              f"{rows[-1]['spills']}", flush=True)
+                        RESULTS["split_row"] = rows
+                        with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
+                            json.dump(RESULTS, f, indent=1, default=str)
+        del x, xg, ref
+        torch.cuda.empty_cache()
+    RESULTS["split_row"] = rows
+
+
 def main():
     parts = [a for a in sys.argv[1:] if not a.startswith("--")] or ["ce", "lce"]
     tritongrad.set_small_input_threshold(0)
@@ -531,7 +648,8 @@ def main():
         {"ce": lambda: bench_ce(bw), "lce": bench_lce, "acc": accuracy_lce, "sweep": lambda: sweep(bw),
          "chunks": chunk_budget, "pairs": dpo_pairs,
          "larger": lambda: chunk_budget((8192, 16384), (192, 256, 384, 512), "larger_chunks"),
-         "distill": distill_chunks, "f32": grad_weight_f32, "whole_row": lambda: whole_row(bw)}[part]()
+         "distill": distill_chunks, "f32": grad_weight_f32, "whole_row": lambda: whole_row(bw),
+         "split_row": lambda: split_row(bw)}[part]()
         print(f"[{part} done at {time.time() - t0:.0f} s]")
         with open(os.path.join(OUT, "ce_bench.json"), "w") as f:
             json.dump(RESULTS, f, indent=1,
