@@ -524,13 +524,17 @@ def whole_row(bw: float):
 
 @triton.jit
 def _split_row_probe(x_ptr, t_ptr, loss_ptr, part_ptr, sync_ptr, N, C, stride, inv_d, GROUPS, G: tl.constexpr,
-                     GP2: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+                     GP2: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr, SLOTS: tl.constexpr):
     """A mean cross-entropy's per-row loss and gradient (over the logits), each row split over a group of G
     programs of CHUNK columns: a chunk stays in registers from its one read to its gradient's write. Each member
     publishes its chunk's max and sum of exp, the group meets at a counter in global memory (release, then
     acquire), and every member combines the G partials into the row's lse. Ids come from a ticket taken when a
     program starts, so a group's members that wait have only earlier-started programs to wait on (no deadlock
-    when the grid outgrows the SMs). ``PREFETCH``: the group's next row is loaded before the meeting."""
+    when the grid outgrows the SMs). ``PREFETCH``: the group's next row is loaded before the meeting. ``SLOTS``:
+    no counter; each member writes its max and sum packed in one 64-bit word into the row's slot (zeroed before
+    the launch; a published word is never 0, its sum being at least 1), and the members poll the G slots. That
+    mode has no fence between a member's read of the target's logit and its slot's store, and measured wrong
+    losses (a member wrote its gradient over the target's logit before another's read landed): kept as measured."""
     pid = tl.atomic_add(sync_ptr, 1)
     grp = pid // G
     k = pid - grp * G
@@ -555,24 +559,44 @@ def _split_row_probe(x_ptr, t_ptr, loss_ptr, part_ptr, sync_ptr, N, C, stride, i
         xt = tl.load(x_ptr + r64 * stride + t).to(tl.float32)  # before the meeting: no member has written yet
         mx = tl.max(x, 0)
         s = tl.sum(tl.exp(x - mx), 0)
-        tl.store(part_ptr + r64 * (2 * GP2) + k, mx)
-        tl.store(part_ptr + r64 * (2 * GP2) + GP2 + k, s)
-        it += 1
-        tl.debug_barrier()
-        tl.atomic_add(cnt, 1, sem="release")
-        seen = tl.load(cnt, volatile=True)
-        while seen < it * G:
+        if SLOTS:
+            word = (mx.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | s.to(tl.uint32, bitcast=True).to(tl.uint64)
+            slots = part_ptr.to(tl.pointer_type(tl.uint64)) + r64 * GP2
+            tl.store(slots + k, word, cache_modifier=".cg")
+            w = tl.load(slots + j, mask=jm, other=1, volatile=True)
+            while tl.sum((w == 0).to(tl.int32), 0) > 0:
+                w = tl.load(slots + j, mask=jm, other=1, volatile=True)
+            pm = tl.where(jm, (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True), float("-inf"))
+            ps = tl.where(jm, (w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True), 0.0)
+        else:
+            tl.store(part_ptr + r64 * (2 * GP2) + k, mx)
+            tl.store(part_ptr + r64 * (2 * GP2) + GP2 + k, s)
+            it += 1
+            tl.debug_barrier()
+            tl.atomic_add(cnt, 1, sem="release")
             seen = tl.load(cnt, volatile=True)
-        tl.atomic_add(cnt, 0, sem="acquire")
-        tl.debug_barrier()
-        pm = tl.load(part_ptr + r64 * (2 * GP2) + j, mask=jm, other=float("-inf"), volatile=True)
-        ps = tl.load(part_ptr + r64 * (2 * GP2) + GP2 + j, mask=jm, other=0.0, volatile=True)
+            while seen < it * G:
+                seen = tl.load(cnt, volatile=True)
+            tl.atomic_add(cnt, 0, sem="acquire")
+            tl.debug_barrier()
+            pm = tl.load(part_ptr + r64 * (2 * GP2) + j, mask=jm, other=float("-inf"), volatile=True)
+            ps = tl.load(part_ptr + r64 * (2 * GP2) + GP2 + j, mask=jm, other=0.0, volatile=True)
         mrow = tl.max(pm, 0)
         ls = tl.log(tl.sum(ps * tl.exp(pm - mrow), 0))
         g = tl.exp(x - mrow - ls) * inv_d - tl.where(o == t, inv_d, 0.0)
         tl.store(x_ptr + r64 * stride + o, g.to(x_ptr.dtype.element_ty), mask=m)
         if k == 0:
             tl.store(loss_ptr + r64, (mrow - xt) + ls)
+
+
+# (columns a program, warps), programs an SM, (prefetch, slots) of the sweep; SPLIT_SWEEP=full: the wider one.
+CONFIGS = [(4096, 4), (8192, 4), (16384, 8)]
+PER_SM = (2, 4, 16)
+MEET = [(1, 0), (1, 1)]
+if os.environ.get("SPLIT_SWEEP") == "full":
+    CONFIGS = [(c, w) for c in (2048, 4096, 8192) for w in (4, 8)]
+    PER_SM = (2, 4, 8, 16)
+    MEET = [(p, m) for p in (0, 1) for m in (0, 1)]
 
 
 def split_row(bw: float):
@@ -597,21 +621,25 @@ def split_row(bw: float):
                                                return_mode="median")
         rows.append(dict(N=N, C=C, variant="tritongrad", ms=ms, pct_copy=100 * floor_gb / ms / bw * 1e3))
         print(f"  {N}x{C} tritongrad: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy", flush=True)
-        for chunk in (2048, 4096, 8192):
+        for chunk, warps in CONFIGS:
             G = triton.cdiv(C, chunk)
             part = torch.empty(N, 2 * triton.next_power_of_2(G), device="cuda", dtype=torch.float32)
-            for warps in (4, 8):
-                for per_sm in (2, 4, 8, 16):
+            if True:
+                for per_sm in PER_SM:
                     groups = max(1, per_sm * sms // G)
                     sync = torch.zeros(1 + groups, device="cuda", dtype=torch.int32)
-                    for pre in (0, 1):
-                        variant = f"chunk {chunk} (G {G}), warps {warps}, programs/SM {per_sm}, prefetch {pre}"
+                    for pre, slots in MEET:
+                        variant = (f"chunk {chunk} (G {G}), warps {warps}, programs/SM {per_sm}, prefetch {pre}, "
+                                   f"{'slots' if slots else 'counter'}")
 
                         def probe(y):
                             sync.zero_()
+                            if slots:
+                                part.zero_()
                             return _split_row_probe[(groups * G,)](
                                 y, t, loss, part, sync, N, C, y.stride(0), 1.0 / N, groups, G=G,
-                                GP2=triton.next_power_of_2(G), CHUNK=chunk, PREFETCH=pre, num_warps=warps)
+                                GP2=triton.next_power_of_2(G), CHUNK=chunk, PREFETCH=pre, SLOTS=slots,
+                                num_warps=warps)
                         try:
                             y = x.clone()
                             k = probe(y)
