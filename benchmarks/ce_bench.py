@@ -7,7 +7,7 @@ of the linear loss timed alone. Prints a table per part and writes everything as
 
 parts (default: ce lce): ``ce`` (cross_entropy at 16384 x 32000 and 8192 x 128256, bf16), ``lce``
 (linear_cross_entropy at N=16384, H=4096, V=128256, bf16), ``acc`` (the linear loss's errors against float64,
-tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes),
+tritongrad and eager bf16, at the target shape), ``sweep`` (cross_entropy's plans at the two shapes, or ``SWEEP_SHAPES=NxC,...``; Liger's beside them),
 ``chunks`` (the linear losses' chunk budget: linear_cross_entropy and linear_grpo_loss at N=8192 and 16384 on
 the bench's inputs, each with chunks of 64 to 192 MiB of logits, against the three products at that
 N), ``larger`` (as ``chunks``, with chunks of 192-512 MiB), ``pairs`` (linear_dpo_loss at N=8192 in
@@ -291,12 +291,23 @@ SWEEP = [  # (warps a program, stages, warps of the persistent grid per SM) for 
     # HBM at 16 warps an SM), with deeper pipelines to cover the load latency that fewer programs leave.
     (2, 8, 8), (2, 12, 8), (2, 16, 8), (2, 8, 6), (2, 12, 6), (2, 16, 6), (4, 8, 8), (4, 12, 8), (2, 8, 16),
     (2, 12, 16),
+    # Deeper pipelines for rows that do not fill the grid (the linear loss's chunks: one row a program).
+    (4, 8, 16), (4, 12, 16), (8, 8, 16),
 ]
 
 
+# Shapes of the sweep; SWEEP_SHAPES=NxC,... picks others (512x128256: one of the linear loss's chunks at 1.24B).
+SWEEP_SHAPES = [(16384, 32000), (8192, 128256)]
+if os.environ.get("SWEEP_SHAPES"):
+    SWEEP_SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SWEEP_SHAPES"].split(",")]
+
+
 def sweep(bw: float):
+    """cross_entropy's plans (SWEEP) at SWEEP_SHAPES, forward+backward from an upstream gradient of 1 (the
+    forward writes the gradient; the linear loss's case), CUDA-graph device time; with Liger-Kernel installed,
+    its cross_entropy on the same shape (per call: it cannot be captured)."""
     rows = []
-    for N, C in ((16384, 32000), (8192, 128256)):
+    for N, C in SWEEP_SHAPES:
         x = torch.randn(N, C, device="cuda", generator=_gen(), dtype=torch.bfloat16).requires_grad_()
         t = torch.randint(0, C, (N,), device="cuda", generator=_gen())
         floor_gb = 2 * N * C * 2 / 1e9
@@ -323,6 +334,12 @@ def sweep(bw: float):
                              pct_copy=100 * floor_gb / ms / bw * 1e3))
             print(f"  {N}x{C} {'plan ' if variant is None else ''}chunk {plan.BLOCK_C} warps {plan.num_warps} stages "
                   f"{plan.stages} programs {plan.programs}: {ms:.3f} ms, {rows[-1]['pct_copy']:.1f}% of copy")
+        liger = _providers_ce().get("liger")
+        if liger is not None:
+            ms = triton.testing.do_bench(lambda: liger(x, t).backward(), grad_to_none=[x], return_mode="median")
+            mine = triton.testing.do_bench(run, grad_to_none=[x], return_mode="median")
+            rows.append(dict(N=N, C=C, provider="liger", ms=ms, tritongrad_per_call_ms=mine))
+            print(f"  {N}x{C} Liger per call: {ms:.3f} ms (tritongrad's plan per call: {mine:.3f})")
         del x
         torch.cuda.empty_cache()
     RESULTS["sweep"] = rows
