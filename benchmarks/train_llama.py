@@ -556,14 +556,46 @@ def _activities():
     return acts
 
 
+# The device work a step is made of that no kernel library here replaces, by the operators that launch it (their
+# self device time is their own kernels', so no kind counts another's); the rest is what the libraries differ in.
+# Their sum bounds any patch's speed-up (BENCHMARKS.md, "Training a Llama").
+STEP_KINDS = {
+    "products": ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"),
+    "attention": ("aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward",
+                  "aten::_flash_attention_forward", "aten::_flash_attention_backward",
+                  "aten::_efficient_attention_forward", "aten::_efficient_attention_backward",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "optimizer": ("aten::_fused_adamw_", "aten::_fused_adam_", "aten::_foreach_add_", "aten::_foreach_mul_",
+                  "aten::_foreach_norm"),
+}
+
+
+def step_kinds(events, steps: int, attr: str) -> dict:
+    """ms per step of each of STEP_KINDS and of the rest, from a profile's ``key_averages()`` (``attr``: the
+    self time to read), over ``steps`` steps. The total is the kernels' time where the profile has kernels
+    (the operators count them again), else every operator's."""
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    total = sum(getattr(e, attr, 0) for e in (kernels or events))
+    by_name = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            by_name[e.key] = by_name.get(e.key, 0) + getattr(e, attr, 0)
+    out = {kind: sum(by_name.get(n, 0) for n in names) / 1e3 / steps for kind, names in STEP_KINDS.items()}
+    out["rest"] = total / 1e3 / steps - sum(out.values())
+    out["step"] = total / 1e3 / steps
+    return out
+
+
 def _write_profile(prof, path: str, result: dict, steps: int) -> None:
-    """The profiled steps' operators by device time (self), then by host time: where a step's time goes."""
+    """The profiled steps' operators by device time (self), then by host time: where a step's time goes; first
+    the step's device time by kind (``step_kinds``), also in the run's record."""
     table = prof.key_averages()
     dev = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    kernels = [e for e in table if e.device_type != torch.autograd.DeviceType.CPU]  # operators count them again
-    total = sum(getattr(e, dev, 0) for e in (kernels or table))
+    kinds = result["step_kinds_ms"] = step_kinds(table, steps, dev)
     with open(path, "w") as f:
-        f.write(f"{result['run']}: the last {steps} steps; self device time {total / 1e3 / steps:.1f} ms per step\n\n")
+        f.write(f"{result['run']}: the last {steps} steps; self device time {kinds['step']:.1f} ms per step\n")
+        f.write("per step, ms: " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items() if k != "step") + "\n\n")
         f.write(table.table(sort_by=dev, row_limit=40, max_name_column_width=70))
         f.write("\n\n")
         f.write(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))

@@ -4,6 +4,7 @@ each with the report's comparison to the one-process run."""
 import csv
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -90,3 +91,36 @@ def test_peak_listing_names_the_blocks_alive_at_the_steps_highest_allocation(tmp
     assert last.splitlines() == [f"       4.0 MiB  freed  {model_at}", f"       2.0 MiB  alive  {kernel_at}",
                                      f"       6.0 MiB  alive  {model_at}", f"       3.0 MiB  alive  {kernel_at}"], last
     assert result["peak_listings"] == ["peak.txt"]
+
+
+def test_profile_splits_a_step_into_products_attention_optimizer_and_the_rest(tmp_path):
+    """The profile's step by kind of work, on a CPU step of each: every kind takes time, the kinds and the rest
+    add up to the step, and the rest is what no kind names (here the elementwise ops)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(128, 128))
+    opt = torch.optim.AdamW([w], fused=True)
+
+    def step():
+        h = (x @ w).relu().exp2()
+        q = h.view(1, 4, 16, 128)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        opt.step()
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+    tl = _train_llama()
+    kinds = tl.step_kinds(prof.key_averages(), 2, "self_cpu_time_total")
+    assert set(kinds) == {"products", "attention", "optimizer", "rest", "step"}, kinds
+    # every operator of those kinds that spends time is named (forward and backward), none left to the rest
+    named = {n for names in tl.STEP_KINDS.values() for n in names}
+    unnamed = {e.key for e in prof.key_averages() if e.self_cpu_time_total > 0 and e.key not in named
+               and re.search(r"aten::(mm|addmm|bmm)$|_attention_|_fused_adam|_foreach_", e.key)}
+    assert not unnamed, unnamed
+    for kind in ("products", "attention", "optimizer", "rest"):
+        assert kinds[kind] > 0, kinds
+    assert sum(v for k, v in kinds.items() if k != "step") == pytest.approx(kinds["step"]), kinds
