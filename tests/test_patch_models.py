@@ -891,9 +891,10 @@ FSDP_OPS = {"llama": {"rms_norm", "fused_add_rms_norm", "swiglu", "rope", "linea
             "gpt_neox": {"layer_norm", "rope", "linear_cross_entropy", "causal_mask"}}  # LayerNorm, partial rotary
 
 
-def fsdp2_model(rank, head, tied, family="llama"):
+def fsdp2_model(rank, head, tied, family="llama", compiled=False):
     # A patched tiny model under fully_shard at world size 2, each rank on its own sequence: its loss is the
     # unpatched model's on that sequence, and every gradient the mean over ranks of the unpatched model's.
+    # compiled: each decoder layer compiled before it is sharded (torchtitan's recipe; aot_eager on CPU).
     import test_patch_models as T
     import tritongrad
     from torch.distributed.fsdp import fully_shard
@@ -906,6 +907,8 @@ def fsdp2_model(rank, head, tied, family="llama"):
     report = tritongrad.patch(model)
     assert FSDP_OPS[family] <= set(report.ops()), (family, report)
     for layer in model.base_model.layers:
+        if compiled:
+            layer.compile(backend="aot_eager" if DEVICE == "cpu" else "inductor", fullgraph=True)
         fully_shard(layer)
     if head == "own":  # the LM head in a unit of its own, which the fused loss never enters
         fully_shard(model.lm_head)
@@ -913,6 +916,10 @@ def fsdp2_model(rank, head, tied, family="llama"):
     out, grads = T._run(model, mine)
     T._assert_matches(out, grads, ((out32, mean32), (out64, mean64)))
     tritongrad.unpatch_transformers()
+    if compiled:
+        from torch._dynamo.utils import counters
+        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["stats"])
+        torch._dynamo.reset()
 
 
 def sharded_head(rank, rows, hidden, vocab):
@@ -970,6 +977,7 @@ def main(rank, path):
         fsdp2_model(rank, "root", False, "gemma2")
         fsdp2_model(rank, "root", False, "phi3")
         fsdp2_model(rank, "root", False, "gpt_neox")
+        fsdp2_model(rank, "root", False, compiled=True)
         ddp_model(rank)
         ddp_model(rank, cross_entropy=True, linear_cross_entropy=False)
     finally:
