@@ -969,8 +969,8 @@ def main(rank, path):
     dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", init_method="file://" + path, rank=rank,
                             world_size=2)
     try:
-        if DEVICE == "cuda":  # the loss alone at a real size (on CPU, the tiny models' sharded heads below)
-            sharded_head(rank, 4096, 512, 32768)
+        # the loss alone, in a sharded head's unit: at a real size on GPUs, in the interpreter's on CPU
+        sharded_head(rank, *((4096, 512, 32768) if DEVICE == "cuda" else (48, 32, 320)))
         dtensor_weight(rank)
         for head, tied in (("root", False), ("own", False), ("root", True)):
             fsdp2_model(rank, head, tied)
