@@ -151,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "table's); what a smaller chunk saves in peak memory and costs in time")
     p.add_argument("--tg-lce-rows", type=int, default=None,
                    help="linear_cross_entropy's fewest rows per chunk for tritongrad's runs (default: the table's "
-                        "LCE_EFFICIENT_ROWS); what fewer, larger chunks save in host time and cost in peak memory")
+                        "LCE_EFFICIENT_ROWS), within the chunk budget (--tg-lce-chunk-mib); what fewer, larger "
+                        "chunks save in host time and cost in peak memory")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile the last N steps with torch.profiler: runs/<run>-profile.txt, device time per op")
     p.add_argument("--peak-step", type=_steps_arg, default=(),
