@@ -393,13 +393,38 @@ def test_grpo_gradient_accumulation_equals_one_step(loss_type):
 
 # ---------------------------------------------------------------- DPO
 def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, completion_mask, *, beta, loss_type,
-             label_smoothing):
+             label_smoothing, discopop_tau=0.05):
     """TRL 1.16's DPOTrainer._compute_loss (reverse KL, one loss type, no weighting), its arithmetic line by
     line; sigmoid with label smoothing as TRL 0.x defined it (conservative DPO)."""
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
     delta_score = chosen_logratios - rejected_logratios
-    if loss_type == "sigmoid":
+    chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
+    if loss_type == "exo_pair":
+        eps = torch.tensor(label_smoothing)  # float32, as TRL makes it
+        per_sequence_loss = (torch.sigmoid(beta * delta_score) * (F.logsigmoid(beta * delta_score) - torch.log1p(-eps))
+                             + torch.sigmoid(-beta * delta_score) * (F.logsigmoid(-beta * delta_score) - torch.log(eps)))
+    elif loss_type == "nca_pair":
+        per_sequence_loss = (-F.logsigmoid(chosen_rewards) - 0.5 * F.logsigmoid(-chosen_rewards)
+                             - 0.5 * F.logsigmoid(-rejected_rewards))
+    elif loss_type == "bco_pair":
+        per_sequence_loss = -F.logsigmoid(chosen_rewards) - F.logsigmoid(-rejected_rewards)
+    elif loss_type == "sppo_hard":
+        per_sequence_loss = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+        per_sequence_loss = (1 - torch.sigmoid(chosen_rewards)) + torch.sigmoid(rejected_rewards)
+    elif loss_type == "apo_down":
+        per_sequence_loss = torch.sigmoid(chosen_rewards) + (1 - torch.sigmoid(beta * delta_score))
+    elif loss_type == "discopop":
+        logits = delta_score * beta
+        modulation = torch.sigmoid(logits / discopop_tau)
+        per_sequence_loss = -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
+    elif loss_type == "sigmoid_norm":
+        chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
+        delta = (chosen_logratios / chosen_mask.sum(dim=1).clamp(min=1.0)
+                 - rejected_logratios / rejected_mask.sum(dim=1).clamp(min=1.0))
+        per_sequence_loss = -F.logsigmoid(beta * delta)
+    elif loss_type == "sigmoid":
         per_sequence_loss = (-F.logsigmoid(beta * delta_score) * (1 - label_smoothing)
                              - F.logsigmoid(-beta * delta_score) * label_smoothing)
     elif loss_type == "hinge":
@@ -416,7 +441,9 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return per_sequence_loss.mean(), beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
-DPO_CASES = {"sigmoid": 0.0, "sigmoid-smoothed": 0.1, "hinge": 0.0, "ipo": 0.0, "robust": 0.1}
+DPO_CASES = {"sigmoid": 0.0, "sigmoid-smoothed": 0.1, "hinge": 0.0, "ipo": 0.0, "robust": 0.1, "exo_pair": 1e-3,
+             "nca_pair": 0.0, "bco_pair": 0.0, "sppo_hard": 0.0, "apo_zero": 0.0, "apo_down": 0.0, "discopop": 0.0,
+             "sigmoid_norm": 0.0}
 
 
 def _dpo_inputs(dt):
@@ -428,10 +455,11 @@ def _dpo_inputs(dt):
             "ref_rejected_logps": -10 + torch.randn(2, generator=g)}
 
 
-@pytest.mark.parametrize("name,dtype", _grid(DPO_CASES, ["sigmoid-smoothed", "ipo"]), ids=str)
+@pytest.mark.parametrize("name,dtype", _grid(DPO_CASES, ["sigmoid-smoothed", "ipo", "discopop"]), ids=str)
 def test_dpo_against_trl_formula_in_float64(name, dtype):
     loss_type, eps = name.split("-")[0], DPO_CASES[name]
-    beta = 0.5 if loss_type == "ipo" else 0.1
+    # ipo's and sppo_hard's margins 1/(2 beta) near the log-ratios' scale; discopop's tau near beta d's
+    beta = {"ipo": 0.5, "sppo_hard": 0.5, "discopop": 1.0}.get(loss_type, 0.1)
 
     def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
         loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
@@ -447,6 +475,21 @@ def test_dpo_against_trl_formula_in_float64(name, dtype):
                         loss_type=loss_type, label_smoothing=eps)
 
     _check(ours, ref, _dpo_inputs, dtype)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(loss_type="aot"), r"loss_type must be one of .* aot and aot_unpaired couple the batch's pairs"),
+    (dict(loss_type="sft"), r"sft is not a pair's loss"),
+    (dict(loss_type="exo_pair"), r"exo_pair takes label_smoothing in \(0, 1\).*got 0.0"),
+    (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
+    (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
+], ids=["aot", "sft", "exo_pair-0", "robust-0.5", "discopop-tau-0"])
+def test_dpo_refuses_what_it_does_not_compute(kw, match):
+    # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
+    t = _dpo_inputs(torch.float32)
+    with pytest.raises(ValueError, match=match):
+        linear_dpo_loss(t["input"], t["weight"], t["target"], ref_chosen_logps=t["ref_chosen_logps"],
+                        ref_rejected_logps=t["ref_rejected_logps"], **kw)
 
 
 def test_dpo_reference_model_from_hidden_states_and_accumulation():
@@ -471,9 +514,9 @@ def test_dpo_reference_model_from_hidden_states_and_accumulation():
     torch.testing.assert_close(got, want)
 
 
-# ipo (the token counts) and robust (both sigmoid terms); every loss type's derivative is checked against TRL's
-# formula on the fused path above
-@pytest.mark.parametrize("loss_type", ["ipo", "robust"])
+# ipo and sigmoid_norm (the token counts), robust (both sigmoid terms), nca_pair and apo_down (chosen and rejected
+# apart, not through d alone); every loss type's derivative is checked against TRL's formula on the fused path above
+@pytest.mark.parametrize("loss_type", ["ipo", "robust", "sigmoid_norm", "nca_pair", "apo_down"])
 def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
     # the fused op in chunks of one pair (SMALL), of two (the second ragged: one pair), and the unfused path
     # (a pair over pair_bytes: chunks of rows, the logits made twice): the same loss, gradients and metrics, equal

@@ -41,8 +41,10 @@ from .reference import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
     acc_dtype,
+    check_dpo_formula,
     check_targets,
     dpo_from_logprobs,
+    dpo_pair_loss,
     grpo_from_logprobs,
     linear_distill_reference,
     linear_dpo_reference,
@@ -607,33 +609,54 @@ def linear_grpo_loss(
 
 
 # ---------------------------------------------------------------- DPO, fused
-def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps):
+def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps, tau):
     """``(sum over pairs of the loss, its derivative by chosen, by rejected)`` per pair of TRL's DPO loss
-    (reference.py's dpo_from_logprobs, whose arithmetic this repeats), the derivatives as autograd takes them
-    through it (relu's at 0 is 0). ``d = (chosen - ref_c) - (rejected - ref_r)``."""
+    (reference.py's ``dpo_pair_loss``, which computes the loss), the derivatives as autograd takes them through
+    it (relu's at 0 is 0). With ``lc = chosen - ref_c``, ``lr = rejected - ref_r``, ``d = lc - lr``, b = beta,
+    s = sigmoid; the derivative by d gives ``(dd, -dd)``."""
     lc, lr = chosen - ref_c, rejected - ref_r
     d = lc - lr
-    if loss_type == "ipo":
-        tc, tr = tokens_c.clamp(min=1.0), tokens_r.clamp(min=1.0)
-        u = (lc / tc - lr / tr) - 1 / (2 * beta)
-        return (u ** 2).sum(), 2 * u / tc, -2 * u / tr
+    total = dpo_pair_loss(lc, lr, tokens_c, tokens_r, beta=beta, loss_type=loss_type, label_smoothing=eps,
+                          discopop_tau=tau).sum()
+    x, bc, br = beta * d, beta * lc, beta * lr
+    sig = torch.sigmoid
+    if loss_type in ("ipo", "sigmoid_norm"):
+        tc, tr = tokens_c.to(d.dtype).clamp(min=1.0), tokens_r.to(d.dtype).clamp(min=1.0)
+        delta = lc / tc - lr / tr
+        du = 2 * (delta - 1 / (2 * beta)) if loss_type == "ipo" else -beta * sig(-beta * delta)
+        return total, du / tc, -du / tr
     if loss_type == "hinge":
-        m = 1 - beta * d
-        per, dd = torch.relu(m), -beta * (m > 0).to(d.dtype)
-    else:  # -(1-e) logsigmoid(b d) - e logsigmoid(-b d) (sigmoid), or its robust form
-        per, dd = -F.logsigmoid(beta * d), -beta * torch.sigmoid(-beta * d)
-        if loss_type == "sigmoid" and eps:
-            per = (1 - eps) * per - eps * F.logsigmoid(-beta * d)
-            dd = (1 - eps) * dd + eps * beta * torch.sigmoid(beta * d)
-        elif loss_type == "robust":
-            per = ((1 - eps) * per + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
-            dd = ((1 - eps) * dd - eps * beta * torch.sigmoid(beta * d)) / (1 - 2 * eps)
-    return per.sum(), dd, -dd
+        dd = -beta * (1 - x > 0).to(d.dtype)
+    elif loss_type in ("sigmoid", "robust"):  # -(1-e) log s(x) -/+ e log s(-x), over 1 - 2e for robust
+        if loss_type == "sigmoid":
+            dd = -beta * sig(-x) if not eps else (1 - eps) * -beta * sig(-x) + eps * beta * sig(x)
+        else:
+            dd = ((1 - eps) * -beta * sig(-x) - eps * beta * sig(x)) / (1 - 2 * eps)
+    elif loss_type == "exo_pair":  # s(x) s(-x) (x - log(1-e) + log e)
+        dd = beta * sig(x) * sig(-x) * (x - math.log1p(-eps) + math.log(eps))
+    elif loss_type == "discopop":  # -s(-x)(1 - m) + log s(x) m' - exp(-x) m + exp(-x) m',  m' = s(x/t) s(-x/t) / t
+        m = sig(x / tau)
+        dm = m * sig(-x / tau) / tau
+        dd = beta * (-sig(-x) * (1 - m) + F.logsigmoid(x) * dm - torch.exp(-x) * m + torch.exp(-x) * dm)
+    elif loss_type == "nca_pair":
+        return total, beta * (-sig(-bc) + 0.5 * sig(bc)), beta * 0.5 * sig(br)
+    elif loss_type == "bco_pair":
+        return total, -beta * sig(-bc), beta * sig(br)
+    elif loss_type == "sppo_hard":
+        return total, 2 * (lc - 0.5 / beta), 2 * (lr + 0.5 / beta)
+    elif loss_type == "apo_zero":
+        return total, -beta * sig(bc) * sig(-bc), beta * sig(br) * sig(-br)
+    elif loss_type == "apo_down":
+        dx = beta * sig(x) * sig(-x)
+        return total, beta * sig(bc) * sig(-bc) - dx, dx
+    else:
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    return total, dd, -dd
 
 
 def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rejected_logps, bias, ignore_index,
                   logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
-                  differentiable_logps) -> None:
+                  differentiable_logps, discopop_tau) -> None:
     _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
                   post_scale)
     if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
@@ -644,17 +667,13 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
         if t.dim() != 1 or t.shape[0] != B:
             raise ValueError(f"tritongrad.linear_dpo_loss: {name} of shape {tuple(t.shape)} must be [{B}], one per "
                              "pair")
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
-                         f"{label_smoothing}")
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau)
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
 def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_index, logit_scale, logit_softcap,
-              post_scale, beta, loss_type, eps, need, upstream=None):
+              post_scale, beta, loss_type, eps, tau, need, upstream=None):
     """Chunks of whole pairs (pair i: input's sequences i and B + i, T rows each): the logits of the chunk's
     chosen and rejected rows (one product), the log-probabilities, each sequence's sum, each pair's loss and its
     derivative (PyTorch, O(pairs)), then, where a gradient is asked for, the logits' gradient in place and the
@@ -695,7 +714,7 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
                 logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
             if any(grads.need):
                 _, dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
-                                       tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps)
+                                       tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau)
                 for sl, (a, e), d in zip(pair, spans, (dc, dr)):
                     d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
                     dl[a:e] = (d[:, None] * tw[sl]).reshape(-1)
@@ -706,7 +725,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
                     )
                 grads.add(g, h, w, *spans[0], *spans[1])
     chosen, rejected = logps[:B].clone(), logps[B:].clone()  # outputs of a registered op: no views of each other
-    total, _, _ = _dpo_terms(chosen, rejected, ref_c, ref_r, tokens[:B], tokens[B:], beta, loss_type, eps)
+    total = dpo_pair_loss(chosen - ref_c, rejected - ref_r, tokens[:B], tokens[B:], beta=beta, loss_type=loss_type,
+                          label_smoothing=eps, discopop_tau=tau).sum()
     return total / B, chosen, rejected, grads.result()
 
 
@@ -722,7 +742,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                   bias: Optional[torch.Tensor] = None, ignore_index: int = -100, logit_scale: float = 1.0,
                   logit_softcap: Optional[float] = None, post_scale: float = 1.0, beta: float = 0.1,
                   loss_type: str = "sigmoid", label_smoothing: float = 0.0, grads: Optional[list[bool]] = None,
-                  differentiable_logps: bool = False,
+                  differentiable_logps: bool = False, discopop_tau: float = 0.05,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO loss over rows ``[2B T]`` of ``input [2B T, H]`` (B chosen sequences of T rows, then their B
     rejected ones): ``(loss, chosen_logps [B], rejected_logps [B], grad_input, grad_weight, grad_bias)``, the
@@ -739,7 +759,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     need = tuple(bool(g) for g in grads) if grads is not None and not differentiable_logps else (False,) * 3
     loss, chosen, rejected, got = _dpo_pass(input, weight, target, token_weight, ref_chosen_logps,
                                             ref_rejected_logps, bias, ignore_index, logit_scale, logit_softcap,
-                                            post_scale, beta, loss_type, label_smoothing, need)
+                                            post_scale, beta, loss_type, label_smoothing, discopop_tau, need)
     return loss, chosen, rejected, *(g if g is not None else empty() for g in got)
 
 
@@ -749,14 +769,14 @@ def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejecte
     if ctx.differentiable_logps:  # every upstream gradient, through the pairs' derivatives and the sums
         *_, got = _dpo_pass(ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps,
                             ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
-                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, need,
+                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, ctx.discopop_tau, need,
                             (grad_loss, torch.cat([grad_chosen, grad_rejected])))
         return got[0], got[1], None, None, None, None, got[2]
     # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
     out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), lambda: _dpo_pass(
         ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps, ctx.ref_rejected_logps, ctx.bias,
         ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap, ctx.post_scale, ctx.beta, ctx.loss_type,
-        ctx.label_smoothing, need)[3])
+        ctx.label_smoothing, ctx.discopop_tau, need)[3])
     return out[0], out[1], None, None, None, None, out[2]
 
 
@@ -778,6 +798,7 @@ def linear_dpo_loss(
     num_pairs_in_batch=None,
     ignore_index: int = -100,
     logit_softcap: float | None = None,
+    discopop_tau: float = 0.05,
 ):
     """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
     logits in memory.
@@ -792,10 +813,13 @@ def linear_dpo_loss(
             ``[2B, T, H']`` with ``ref_weight`` (and ``ref_bias``): the reference model's hidden states and head,
             scored here without gradient.
         completion_mask: ``[2B, T]``, optional, multiplied into the target's mask.
-        beta, loss_type (``sigmoid``, ``hinge``, ``ipo``, ``robust``), label_smoothing: as TRL's DPOConfig.
-            ``robust`` is TRL's robust DPO (label smoothing the flip probability, in [0, 0.5)); ``sigmoid`` with
-            label smoothing is conservative DPO, as TRL before 1.0 defined it (TRL 1.16's sigmoid ignores
-            label smoothing: the two agree at 0).
+        beta, loss_type, label_smoothing, discopop_tau: as TRL 1.16's DPOConfig, for the loss types that are a
+            function of one pair: ``sigmoid``, ``hinge``, ``ipo``, ``robust``, ``exo_pair``, ``nca_pair``,
+            ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down``, ``discopop``, ``sigmoid_norm`` (the formulas:
+            ``reference.dpo_pair_loss``). ``robust`` takes label smoothing in [0, 0.5), ``exo_pair`` in (0, 1);
+            ``sigmoid`` with label smoothing is conservative DPO, as TRL before 1.0 defined it (TRL 1.16's
+            sigmoid ignores label smoothing: the two agree at 0). ``aot`` and ``aot_unpaired`` (a sort over the
+            batch's pairs) and ``sft`` are refused.
         num_pairs_in_batch: the pairs of the whole optimizer step (None: B); the loss is the sum over pairs
             divided by it, so accumulated micro-batches give one big step's gradient.
         logit_softcap: Gemma 2's final soft cap, for the policy and the reference head alike
@@ -828,7 +852,7 @@ def linear_dpo_loss(
     ref_chosen_logps, ref_rejected_logps = ref_chosen_logps.detach(), ref_rejected_logps.detach()
     tokens = mask.sum(-1)
     formula = dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
-                   rejected_tokens=tokens.chunk(2)[1])
+                   rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau)
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
     if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16:
@@ -840,8 +864,7 @@ def linear_dpo_loss(
         chosen, rejected = logps.chunk(2)
         return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps,
                                  num_pairs_in_batch=num_pairs_in_batch, **formula)
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau)
     grads = None
     if torch.is_grad_enabled():
         grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]
@@ -849,7 +872,7 @@ def linear_dpo_loss(
     loss, chosen, rejected = linear_dpo_op(
         x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps, ref_rejected_logps, b, ignore_index,
         1.0, float(logit_softcap) if real else logit_softcap, 1.0, _as_float(beta), loss_type,
-        _as_float(label_smoothing), grads,
+        _as_float(label_smoothing), grads, False, _as_float(discopop_tau),
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch

@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+# TRL 1.16's DPO losses that are a function of one pair. Not offered: "aot" and "aot_unpaired" (they sort the
+# batch's pairs, so a pair's loss depends on the others) and "sft" (a loss of the chosen tokens, not of the pair).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "discopop", "sigmoid_norm")
+DPO_PER_TOKEN = ("ipo", "sigmoid_norm")  # the log-ratios divided by the completions' lengths
 
 
 def acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -268,6 +272,73 @@ def _nan_reduce(x: torch.Tensor, fn) -> torch.Tensor:
     return torch.where(torch.isnan(x).all(), float("nan"), out)
 
 
+def check_dpo_formula(loss_type: str, label_smoothing: float, discopop_tau: float) -> None:
+    """The loss type and the values it takes, or ValueError."""
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r} "
+                         "(TRL's aot and aot_unpaired couple the batch's pairs through a sort; sft is not a pair's loss)")
+    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
+                         f"{label_smoothing}")
+    if loss_type == "exo_pair" and not 0.0 < label_smoothing < 1.0:
+        raise ValueError(f"tritongrad.linear_dpo_loss: exo_pair takes label_smoothing in (0, 1) (its log(e) is "
+                         f"infinite at 0; the EXO paper uses 1e-3), got {label_smoothing}")
+    if loss_type == "discopop" and not discopop_tau > 0:
+        raise ValueError(f"tritongrad.linear_dpo_loss: discopop takes discopop_tau > 0, got {discopop_tau}")
+
+
+def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_tokens, *, beta: float, loss_type: str,
+                  label_smoothing: float, discopop_tau: float = 0.05) -> torch.Tensor:
+    """Each pair's loss ``[B]`` of its log-ratios ``lc = logp_c - ref_c``, ``lr = logp_r - ref_r`` (reverse KL),
+    as TRL 1.16's ``DPOTrainer._compute_loss`` defines it per loss type; with d = lc - lr, s = sigmoid, e the
+    label smoothing:
+
+        sigmoid       -log s(b d);  e > 0: -(1-e) log s(b d) - e log s(-b d) (conservative DPO, TRL before 1.0)
+        hinge         relu(1 - b d)
+        ipo           (lc/n_c - lr/n_r - 1/(2b))^2            (n: the completions' lengths, at least 1)
+        sigmoid_norm  -log s(b (lc/n_c - lr/n_r))
+        robust        (-(1-e) log s(b d) + e log s(-b d)) / (1 - 2e)
+        exo_pair      s(b d) (log s(b d) - log(1-e)) + s(-b d) (log s(-b d) - log e)
+        nca_pair      -log s(b lc) - log s(-b lc)/2 - log s(-b lr)/2
+        bco_pair      -log s(b lc) - log s(-b lr)
+        sppo_hard     (lc - 1/(2b))^2 + (lr + 1/(2b))^2
+        apo_zero      1 - s(b lc) + s(b lr)
+        apo_down      s(b lc) + 1 - s(b d)
+        discopop      -log s(b d) (1 - m) + exp(-b d) m,      m = s(b d / tau)
+    """
+    d = lc - lr
+    eps = label_smoothing
+    if loss_type in DPO_PER_TOKEN:
+        delta = (lc / chosen_tokens.to(d.dtype).clamp(min=1.0) - lr / rejected_tokens.to(d.dtype).clamp(min=1.0))
+        return (delta - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else -F.logsigmoid(beta * delta)
+    if loss_type == "sigmoid":
+        per_pair = -F.logsigmoid(beta * d)
+        return (1 - eps) * per_pair - eps * F.logsigmoid(-beta * d) if eps else per_pair
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * d)
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(beta * d) + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
+    if loss_type == "exo_pair":
+        x = beta * d
+        return (torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-eps))
+                + torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(eps)))
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(beta * lc) - 0.5 * F.logsigmoid(-beta * lc) - 0.5 * F.logsigmoid(-beta * lr)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(beta * lc) - F.logsigmoid(-beta * lr)
+    if loss_type == "sppo_hard":
+        return (lc - 0.5 / beta) ** 2 + (lr + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(beta * lc) + torch.sigmoid(beta * lr)
+    if loss_type == "apo_down":
+        return torch.sigmoid(beta * lc) + 1 - torch.sigmoid(beta * d)
+    if loss_type == "discopop":
+        x = beta * d
+        m = torch.sigmoid(x / discopop_tau)
+        return -F.logsigmoid(x) * (1 - m) + torch.exp(-x) * m
+    raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+
+
 def dpo_from_logprobs(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
@@ -280,34 +351,20 @@ def dpo_from_logprobs(
     chosen_tokens: torch.Tensor | None = None,
     rejected_tokens: torch.Tensor | None = None,
     num_pairs_in_batch=None,
+    discopop_tau: float = 0.05,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's DPO loss of sequence log-probabilities ``[B]`` (the policy's differentiable, the reference's not):
-    ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are IPO's
-    normalisation. ``num_pairs_in_batch``: the pairs of the whole optimizer step (None: B)."""
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are the
+    normalisation of IPO and sigmoid_norm. ``num_pairs_in_batch``: the pairs of the whole optimizer step (None:
+    B). ``discopop_tau``: DiscoPOP's temperature (TRL's ``DPOConfig.discopop_tau``)."""
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau)
+    if loss_type in DPO_PER_TOKEN and (chosen_tokens is None or rejected_tokens is None):
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type={loss_type!r} needs the completion lengths")
     chosen_logratios = chosen_logps - ref_chosen_logps.to(chosen_logps.dtype)
     rejected_logratios = rejected_logps - ref_rejected_logps.to(rejected_logps.dtype)
     d = chosen_logratios - rejected_logratios
-    eps = label_smoothing
-    if loss_type == "sigmoid":
-        # TRL's sigmoid; with label smoothing, conservative DPO (TRL before 1.0: -(1-e) logsig(b d) - e logsig(-b d))
-        per_pair = -F.logsigmoid(beta * d)
-        if eps:
-            per_pair = (1 - eps) * per_pair - eps * F.logsigmoid(-beta * d)
-    elif loss_type == "hinge":
-        per_pair = torch.relu(1 - beta * d)
-    elif loss_type == "ipo":
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("tritongrad.linear_dpo_loss: loss_type='ipo' needs the completion lengths")
-        ipo_delta = (chosen_logratios / chosen_tokens.to(d.dtype).clamp(min=1.0)
-                     - rejected_logratios / rejected_tokens.to(d.dtype).clamp(min=1.0))
-        per_pair = (ipo_delta - 1 / (2 * beta)) ** 2
-    else:  # robust
-        if not 0.0 <= eps < 0.5:
-            raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
-                             f"{eps}")
-        per_pair = (-(1 - eps) * F.logsigmoid(beta * d) + eps * F.logsigmoid(-beta * d)) / (1 - 2 * eps)
+    per_pair = dpo_pair_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta=beta,
+                             loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau)
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
     chosen_rewards = beta * chosen_logratios.detach()
@@ -342,6 +399,7 @@ def linear_dpo_reference(
     label_smoothing: float = 0.0,
     grads: list[bool] | None = None,
     differentiable_logps: bool = False,
+    discopop_tau: float = 0.05,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO op over rows ``[2B T]`` (B chosen sequences of T rows, then their B rejected ones):
     ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t token_weight[s, t]
@@ -354,7 +412,7 @@ def linear_dpo_reference(
     tokens = tw.sum(-1)
     loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
                                 label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
-                                rejected_tokens=tokens.chunk(2)[1])
+                                rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau)
     if not differentiable_logps:
         chosen, rejected = chosen.detach(), rejected.detach()
     return loss, chosen, rejected
