@@ -238,9 +238,11 @@ def test_stats_mean_logit_and_first_argmax():
 # ---------------------------------------------------------------- GRPO
 def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps, ref_per_token_logps, *, beta,
               epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, delta=None,
-              gradient_accumulation_steps=1, num_items_in_batch=None):
+              gradient_accumulation_steps=1, num_items_in_batch=None, sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05):
     """TRL 1.16's GRPOTrainer._compute_loss, its arithmetic line by line (one process, training mode), on given
-    per-token log-probabilities: (loss, kl, clip ratios low/high/region)."""
+    per-token log-probabilities: (loss, kl, clip ratios low/high/region; for cispo, its clip ratio in place of
+    the three)."""
     mask = completion_mask
     advantages = advantages.unsqueeze(1)
     old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
@@ -252,20 +254,30 @@ def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps,
     coef_1 = torch.exp(log_importance_weights)
     if beta != 0.0:
         per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     ga = gradient_accumulation_steps
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
     elif loss_type == "bnpo":
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
     elif loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length) / ga
-    else:  # dapo: num_items_in_batch spans the generation batch (steps_per_generation = ga here)
+    elif loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean() / ga
+    else:  # dapo, cispo: num_items_in_batch spans the generation batch (steps_per_generation = ga here)
         loss = (per_token_loss * mask).sum() / num_items_in_batch.clamp(min=1.0)
 
     def gmm(x):
@@ -273,9 +285,14 @@ def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps,
             return x.sum() / x.shape[0]
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
+    kl = gmm(per_token_kl) if beta else None
+    if loss_type == "cispo":
+        return loss, kl, gmm(((coef_1 > epsilon_high) & (advantages > 0)).float())
+    if loss_type == "sapo":
+        return loss, kl
     low = (coef_1 < 1 - epsilon_low) & (advantages < 0)
     high = (coef_1 > 1 + epsilon_high) & (advantages > 0)
-    return loss, (gmm(per_token_kl) if beta else None), gmm(low.float()), gmm(high.float()), gmm((low | high).float())
+    return loss, kl, gmm(low.float()), gmm(high.float()), gmm((low | high).float())
 
 
 GRPO_CASES = {
@@ -287,7 +304,18 @@ GRPO_CASES = {
     "dr_grpo": dict(loss_type="dr_grpo", beta=0.0, old=True, level="token", max_len=7),
     # GSPO: one importance weight per sequence
     "grpo-sequence": dict(loss_type="grpo", beta=0.0, old=True, level="sequence"),
+    # LUSPO (its sequences' sums), at sequence level as the paper runs it, and at token level (the fused op)
+    "luspo-sequence": dict(loss_type="luspo", beta=0.0, old=True, level="sequence"),
+    "luspo-kl": dict(loss_type="luspo", beta=0.04, old=True, level="token"),
+    # CISPO: the ratio capped at epsilon_high (1.2: some tokens above it) and held constant
+    "cispo-kl": dict(loss_type="cispo", beta=0.04, old=True, level="token", eps_high=1.2),
+    "cispo-on-policy": dict(loss_type="cispo", beta=0.0, old=False, level="token", eps_high=1.2),
+    # SAPO: the soft gate, its two temperatures
+    "sapo-kl": dict(loss_type="sapo", beta=0.04, old=True, level="token"),
+    "sapo-sequence": dict(loss_type="sapo", beta=0.0, old=True, level="sequence"),
 }
+# what TRL logs beside the loss, per loss type
+GRPO_LOGGED = {"cispo": ("cispo_clip_ratio",), "sapo": ()}
 
 
 def _grpo_inputs(dt, case, seed=0):
@@ -304,8 +332,9 @@ def _grpo_inputs(dt, case, seed=0):
 
 
 def _grpo_kwargs(case):
-    return dict(temperature=0.8, beta=case["beta"], epsilon_low=0.2, epsilon_high=0.28, loss_type=case["loss_type"],
-                importance_sampling_level=case["level"], max_completion_length=case.get("max_len"))
+    return dict(temperature=0.8, beta=case["beta"], epsilon_low=0.2, epsilon_high=case.get("eps_high", 0.28),
+                loss_type=case["loss_type"], importance_sampling_level=case["level"],
+                max_completion_length=case.get("max_len"))
 
 
 def _grid(names, sixteen):
@@ -313,26 +342,30 @@ def _grid(names, sixteen):
     return [(n, torch.float32) for n in names] + [(n, d) for n in sixteen for d in DTYPES[1:]]
 
 
-@pytest.mark.parametrize("name,dtype", _grid(GRPO_CASES, ["dapo-on-policy", "grpo-kl-clipped"]), ids=str)
+@pytest.mark.parametrize("name,dtype", _grid(GRPO_CASES, ["dapo-on-policy", "grpo-kl-clipped", "cispo-kl",
+                                                          "sapo-kl"]), ids=str)
 def test_grpo_against_trl_formula_in_float64(name, dtype):
     case = GRPO_CASES[name]
     kw = _grpo_kwargs(case)
+    logged = GRPO_LOGGED.get(case["loss_type"], ("clip_ratio/low_mean", "clip_ratio/high_mean"))
 
     def ours(input, weight, completion_ids, advantages, completion_mask, old_logprobs, ref_logprobs):
         loss, metrics = linear_grpo_loss(input, weight, completion_ids, advantages, completion_mask,
                                          old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, **kw)
-        return (loss, *(metrics[k] for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")))
+        if case["loss_type"] in GRPO_LOGGED:  # no clip ratios where TRL logs none
+            assert "clip_ratio/low_mean" not in metrics, sorted(metrics)
+        return (loss, *(metrics[k] for k in logged))
 
     def ref(input, weight, completion_ids, advantages, completion_mask, old_logprobs, ref_logprobs):
         lp = _ref_logprobs(input, weight, completion_ids, None, kw["temperature"])[0]
         acc = lp.dtype
         cast = (lambda x: None if x is None else x.to(acc))
-        loss, kl, low, high, region = _trl_grpo(
+        loss, kl, *ratios = _trl_grpo(
             lp, advantages.to(acc), completion_mask.to(acc), cast(old_logprobs), cast(ref_logprobs), beta=kw["beta"],
-            epsilon_low=0.2, epsilon_high=0.28, loss_type=kw["loss_type"], importance_sampling_level=kw[
+            epsilon_low=0.2, epsilon_high=kw["epsilon_high"], loss_type=kw["loss_type"], importance_sampling_level=kw[
                 "importance_sampling_level"], max_completion_length=kw["max_completion_length"] or 5,
             num_items_in_batch=completion_mask.sum().to(acc))
-        return loss, low, high
+        return (loss, *ratios[:len(logged)])
 
     _check(ours, ref, lambda dt: _grpo_inputs(dt, case), dtype)
 
@@ -368,7 +401,7 @@ def test_grpo_op_recomputes_a_gradient_the_forward_did_not_make():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
 def test_grpo_gradient_accumulation_equals_one_step(loss_type):
     # two micro-batches of unequal token counts, each given the whole step's normaliser, sum to the big step's
     # gradient (TRL #5890, Liger #802: dividing each micro-batch by its own count does not)
@@ -751,25 +784,27 @@ def test_grpo_formula_is_trls_own(name):
               "ref_per_token_logps": t["ref_logprobs"].double(), "num_items_in_batch": mask.sum()}
     if case["old"]:
         inputs["old_per_token_logps"] = t["old_logprobs"].double()
+    eps_high = case.get("eps_high", 0.28)
     me = types.SimpleNamespace(
         top_entropy_quantile=1.0, importance_sampling_level=case["level"], beta=case["beta"],
-        loss_type=case["loss_type"], epsilon_low=0.2, epsilon_high=0.28, off_policy_mask_threshold=None,
+        loss_type=case["loss_type"], epsilon_low=0.2, epsilon_high=eps_high, off_policy_mask_threshold=None,
         use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=case.get("max_len") or T, accelerator=_Acc(),
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                                   sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None))
     want = GRPOTrainer._compute_loss(me, None, inputs)
     loss, m = grpo_from_logprobs(lp, t["advantages"].double(), mask, inputs.get("old_per_token_logps"),
-                                 inputs["ref_per_token_logps"], beta=case["beta"], epsilon_low=0.2, epsilon_high=0.28,
-                                 loss_type=case["loss_type"], importance_sampling_level=case["level"],
-                                 max_completion_length=case.get("max_len"), entropy=ent)
+                                 inputs["ref_per_token_logps"], beta=case["beta"], epsilon_low=0.2,
+                                 epsilon_high=eps_high, loss_type=case["loss_type"],
+                                 importance_sampling_level=case["level"], max_completion_length=case.get("max_len"),
+                                 entropy=ent)
     torch.testing.assert_close(loss, want)
     logged = me._metrics["train"]
-    for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max"):
-        if key in logged or key in m:
-            assert abs(m[key].item() - logged[key][0]) < 1e-12, key
+    assert set(logged) == set(m), (sorted(logged), sorted(m))  # the metrics TRL logs for this loss type, no others
+    for key in logged:
+        assert abs(m[key].item() - logged[key][0]) < 1e-12, key
 
 
 def _tiny_llama(seed=0):

@@ -39,6 +39,7 @@ from . import kernels
 from . import plans as P
 from .reference import (
     DPO_LOSS_TYPES,
+    GRPO_FORMS,
     GRPO_LOSS_TYPES,
     acc_dtype,
     check_dpo_formula,
@@ -357,20 +358,29 @@ def _mask_of(target: torch.Tensor, mask: torch.Tensor | None, ignore_index: int,
     return valid if mask is None else valid * mask.to(dtype)
 
 
-def _grpo_terms(lp, adv, old, ref, c, beta, eps_low, eps_high, delta):
+def _grpo_terms(lp, adv, old, ref, c, beta, eps_low, eps_high, delta, form="clip", tau_pos=1.0, tau_neg=1.05):
     """``(c loss_tok, c dloss_tok/dl)`` per token of TRL's token-level GRPO loss (docs/post-training.md), the
     derivative with PyTorch's subgradients, as autograd takes them through TRL's formula: ``torch.min`` splits
     a tie in halves, ``torch.clamp`` passes the gradient at its bounds. Without ``old`` the ratio is 1 (old is
-    the current log-probability, detached)."""
+    the current log-probability, detached). ``form``: the surrogate (reference.py's ``_clipped_loss``)."""
     r = torch.exp(lp - old) if old is not None else torch.ones_like(lp)
-    c1 = r if delta is None else torch.clamp(r, max=delta)
-    dc1 = 1.0 if delta is None else (r <= delta).to(lp.dtype)
-    c2 = torch.clamp(r, 1 - eps_low, 1 + eps_high)
-    dc2 = ((r >= 1 - eps_low) & (r <= 1 + eps_high)).to(lp.dtype)
-    t1, t2 = c1 * adv, c2 * adv
-    w1 = torch.where(t1 < t2, 1.0, torch.where(t1 == t2, 0.5, 0.0))
-    loss = -torch.minimum(t1, t2)
-    dl = -(w1 * dc1 + (1 - w1) * dc2) * adv * r
+    if form == "cispo":  # -min(r, eps_high) A l, the clamped ratio a constant
+        k = torch.clamp(r, max=eps_high) * adv
+        loss, dl = -k * lp, -k
+    elif form == "sapo":  # -A 4 s(u) / tau, u = tau (r - 1): dl = -A 4 r s(u) s(-u)
+        tau = torch.where(adv > 0, tau_pos, tau_neg)
+        u = tau * (r - 1)
+        loss = -torch.sigmoid(u) * 4 / tau * adv
+        dl = -adv * 4 * r * torch.sigmoid(u) * torch.sigmoid(-u)
+    else:
+        c1 = r if delta is None else torch.clamp(r, max=delta)
+        dc1 = 1.0 if delta is None else (r <= delta).to(lp.dtype)
+        c2 = torch.clamp(r, 1 - eps_low, 1 + eps_high)
+        dc2 = ((r >= 1 - eps_low) & (r <= 1 + eps_high)).to(lp.dtype)
+        t1, t2 = c1 * adv, c2 * adv
+        w1 = torch.where(t1 < t2, 1.0, torch.where(t1 == t2, 0.5, 0.0))
+        loss = -torch.minimum(t1, t2)
+        dl = -(w1 * dc1 + (1 - w1) * dc2) * adv * r
     if beta != 0.0:
         d = ref - lp
         e = torch.exp(d)
@@ -381,7 +391,12 @@ def _grpo_terms(lp, adv, old, ref, c, beta, eps_low, eps_high, delta):
 
 def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs, ignore_index,
                    logit_scale, beta, epsilon_low, epsilon_high, delta, return_entropy, grads,
-                   differentiable_logprobs) -> None:
+                   differentiable_logprobs, form, sapo_temperature_pos, sapo_temperature_neg) -> None:
+    if form not in ("clip", "cispo", "sapo"):
+        raise ValueError(f"tritongrad.linear_grpo_loss: the surrogate form must be clip, cispo or sapo, got {form!r}")
+    if form == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+        raise ValueError("tritongrad.linear_grpo_loss: sapo's temperatures must be > 0, got "
+                         f"{sapo_temperature_pos} and {sapo_temperature_neg}")
     _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, False, False)
     N = input.shape[0]
     for name, t in (("advantages", advantages), ("token_weight", token_weight), ("old_logprobs", old_logprobs),
@@ -396,7 +411,7 @@ def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_lo
 
 
 def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, ignore_index, logit_scale, beta,
-               eps_low, eps_high, delta, lp, ent, parts, need):
+               eps_low, eps_high, delta, form, lp, ent, parts, need):
     """Chunks of rows: the logits, the log-probabilities (and entropy) into ``lp`` (``ent``; the rows' max and
     log-sum into ``parts``), each token's loss and its derivative (PyTorch, O(rows)), then, where a gradient is
     asked for, the logits' gradient in place and that chunk's share of the gradients. Returns
@@ -422,7 +437,7 @@ def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, 
             ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
         )
         rows[sl], dl[sl] = _grpo_terms(lp[sl], cast(advantages, sl), cast(old, sl), cast(ref, sl),
-                                       cast(token_weight, sl), beta, eps_low, eps_high, delta)
+                                       cast(token_weight, sl), beta, eps_low, eps_high, delta, *form)
         if any(grads.need):
             _bwd_kernel[(r1 - r0,)](
                 g, target, parts, dl, None, V, N, r0, g.stride(0), target.stride(0), dl.stride(0), 0, ignore_index,
@@ -445,7 +460,8 @@ def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tens
                    old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
                    ignore_index: int = -100, logit_scale: float = 1.0, beta: float = 0.0, epsilon_low: float = 0.2,
                    epsilon_high: float = 0.2, delta: Optional[float] = None, return_entropy: bool = False,
-                   grads: Optional[list[bool]] = None, differentiable_logprobs: bool = False,
+                   grads: Optional[list[bool]] = None, differentiable_logprobs: bool = False, form: str = "clip",
+                   sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:
     """The fused token-level GRPO loss over rows ``[N]``: ``(loss, logprobs, entropy, parts, grad_input,
@@ -471,8 +487,9 @@ def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tens
                 for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
         return (torch.zeros((), dtype=acc, device=input.device), lp, ent, parts, *zero)
     loss, got = _grpo_pass(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs,
-                           ignore_index, logit_scale, beta, epsilon_low, epsilon_high, delta, lp,
-                           ent if return_entropy else None, parts, need)
+                           ignore_index, logit_scale, beta, epsilon_low, epsilon_high, delta,
+                           (form, sapo_temperature_pos, sapo_temperature_neg), lp, ent if return_entropy else None,
+                           parts, need)
     return loss, lp, ent, parts, *(g if g is not None else empty() for g in got)
 
 
@@ -484,7 +501,8 @@ def _linear_grpo_backward(ctx, grad_loss: torch.Tensor, grad_logprobs, grad_entr
         acc = ctx.logprobs.dtype
         f = (lambda t: t.to(acc) if t is not None else None)
         _, dl = _grpo_terms(ctx.logprobs, f(ctx.advantages), f(ctx.old_logprobs), f(ctx.ref_logprobs),
-                            f(ctx.token_weight), ctx.beta, ctx.epsilon_low, ctx.epsilon_high, ctx.delta)
+                            f(ctx.token_weight), ctx.beta, ctx.epsilon_low, ctx.epsilon_high, ctx.delta, ctx.form,
+                            ctx.sapo_temperature_pos, ctx.sapo_temperature_neg)
         dent = grad_entropy if ctx.return_entropy and grad_entropy.numel() == ctx.input.shape[0] else None
         gi, gw, gb = _logprobs_backward(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts,
                                         grad_loss * dl + grad_logprobs, dent, ctx.ignore_index, ctx.logit_scale,
@@ -497,7 +515,8 @@ def _linear_grpo_backward(ctx, grad_loss: torch.Tensor, grad_logprobs, grad_entr
         parts = torch.empty((2, N), dtype=lp.dtype, device=ctx.input.device)
         return _grpo_pass(ctx.input, ctx.weight, ctx.target, ctx.advantages, ctx.token_weight, ctx.bias,
                           ctx.old_logprobs, ctx.ref_logprobs, ctx.ignore_index, ctx.logit_scale, ctx.beta,
-                          ctx.epsilon_low, ctx.epsilon_high, ctx.delta, lp, None, parts, need)[1]
+                          ctx.epsilon_low, ctx.epsilon_high, ctx.delta,
+                          (ctx.form, ctx.sapo_temperature_pos, ctx.sapo_temperature_neg), lp, None, parts, need)[1]
 
     out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), recompute)
     return out[0], out[1], None, None, None, out[2], None, None
@@ -525,6 +544,8 @@ def linear_grpo_loss(
     num_sequences_in_batch=None,
     ignore_index: int = -100,
     logit_softcap: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ):
     """TRL's GRPO loss (``GRPOTrainer._compute_loss``, TRL 1.16) from the policy's hidden states and LM head,
     without the logits in memory.
@@ -539,29 +560,33 @@ def linear_grpo_loss(
             (TRL's on-policy case: the ratio is 1 and its gradient the policy gradient).
         ref_logprobs: ``[B, T]`` the reference model's, for the KL term (``beta != 0``).
         temperature: the logits are divided by it, as TRL's fused head does.
-        beta, epsilon_low, epsilon_high, delta, loss_type (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``),
-        importance_sampling_level (``token``, ``sequence``), max_completion_length (``dr_grpo``'s constant;
-            None: T): as TRL's GRPOConfig (``epsilon_low`` is its ``epsilon``; ``epsilon_high`` None is
-            ``epsilon_low``).
-        num_items_in_batch: for ``bnpo`` and ``dapo``, the completion tokens of the whole optimizer step (every
-            micro-batch; under DDP, divided by the world size); None: this call's. Accumulating micro-batches
-            with it gives the gradient of one big step.
-        num_sequences_in_batch: for ``grpo`` and ``dr_grpo``, the sequences of the whole optimizer step; None: B.
+        beta, epsilon_low, epsilon_high, delta, loss_type (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``,
+        ``luspo``, ``cispo``, ``sapo``), importance_sampling_level (``token``, ``sequence``),
+        max_completion_length (``dr_grpo``'s constant; None: T), sapo_temperature_pos, sapo_temperature_neg:
+            as TRL's GRPOConfig (``epsilon_low`` is its ``epsilon``; ``epsilon_high`` None is ``epsilon_low``;
+            for ``cispo`` ``epsilon_high`` is the ratio's cap, as in TRL). TRL's ``vespo`` is not offered.
+        num_items_in_batch: for ``bnpo``, ``dapo`` and ``cispo``, the completion tokens of the whole optimizer
+            step (every micro-batch; under DDP, divided by the world size); None: this call's. Accumulating
+            micro-batches with it gives the gradient of one big step.
+        num_sequences_in_batch: for ``grpo``, ``sapo``, ``dr_grpo`` and ``luspo``, the sequences of the whole
+            optimizer step; None: B.
         logit_softcap: Gemma 2's final soft cap, before the temperature (:func:`linear_token_logprobs`); with
             one, the loss is computed from the log-probabilities (four products instead of the fused three).
 
     Returns:
         ``(loss, metrics)``: the 0-d loss (float32; float64 for float64 inputs) and a dict of 0-d detached
-        tensors: ``kl`` (with beta), ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-        ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``, as TRL logs them (one
-        process: TRL's means over processes are left to the caller).
+        tensors: ``kl`` (with beta), ``entropy``, and for the clipped surrogate ``clip_ratio/low_mean``,
+        ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``
+        (for ``cispo``: ``cispo_clip_ratio``), as TRL logs them (one process: TRL's means over processes are
+        left to the caller).
     """
     if completion_ids.dim() != 2 or tuple(input.shape[:-1]) != tuple(completion_ids.shape):
         raise ValueError(f"tritongrad.linear_grpo_loss: input [B, T, H] and completion_ids [B, T] must agree, got "
                          f"{tuple(input.shape)} and {tuple(completion_ids.shape)}")
     formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                    importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
-                   num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch)
+                   num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
+                   sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     if importance_sampling_level != "token" or logit_softcap is not None or _products_dtype(input) == torch.float16:
         # one importance weight per sequence: each token's loss depends on its whole sequence, so the
         # log-probabilities first, then the formula, whose gradient flows back through them (the fused op
@@ -581,12 +606,13 @@ def linear_grpo_loss(
     acc = acc_dtype(input)
     mask = _mask_of(completion_ids, completion_mask, ignore_index, acc)
     # each token's weight: the mask and the loss type's normaliser (grpo_from_logprobs, docs/post-training.md)
-    if loss_type == "grpo":
-        c = mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / (B if num_sequences_in_batch is None
-                                                                  else num_sequences_in_batch)
+    seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+    if loss_type in ("grpo", "sapo"):
+        c = mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / seqs
     elif loss_type == "dr_grpo":
-        c = mask / ((B if num_sequences_in_batch is None else num_sequences_in_batch)
-                    * (T if max_completion_length is None else max_completion_length))
+        c = mask / (seqs * (T if max_completion_length is None else max_completion_length))
+    elif loss_type == "luspo":
+        c = mask / seqs
     else:
         items = mask.sum() if num_items_in_batch is None else num_items_in_batch
         c = mask / (items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0))
@@ -599,7 +625,8 @@ def linear_grpo_loss(
     loss, lp, ent = linear_grpo_op(
         input.reshape(-1, input.shape[-1]), weight, completion_ids.reshape(-1), flat(adv), flat(c), bias,
         flat(old_logprobs), flat(ref_logprobs), ignore_index, scale, _as_float(beta), _as_float(epsilon_low),
-        _as_float(eps_high), _as_float(delta) if delta is not None else None, True, grads,
+        _as_float(eps_high), _as_float(delta) if delta is not None else None, True, grads, False,
+        GRPO_FORMS[loss_type], _as_float(sapo_temperature_pos), _as_float(sapo_temperature_neg),
     )
     with torch.no_grad():  # the metrics, from the same log-probabilities (O(tokens))
         _, metrics = grpo_from_logprobs(lp.reshape(B, T), advantages, mask, old_logprobs, ref_logprobs,

@@ -13,7 +13,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+# The per-token surrogate of each: TRL's clipped ratio, CISPO's clamped ratio (a constant) times the log-probability,
+# SAPO's soft gate; the loss types differ otherwise in their normaliser (_grpo_normalised).
+GRPO_FORMS = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "luspo": "clip", "cispo": "cispo",
+              "sapo": "sapo"}
 # TRL 1.16's DPO losses that are a function of one pair. Not offered: "aot" and "aot_unpaired" (they sort the
 # batch's pairs, so a pair's loss depends on the others) and "sft" (a loss of the chosen tokens, not of the pair).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
@@ -128,14 +132,26 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _clipped_loss(log_ratio, logprobs, advantages, ref_logprobs, beta: float, epsilon_low: float,
-                  epsilon_high: float, delta: float | None):
-    """TRL's clipped surrogate for importance weights ``exp(log_ratio)``, plus beta times the k3 KL estimate:
-    ``(loss, coef_1, kl or None)``."""
+                  epsilon_high: float, delta: float | None, form: str = "clip", sapo_temperature_pos: float = 1.0,
+                  sapo_temperature_neg: float = 1.05):
+    """TRL's per-token surrogate for importance weights ``r = exp(log_ratio)``, plus beta times the k3 KL
+    estimate: ``(loss, coef_1, kl or None)``. With A the advantage and l the log-probability:
+
+        clip   -min(r' A, clip(r, 1 - eps_low, 1 + eps_high) A)    r' = min(r, delta), or r
+        cispo  -min(r, eps_high) A l                                 the clamped ratio a constant (detached)
+        sapo   -A 4 sigmoid(tau (r - 1)) / tau                       tau: sapo_temperature_pos where A > 0, else _neg
+    """
     coef_1 = torch.exp(log_ratio)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if form == "cispo":
+        loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * logprobs
+    elif form == "sapo":
+        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * advantages
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     kl = None
     if beta != 0.0:
         ref = ref_logprobs.to(logprobs.dtype)
@@ -145,11 +161,13 @@ def _clipped_loss(log_ratio, logprobs, advantages, ref_logprobs, beta: float, ep
 
 
 def grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta: float, epsilon_low: float,
-                    epsilon_high: float, delta: float | None):
-    """TRL's per-token GRPO loss at token level (the clipped ratio, plus beta times the k3 KL estimate):
+                    epsilon_high: float, delta: float | None, form: str = "clip", sapo_temperature_pos: float = 1.0,
+                    sapo_temperature_neg: float = 1.05):
+    """TRL's per-token GRPO loss at token level (the surrogate ``form``, plus beta times the k3 KL estimate):
     ``(loss_tok, coef_1, per_token_kl or None)``, all of logprobs' shape (advantages broadcast)."""
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
-    return _clipped_loss(logprobs - old, logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high, delta)
+    return _clipped_loss(logprobs - old, logprobs, advantages, ref_logprobs, beta, epsilon_low, epsilon_high, delta,
+                         form, sapo_temperature_pos, sapo_temperature_neg)
 
 
 def linear_grpo_reference(
@@ -170,35 +188,42 @@ def linear_grpo_reference(
     return_entropy: bool = False,
     grads: list[bool] | None = None,
     differentiable_logprobs: bool = False,
+    form: str = "clip",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused GRPO op over rows ``[N]``: ``(sum_n token_weight[n] loss_tok[n], logprobs, entropy)``, the
     last two without gradient unless ``differentiable_logprobs``; ``token_weight`` carries the mask and the
-    loss type's normaliser (launch.py). ``grads`` is the registered op's hint (kernels only)."""
+    loss type's normaliser (launch.py), ``form`` its surrogate (``GRPO_FORMS``). ``grads`` is the registered
+    op's hint (kernels only)."""
     lp, ent, _ = linear_token_logprobs_reference(input, weight, target, bias, ignore_index, logit_scale, return_entropy)
     loss, _, _ = grpo_token_loss(lp, advantages.to(lp.dtype), old_logprobs, ref_logprobs, beta, epsilon_low,
-                                 epsilon_high, delta)
+                                 epsilon_high, delta, form, sapo_temperature_pos, sapo_temperature_neg)
     if not differentiable_logprobs:
         lp, ent = lp.detach(), ent.detach()
     return (token_weight.to(lp.dtype) * loss).sum(), lp, ent
 
 
-def _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs, beta, epsilon_low, eps_high, delta):
+def _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs, ref_logprobs, beta, epsilon_low, eps_high, delta,
+                        form="clip", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05):
     """GSPO's per-token loss: one importance weight per sequence, the mean log-ratio over its tokens."""
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
     log_w = (((logprobs - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    return _clipped_loss(log_w, logprobs, advantages, ref_logprobs, beta, epsilon_low, eps_high, delta)
+    return _clipped_loss(log_w, logprobs, advantages, ref_logprobs, beta, epsilon_low, eps_high, delta, form,
+                         sapo_temperature_pos, sapo_temperature_neg)
 
 
 def _grpo_normalised(total, mask, loss_type, max_completion_length, num_items_in_batch, num_sequences_in_batch):
     """The masked per-token losses ``total [B, T]`` reduced as TRL's ``loss_type`` does."""
     B, T = mask.shape
-    if loss_type == "grpo":
-        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+    seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
+    if loss_type in ("grpo", "sapo"):
         return (total.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / seqs
     if loss_type == "dr_grpo":
-        seqs = B if num_sequences_in_batch is None else num_sequences_in_batch
         return total.sum() / (seqs * (T if max_completion_length is None else max_completion_length))
-    items = mask.sum() if num_items_in_batch is None else num_items_in_batch  # bnpo, dapo: over tokens
+    if loss_type == "luspo":  # each sequence's sum, not its mean
+        return total.sum() / seqs
+    items = mask.sum() if num_items_in_batch is None else num_items_in_batch  # bnpo, dapo, cispo: over tokens
     items = items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0)
     return total.sum() / items
 
@@ -220,6 +245,8 @@ def grpo_from_logprobs(
     num_items_in_batch=None,
     num_sequences_in_batch=None,
     entropy: torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's GRPO loss of per-token ``logprobs [B, T]`` (the policy's, differentiable), ``advantages [B]`` or
     ``[B, T]`` and a float ``mask [B, T]``; ``(loss, metrics)``. The normalisers (``num_items_in_batch``: tokens,
@@ -238,12 +265,14 @@ def grpo_from_logprobs(
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
     metrics = {}
+    form = (GRPO_FORMS[loss_type], sapo_temperature_pos, sapo_temperature_neg)
     if importance_sampling_level == "token":
         per_token_loss, coef_1, per_token_kl = grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta,
-                                                               epsilon_low, eps_high, delta)
+                                                               epsilon_low, eps_high, delta, *form)
     else:  # one importance weight per sequence (GSPO)
         per_token_loss, coef_1, per_token_kl = _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs,
-                                                                   ref_logprobs, beta, epsilon_low, eps_high, delta)
+                                                                   ref_logprobs, beta, epsilon_low, eps_high, delta,
+                                                                   *form)
     if per_token_kl is not None:
         metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
     loss = _grpo_normalised(per_token_loss * mask, mask, loss_type, max_completion_length, num_items_in_batch,
@@ -251,6 +280,10 @@ def grpo_from_logprobs(
     if entropy is not None:
         metrics["entropy"] = _masked_mean(entropy.detach(), mask)
     c1 = coef_1.detach()
+    if form[0] == "cispo":  # what TRL logs for each: the clipped ratios of the clipped surrogate, CISPO's own
+        metrics["cispo_clip_ratio"] = _masked_mean(((c1 > eps_high) & (advantages > 0)).to(logprobs.dtype), mask)
+    if form[0] != "clip":
+        return loss, metrics
     low = ((c1 < 1 - epsilon_low) & (advantages < 0)).to(logprobs.dtype)
     high = ((c1 > 1 + eps_high) & (advantages > 0)).to(logprobs.dtype)
     metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
