@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from conftest import ATOL, DEVICE, backward_graphs_backend, run_without_interpreter
 
 from tritongrad.ops.post_training import (
+    dpo_from_logprobs,
     grpo_from_logprobs,
     linear_distill_op,
     linear_distill_reference,
@@ -805,6 +806,46 @@ def test_grpo_formula_is_trls_own(name):
     assert set(logged) == set(m), (sorted(logged), sorted(m))  # the metrics TRL logs for this loss type, no others
     for key in logged:
         assert abs(m[key].item() - logged[key][0]) < 1e-12, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"])  # TRL 1.16's sigmoid: no smoothing
+def test_dpo_formula_is_trls_own(name):
+    # dpo_from_logprobs against DPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities from a
+    # stand-in model: the loss and the rewards it logs
+    _trl()
+    from collections import defaultdict
+
+    from trl import DPOTrainer
+    loss_type, eps = name.split("-")[0], DPO_CASES[name]
+    beta = {"ipo": 0.5, "sppo_hard": 0.5, "discopop": 1.0}.get(loss_type, 0.1)
+    g = torch.Generator().manual_seed(5)
+    B, L = 3, 7
+    completion_mask = torch.zeros(2 * B, L)
+    completion_mask[:, 2:] = 1  # two prompt tokens
+    completion_mask[1, 5:] = 0  # completions of different lengths
+    completion_mask[4, 4:] = 0
+    shifted = completion_mask[:, 1:]
+    lp = -torch.rand(2 * B, L - 1, generator=g, dtype=torch.float64) * 3 * shifted  # each completion token's logprob
+    ref = -torch.rand(2 * B, generator=g, dtype=torch.float64) * 3 * shifted.sum(1)
+    zeros = torch.zeros(2 * B, L - 1, dtype=torch.float64)
+    outputs = types.SimpleNamespace(log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+    inputs = {"input_ids": torch.zeros(2 * B, L, dtype=torch.long), "attention_mask": torch.ones(2 * B, L),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
+    me = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        beta=beta, label_smoothing=eps, use_weighting=False, args=types.SimpleNamespace(discopop_tau=0.05),
+        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
+    chosen, rejected = lp.sum(1).chunk(2)
+    tokens = shifted.sum(1).to(torch.float64)
+    loss, m = dpo_from_logprobs(chosen, rejected, ref[:B], ref[B:], beta=beta, loss_type=loss_type,
+                                label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:])
+    torch.testing.assert_close(loss, want)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):  # TRL averages the accuracies' booleans in float32
+        assert abs(m[key].item() - me._metrics["train"][key][0]) < (1e-7 if key == "rewards/accuracies" else 1e-12), key
 
 
 def _tiny_llama(seed=0):
