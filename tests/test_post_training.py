@@ -427,12 +427,25 @@ def test_grpo_gradient_accumulation_equals_one_step(loss_type):
 
 # ---------------------------------------------------------------- DPO
 def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, completion_mask, *, beta, loss_type,
-             label_smoothing, discopop_tau=0.05):
-    """TRL 1.16's DPOTrainer._compute_loss (reverse KL, one loss type, no weighting), its arithmetic line by
-    line; sigmoid with label smoothing as TRL 0.x defined it (conservative DPO)."""
+             label_smoothing, discopop_tau=0.05, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0):
+    """TRL 1.16's DPOTrainer._compute_loss (one loss type, no weighting), its arithmetic line by line; sigmoid
+    with label smoothing as TRL 0.x defined it (conservative DPO)."""
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
-    delta_score = chosen_logratios - rejected_logratios
+    if f_divergence_type == "reverse_kl":
+        chosen_scores, rejected_scores = chosen_logratios, rejected_logratios
+    elif f_divergence_type == "forward_kl":
+        chosen_scores, rejected_scores = 1 - torch.exp(-chosen_logratios), 1 - torch.exp(-rejected_logratios)
+    elif f_divergence_type == "js_divergence":
+        chosen_scores = math.log(2) + F.logsigmoid(chosen_logratios)
+        rejected_scores = math.log(2) + F.logsigmoid(rejected_logratios)
+    else:  # alpha_divergence, away from alpha = 1; the clamp of float32 and bfloat16 (TRL has none for float64)
+        coef = 1.0 / (f_alpha_divergence_coef - 1.0)
+        t_chosen = (f_alpha_divergence_coef - 1.0) * chosen_logratios
+        t_rejected = (f_alpha_divergence_coef - 1.0) * rejected_logratios
+        chosen_scores = (torch.exp(torch.clamp(t_chosen, max=80.0)) - 1.0) * coef
+        rejected_scores = (torch.exp(torch.clamp(t_rejected, max=80.0)) - 1.0) * coef
+    delta_score = chosen_scores - rejected_scores
     chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
     if loss_type == "exo_pair":
         eps = torch.tensor(label_smoothing)  # float32, as TRL makes it
@@ -455,8 +468,8 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         per_sequence_loss = -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
     elif loss_type == "sigmoid_norm":
         chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
-        delta = (chosen_logratios / chosen_mask.sum(dim=1).clamp(min=1.0)
-                 - rejected_logratios / rejected_mask.sum(dim=1).clamp(min=1.0))
+        delta = (chosen_scores / chosen_mask.sum(dim=1).clamp(min=1.0)
+                 - rejected_scores / rejected_mask.sum(dim=1).clamp(min=1.0))
         per_sequence_loss = -F.logsigmoid(beta * delta)
     elif loss_type == "sigmoid":
         per_sequence_loss = (-F.logsigmoid(beta * delta_score) * (1 - label_smoothing)
@@ -465,8 +478,8 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         per_sequence_loss = torch.relu(1 - beta * delta_score)
     elif loss_type == "ipo":
         chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
-        ipo_delta = (chosen_logratios / chosen_mask.sum(dim=1).clamp(min=1.0)
-                     - rejected_logratios / rejected_mask.sum(dim=1).clamp(min=1.0))
+        ipo_delta = (chosen_scores / chosen_mask.sum(dim=1).clamp(min=1.0)
+                     - rejected_scores / rejected_mask.sum(dim=1).clamp(min=1.0))
         per_sequence_loss = (ipo_delta - 1 / (2 * beta)) ** 2
     else:  # robust
         clean_loss_term = -(1 - label_smoothing) * F.logsigmoid(beta * delta_score)
@@ -478,6 +491,14 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 DPO_CASES = {"sigmoid": 0.0, "sigmoid-smoothed": 0.1, "hinge": 0.0, "ipo": 0.0, "robust": 0.1, "exo_pair": 1e-3,
              "nca_pair": 0.0, "bco_pair": 0.0, "sppo_hard": 0.0, "apo_zero": 0.0, "apo_down": 0.0, "discopop": 0.0,
              "sigmoid_norm": 0.0}
+# f-divergences other than reverse KL: (loss type, label smoothing, f_divergence_type, f_alpha_divergence_coef);
+# bco_pair takes the log-ratios whatever the divergence
+DPO_DIV_CASES = {"sigmoid-forward_kl": ("sigmoid", 0.0, "forward_kl", 1.0),
+                 "ipo-js": ("ipo", 0.0, "js_divergence", 1.0),
+                 "hinge-alpha": ("hinge", 0.0, "alpha_divergence", 0.5),
+                 "exo_pair-alpha": ("exo_pair", 1e-3, "alpha_divergence", 1.5),
+                 "sigmoid_norm-forward_kl": ("sigmoid_norm", 0.0, "forward_kl", 1.0),
+                 "bco_pair-js": ("bco_pair", 0.0, "js_divergence", 1.0)}
 
 
 def _dpo_inputs(dt):
@@ -511,13 +532,35 @@ def test_dpo_against_trl_formula_in_float64(name, dtype):
     _check(ours, ref, _dpo_inputs, dtype)
 
 
+@pytest.mark.parametrize("name", list(DPO_DIV_CASES))
+def test_dpo_f_divergences_against_trl_formula_in_float64(name):
+    loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
+    beta = 0.5 if loss_type == "ipo" else 0.1
+    formula = dict(beta=beta, loss_type=loss_type, label_smoothing=eps, f_divergence_type=fdiv,
+                   f_alpha_divergence_coef=alpha)
+
+    def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
+                                  ref_rejected_logps=ref_rejected_logps, **formula)
+        return loss, m["chosen_rewards"], m["rejected_rewards"]
+
+    def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        lp = _ref_logprobs(input, weight, target)[0]
+        mask = (target != -100).to(lp.dtype)
+        c, r = (lp * mask).sum(1).chunk(2)
+        return _trl_dpo(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, **formula)
+
+    _check(ours, ref, _dpo_inputs, torch.float32)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(loss_type="aot"), r"loss_type must be one of .* aot and aot_unpaired couple the batch's pairs"),
     (dict(loss_type="sft"), r"sft is not a pair's loss"),
     (dict(loss_type="exo_pair"), r"exo_pair takes label_smoothing in \(0, 1\).*got 0.0"),
     (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
-], ids=["aot", "sft", "exo_pair-0", "robust-0.5", "discopop-tau-0"])
+    (dict(f_divergence_type="chi2"), r"f_divergence_type must be one of .*, got 'chi2'"),
+], ids=["aot", "sft", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)
@@ -809,15 +852,21 @@ def test_grpo_formula_is_trls_own(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"])  # TRL 1.16's sigmoid: no smoothing
+@pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"]  # TRL 1.16's sigmoid: no smoothing
+                         + list(DPO_DIV_CASES))
 def test_dpo_formula_is_trls_own(name):
     # dpo_from_logprobs against DPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities from a
-    # stand-in model: the loss and the rewards it logs
+    # stand-in model (float32 for the alpha divergence, whose clamp TRL has no float64 entry for): the loss and
+    # the rewards it logs
     _trl()
     from collections import defaultdict
 
     from trl import DPOTrainer
-    loss_type, eps = name.split("-")[0], DPO_CASES[name]
+    if name in DPO_DIV_CASES:
+        loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
+    else:
+        (loss_type, eps), fdiv, alpha = (name.split("-")[0], DPO_CASES[name]), "reverse_kl", 1.0
+    dt = torch.float32 if fdiv == "alpha_divergence" else torch.float64
     beta = {"ipo": 0.5, "sppo_hard": 0.5, "discopop": 1.0}.get(loss_type, 0.1)
     g = torch.Generator().manual_seed(5)
     B, L = 3, 7
@@ -826,22 +875,24 @@ def test_dpo_formula_is_trls_own(name):
     completion_mask[1, 5:] = 0  # completions of different lengths
     completion_mask[4, 4:] = 0
     shifted = completion_mask[:, 1:]
-    lp = -torch.rand(2 * B, L - 1, generator=g, dtype=torch.float64) * 3 * shifted  # each completion token's logprob
-    ref = -torch.rand(2 * B, generator=g, dtype=torch.float64) * 3 * shifted.sum(1)
-    zeros = torch.zeros(2 * B, L - 1, dtype=torch.float64)
+    lp = (-torch.rand(2 * B, L - 1, generator=g, dtype=torch.float64) * 3 * shifted).to(dt)  # each token's logprob
+    ref = (-torch.rand(2 * B, generator=g, dtype=torch.float64) * 3 * shifted.sum(1)).to(dt)
+    zeros = torch.zeros(2 * B, L - 1, dtype=dt)
     outputs = types.SimpleNamespace(log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
     inputs = {"input_ids": torch.zeros(2 * B, L, dtype=torch.long), "attention_mask": torch.ones(2 * B, L),
               "completion_mask": completion_mask, "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
     me = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        precompute_ref_logps=True, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_types=[loss_type],
+        loss_weights=[1.0],
         beta=beta, label_smoothing=eps, use_weighting=False, args=types.SimpleNamespace(discopop_tau=0.05),
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
     want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
     chosen, rejected = lp.sum(1).chunk(2)
-    tokens = shifted.sum(1).to(torch.float64)
+    tokens = shifted.sum(1).to(dt)
     loss, m = dpo_from_logprobs(chosen, rejected, ref[:B], ref[B:], beta=beta, loss_type=loss_type,
-                                label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:])
+                                label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:],
+                                f_divergence_type=fdiv, f_alpha_divergence_coef=alpha)
     torch.testing.assert_close(loss, want)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):  # TRL averages the accuracies' booleans in float32

@@ -39,6 +39,7 @@ from . import kernels
 from . import plans as P
 from .reference import (
     DPO_LOSS_TYPES,
+    DPO_SCORED,
     GRPO_FORMS,
     GRPO_LOSS_TYPES,
     acc_dtype,
@@ -46,6 +47,8 @@ from .reference import (
     check_targets,
     dpo_from_logprobs,
     dpo_pair_loss,
+    dpo_score,
+    dpo_score_slope,
     grpo_from_logprobs,
     linear_distill_reference,
     linear_dpo_reference,
@@ -636,22 +639,34 @@ def linear_grpo_loss(
 
 
 # ---------------------------------------------------------------- DPO, fused
-def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps, tau):
+def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps, tau, fdiv="reverse_kl",
+               alpha=1.0):
     """``(sum over pairs of the loss, its derivative by chosen, by rejected)`` per pair of TRL's DPO loss
     (reference.py's ``dpo_pair_loss``, which computes the loss), the derivatives as autograd takes them through
-    it (relu's at 0 is 0). With ``lc = chosen - ref_c``, ``lr = rejected - ref_r``, ``d = lc - lr``, b = beta,
-    s = sigmoid; the derivative by d gives ``(dd, -dd)``."""
+    it (relu's at 0 is 0): those by the log-ratios (or their scores, under an f-divergence: times the score's
+    slope)."""
     lc, lr = chosen - ref_c, rejected - ref_r
-    d = lc - lr
     total = dpo_pair_loss(lc, lr, tokens_c, tokens_r, beta=beta, loss_type=loss_type, label_smoothing=eps,
-                          discopop_tau=tau).sum()
+                          discopop_tau=tau, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha).sum()
+    if loss_type in DPO_SCORED and fdiv != "reverse_kl":
+        slopes = dpo_score_slope(lc, fdiv, alpha), dpo_score_slope(lr, fdiv, alpha)
+        dc, dr = _dpo_slopes(dpo_score(lc, fdiv, alpha), dpo_score(lr, fdiv, alpha), tokens_c, tokens_r, beta,
+                             loss_type, eps, tau)
+        return total, dc * slopes[0], dr * slopes[1]
+    return (total, *_dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau))
+
+
+def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
+    """Each pair's loss's derivatives by its two log-ratios (or scores) ``lc``, ``lr``: with ``d = lc - lr``,
+    b = beta, s = sigmoid; a derivative by d gives ``(dd, -dd)``."""
+    d = lc - lr
     x, bc, br = beta * d, beta * lc, beta * lr
     sig = torch.sigmoid
     if loss_type in ("ipo", "sigmoid_norm"):
         tc, tr = tokens_c.to(d.dtype).clamp(min=1.0), tokens_r.to(d.dtype).clamp(min=1.0)
         delta = lc / tc - lr / tr
         du = 2 * (delta - 1 / (2 * beta)) if loss_type == "ipo" else -beta * sig(-beta * delta)
-        return total, du / tc, -du / tr
+        return du / tc, -du / tr
     if loss_type == "hinge":
         dd = -beta * (1 - x > 0).to(d.dtype)
     elif loss_type in ("sigmoid", "robust"):  # -(1-e) log s(x) -/+ e log s(-x), over 1 - 2e for robust
@@ -666,24 +681,24 @@ def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_ty
         dm = m * sig(-x / tau) / tau
         dd = beta * (-sig(-x) * (1 - m) + F.logsigmoid(x) * dm - torch.exp(-x) * m + torch.exp(-x) * dm)
     elif loss_type == "nca_pair":
-        return total, beta * (-sig(-bc) + 0.5 * sig(bc)), beta * 0.5 * sig(br)
+        return beta * (-sig(-bc) + 0.5 * sig(bc)), beta * 0.5 * sig(br)
     elif loss_type == "bco_pair":
-        return total, -beta * sig(-bc), beta * sig(br)
+        return -beta * sig(-bc), beta * sig(br)
     elif loss_type == "sppo_hard":
-        return total, 2 * (lc - 0.5 / beta), 2 * (lr + 0.5 / beta)
+        return 2 * (lc - 0.5 / beta), 2 * (lr + 0.5 / beta)
     elif loss_type == "apo_zero":
-        return total, -beta * sig(bc) * sig(-bc), beta * sig(br) * sig(-br)
+        return -beta * sig(bc) * sig(-bc), beta * sig(br) * sig(-br)
     elif loss_type == "apo_down":
         dx = beta * sig(x) * sig(-x)
-        return total, beta * sig(bc) * sig(-bc) - dx, dx
+        return beta * sig(bc) * sig(-bc) - dx, dx
     else:
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    return total, dd, -dd
+    return dd, -dd
 
 
 def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rejected_logps, bias, ignore_index,
                   logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
-                  differentiable_logps, discopop_tau) -> None:
+                  differentiable_logps, discopop_tau, f_divergence_type, f_alpha_divergence_coef) -> None:
     _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
                   post_scale)
     if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
@@ -694,13 +709,13 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
         if t.dim() != 1 or t.shape[0] != B:
             raise ValueError(f"tritongrad.linear_dpo_loss: {name} of shape {tuple(t.shape)} must be [{B}], one per "
                              "pair")
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type)
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
 def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_index, logit_scale, logit_softcap,
-              post_scale, beta, loss_type, eps, tau, need, upstream=None):
+              post_scale, beta, loss_type, eps, tau, fdiv, alpha, need, upstream=None):
     """Chunks of whole pairs (pair i: input's sequences i and B + i, T rows each): the logits of the chunk's
     chosen and rejected rows (one product), the log-probabilities, each sequence's sum, each pair's loss and its
     derivative (PyTorch, O(pairs)), then, where a gradient is asked for, the logits' gradient in place and the
@@ -741,7 +756,7 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
                 logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
             if any(grads.need):
                 _, dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
-                                       tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau)
+                                       tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha)
                 for sl, (a, e), d in zip(pair, spans, (dc, dr)):
                     d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
                     dl[a:e] = (d[:, None] * tw[sl]).reshape(-1)
@@ -753,7 +768,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
                 grads.add(g, h, w, *spans[0], *spans[1])
     chosen, rejected = logps[:B].clone(), logps[B:].clone()  # outputs of a registered op: no views of each other
     total = dpo_pair_loss(chosen - ref_c, rejected - ref_r, tokens[:B], tokens[B:], beta=beta, loss_type=loss_type,
-                          label_smoothing=eps, discopop_tau=tau).sum()
+                          label_smoothing=eps, discopop_tau=tau, f_divergence_type=fdiv,
+                          f_alpha_divergence_coef=alpha).sum()
     return total / B, chosen, rejected, grads.result()
 
 
@@ -770,6 +786,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                   logit_softcap: Optional[float] = None, post_scale: float = 1.0, beta: float = 0.1,
                   loss_type: str = "sigmoid", label_smoothing: float = 0.0, grads: Optional[list[bool]] = None,
                   differentiable_logps: bool = False, discopop_tau: float = 0.05,
+                  f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 1.0,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO loss over rows ``[2B T]`` of ``input [2B T, H]`` (B chosen sequences of T rows, then their B
     rejected ones): ``(loss, chosen_logps [B], rejected_logps [B], grad_input, grad_weight, grad_bias)``, the
@@ -786,7 +803,8 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     need = tuple(bool(g) for g in grads) if grads is not None and not differentiable_logps else (False,) * 3
     loss, chosen, rejected, got = _dpo_pass(input, weight, target, token_weight, ref_chosen_logps,
                                             ref_rejected_logps, bias, ignore_index, logit_scale, logit_softcap,
-                                            post_scale, beta, loss_type, label_smoothing, discopop_tau, need)
+                                            post_scale, beta, loss_type, label_smoothing, discopop_tau,
+                                            f_divergence_type, f_alpha_divergence_coef, need)
     return loss, chosen, rejected, *(g if g is not None else empty() for g in got)
 
 
@@ -796,14 +814,15 @@ def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejecte
     if ctx.differentiable_logps:  # every upstream gradient, through the pairs' derivatives and the sums
         *_, got = _dpo_pass(ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps,
                             ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
-                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, ctx.discopop_tau, need,
+                            ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, ctx.discopop_tau,
+                            ctx.f_divergence_type, ctx.f_alpha_divergence_coef, need,
                             (grad_loss, torch.cat([grad_chosen, grad_rejected])))
         return got[0], got[1], None, None, None, None, got[2]
     # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
     out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), lambda: _dpo_pass(
         ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps, ctx.ref_rejected_logps, ctx.bias,
         ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap, ctx.post_scale, ctx.beta, ctx.loss_type,
-        ctx.label_smoothing, ctx.discopop_tau, need)[3])
+        ctx.label_smoothing, ctx.discopop_tau, ctx.f_divergence_type, ctx.f_alpha_divergence_coef, need)[3])
     return out[0], out[1], None, None, None, None, out[2]
 
 
@@ -826,6 +845,8 @@ def linear_dpo_loss(
     ignore_index: int = -100,
     logit_softcap: float | None = None,
     discopop_tau: float = 0.05,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 1.0,
 ):
     """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
     logits in memory.
@@ -847,6 +868,8 @@ def linear_dpo_loss(
             ``sigmoid`` with label smoothing is conservative DPO, as TRL before 1.0 defined it (TRL 1.16's
             sigmoid ignores label smoothing: the two agree at 0). ``aot`` and ``aot_unpaired`` (a sort over the
             batch's pairs) and ``sft`` are refused.
+        f_divergence_type (``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence``),
+            f_alpha_divergence_coef: as TRL's DPOConfig (``reference.dpo_score``).
         num_pairs_in_batch: the pairs of the whole optimizer step (None: B); the loss is the sum over pairs
             divided by it, so accumulated micro-batches give one big step's gradient.
         logit_softcap: Gemma 2's final soft cap, for the policy and the reference head alike
@@ -879,7 +902,8 @@ def linear_dpo_loss(
     ref_chosen_logps, ref_rejected_logps = ref_chosen_logps.detach(), ref_rejected_logps.detach()
     tokens = mask.sum(-1)
     formula = dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
-                   rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau)
+                   rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
+                   f_alpha_divergence_coef=f_alpha_divergence_coef)
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
     if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16:
@@ -891,7 +915,7 @@ def linear_dpo_loss(
         chosen, rejected = logps.chunk(2)
         return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps,
                                  num_pairs_in_batch=num_pairs_in_batch, **formula)
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type)
     grads = None
     if torch.is_grad_enabled():
         grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]
@@ -899,7 +923,8 @@ def linear_dpo_loss(
     loss, chosen, rejected = linear_dpo_op(
         x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps, ref_rejected_logps, b, ignore_index,
         1.0, float(logit_softcap) if real else logit_softcap, 1.0, _as_float(beta), loss_type,
-        _as_float(label_smoothing), grads, False, _as_float(discopop_tau),
+        _as_float(label_smoothing), grads, False, _as_float(discopop_tau), f_divergence_type,
+        _as_float(f_alpha_divergence_coef),
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch

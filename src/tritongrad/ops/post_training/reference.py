@@ -23,6 +23,37 @@ GRPO_FORMS = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip",
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop", "sigmoid_norm")
 DPO_PER_TOKEN = ("ipo", "sigmoid_norm")  # the log-ratios divided by the completions' lengths
+# TRL's f-divergences: the score f'(t) each loss type that takes scores applies to the log-ratio l = log t.
+DPO_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# The loss types that take the scores; the others (nca_pair, bco_pair, sppo_hard, apo_zero, apo_down) the log-ratios.
+DPO_SCORED = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "discopop", "sigmoid_norm")
+ALPHA_CLAMP = 80.0  # TRL's cap on (alpha - 1) l before exp, for float32 and bfloat16
+
+
+def dpo_score(l: torch.Tensor, f_divergence_type: str = "reverse_kl", alpha: float = 1.0) -> torch.Tensor:
+    """TRL 1.16's score of a log-ratio l under ``f_divergence_type``: l (reverse KL), 1 - exp(-l) (forward KL),
+    log 2 + log sigmoid(l) (Jensen-Shannon), (exp(min((alpha - 1) l, ALPHA_CLAMP)) - 1) / (alpha - 1) (alpha;
+    l itself within 1e-6 of alpha = 1)."""
+    if f_divergence_type == "forward_kl":
+        return 1 - torch.exp(-l)
+    if f_divergence_type == "js_divergence":
+        return math.log(2) + F.logsigmoid(l)
+    if f_divergence_type == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
+        return (torch.exp(torch.clamp((alpha - 1.0) * l, max=ALPHA_CLAMP)) - 1.0) * (1.0 / (alpha - 1.0))
+    return l
+
+
+def dpo_score_slope(l: torch.Tensor, f_divergence_type: str = "reverse_kl", alpha: float = 1.0):
+    """d score / d l, as autograd takes it through :func:`dpo_score` (the clamp passes the gradient up to and
+    at its bound)."""
+    if f_divergence_type == "forward_kl":
+        return torch.exp(-l)
+    if f_divergence_type == "js_divergence":
+        return torch.sigmoid(-l)
+    if f_divergence_type == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
+        t = (alpha - 1.0) * l
+        return torch.exp(torch.clamp(t, max=ALPHA_CLAMP)) * (t <= ALPHA_CLAMP).to(l.dtype)
+    return torch.ones_like(l)
 
 
 def acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -305,8 +336,12 @@ def _nan_reduce(x: torch.Tensor, fn) -> torch.Tensor:
     return torch.where(torch.isnan(x).all(), float("nan"), out)
 
 
-def check_dpo_formula(loss_type: str, label_smoothing: float, discopop_tau: float) -> None:
+def check_dpo_formula(loss_type: str, label_smoothing: float, discopop_tau: float,
+                      f_divergence_type: str = "reverse_kl") -> None:
     """The loss type and the values it takes, or ValueError."""
+    if f_divergence_type not in DPO_DIVERGENCES:
+        raise ValueError(f"tritongrad.linear_dpo_loss: f_divergence_type must be one of {DPO_DIVERGENCES}, got "
+                         f"{f_divergence_type!r}")
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r} "
                          "(TRL's aot and aot_unpaired couple the batch's pairs through a sort; sft is not a pair's loss)")
@@ -321,7 +356,8 @@ def check_dpo_formula(loss_type: str, label_smoothing: float, discopop_tau: floa
 
 
 def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_tokens, *, beta: float, loss_type: str,
-                  label_smoothing: float, discopop_tau: float = 0.05) -> torch.Tensor:
+                  label_smoothing: float, discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
+                  f_alpha_divergence_coef: float = 1.0) -> torch.Tensor:
     """Each pair's loss ``[B]`` of its log-ratios ``lc = logp_c - ref_c``, ``lr = logp_r - ref_r`` (reverse KL),
     as TRL 1.16's ``DPOTrainer._compute_loss`` defines it per loss type; with d = lc - lr, s = sigmoid, e the
     label smoothing:
@@ -338,7 +374,13 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
         apo_zero      1 - s(b lc) + s(b lr)
         apo_down      s(b lc) + 1 - s(b d)
         discopop      -log s(b d) (1 - m) + exp(-b d) m,      m = s(b d / tau)
+
+    Under another ``f_divergence_type``, the loss types of DPO_SCORED take the scores of lc and lr
+    (:func:`dpo_score`) in their place, as TRL does; the others keep the log-ratios.
     """
+    if loss_type in DPO_SCORED and f_divergence_type != "reverse_kl":
+        lc = dpo_score(lc, f_divergence_type, f_alpha_divergence_coef)
+        lr = dpo_score(lr, f_divergence_type, f_alpha_divergence_coef)
     d = lc - lr
     eps = label_smoothing
     if loss_type in DPO_PER_TOKEN:
@@ -385,19 +427,23 @@ def dpo_from_logprobs(
     rejected_tokens: torch.Tensor | None = None,
     num_pairs_in_batch=None,
     discopop_tau: float = 0.05,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's DPO loss of sequence log-probabilities ``[B]`` (the policy's differentiable, the reference's not):
     ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are the
     normalisation of IPO and sigmoid_norm. ``num_pairs_in_batch``: the pairs of the whole optimizer step (None:
-    B). ``discopop_tau``: DiscoPOP's temperature (TRL's ``DPOConfig.discopop_tau``)."""
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau)
+    B). ``discopop_tau``: DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the
+    f-divergence (TRL's ``DPOConfig`` fields of those names)."""
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type)
     if loss_type in DPO_PER_TOKEN and (chosen_tokens is None or rejected_tokens is None):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type={loss_type!r} needs the completion lengths")
     chosen_logratios = chosen_logps - ref_chosen_logps.to(chosen_logps.dtype)
     rejected_logratios = rejected_logps - ref_rejected_logps.to(rejected_logps.dtype)
     d = chosen_logratios - rejected_logratios
     per_pair = dpo_pair_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta=beta,
-                             loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau)
+                             loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
+                             f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
     chosen_rewards = beta * chosen_logratios.detach()
@@ -433,6 +479,8 @@ def linear_dpo_reference(
     grads: list[bool] | None = None,
     differentiable_logps: bool = False,
     discopop_tau: float = 0.05,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO op over rows ``[2B T]`` (B chosen sequences of T rows, then their B rejected ones):
     ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t token_weight[s, t]
@@ -445,7 +493,8 @@ def linear_dpo_reference(
     tokens = tw.sum(-1)
     loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
                                 label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
-                                rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau)
+                                rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau,
+                                f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
     if not differentiable_logps:
         chosen, rejected = chosen.detach(), rejected.detach()
     return loss, chosen, rejected
