@@ -240,7 +240,7 @@ def test_stats_mean_logit_and_first_argmax():
 def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps, ref_per_token_logps, *, beta,
               epsilon_low, epsilon_high, loss_type, importance_sampling_level, max_completion_length, delta=None,
               gradient_accumulation_steps=1, num_items_in_batch=None, sapo_temperature_pos=1.0,
-              sapo_temperature_neg=1.05):
+              sapo_temperature_neg=1.05, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0):
     """TRL 1.16's GRPOTrainer._compute_loss, its arithmetic line by line (one process, training mode), on given
     per-token log-probabilities: (loss, kl, clip ratios low/high/region; for cispo, its clip ratio in place of
     the three)."""
@@ -262,6 +262,19 @@ def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps,
         temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
         per_token_loss = -soft_coef_1 * advantages
+    elif loss_type == "vespo":
+        with torch.no_grad():
+            lower_clamp = math.log(1e-8)
+            log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
+            seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+            log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+            w_seq = torch.exp(log_w_seq)
+            is_nonneg_adv = advantages >= 0
+            k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+            lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+            log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+            phi_seq = torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token_loss = -phi_seq * advantages * per_token_logps
     else:
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:
@@ -278,7 +291,7 @@ def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps,
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length) / ga
     elif loss_type == "luspo":
         loss = (per_token_loss * mask).sum(-1).mean() / ga
-    else:  # dapo, cispo: num_items_in_batch spans the generation batch (steps_per_generation = ga here)
+    else:  # dapo, cispo, vespo: num_items_in_batch spans the generation batch (steps_per_generation = ga here)
         loss = (per_token_loss * mask).sum() / num_items_in_batch.clamp(min=1.0)
 
     def gmm(x):
@@ -291,6 +304,8 @@ def _trl_grpo(per_token_logps, advantages, completion_mask, old_per_token_logps,
         return loss, kl, gmm(((coef_1 > epsilon_high) & (advantages > 0)).float())
     if loss_type == "sapo":
         return loss, kl
+    if loss_type == "vespo":
+        return loss, kl, gmm(phi_seq)
     low = (coef_1 < 1 - epsilon_low) & (advantages < 0)
     high = (coef_1 > 1 + epsilon_high) & (advantages > 0)
     return loss, kl, gmm(low.float()), gmm(high.float()), gmm((low | high).float())
@@ -314,9 +329,12 @@ GRPO_CASES = {
     # SAPO: the soft gate, its two temperatures
     "sapo-kl": dict(loss_type="sapo", beta=0.04, old=True, level="token"),
     "sapo-sequence": dict(loss_type="sapo", beta=0.0, old=True, level="sequence"),
+    # VESPO: each sequence weighted by a gamma function of its whole ratio (log-probabilities first)
+    "vespo-kl": dict(loss_type="vespo", beta=0.04, old=True, level="token"),
+    "vespo-on-policy": dict(loss_type="vespo", beta=0.0, old=False, level="token"),
 }
 # what TRL logs beside the loss, per loss type
-GRPO_LOGGED = {"cispo": ("cispo_clip_ratio",), "sapo": ()}
+GRPO_LOGGED = {"cispo": ("cispo_clip_ratio",), "sapo": (), "vespo": ("vespo/phi_seq_mean",)}
 
 
 def _grpo_inputs(dt, case, seed=0):
@@ -402,7 +420,7 @@ def test_grpo_op_recomputes_a_gradient_the_forward_did_not_make():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"])
 def test_grpo_gradient_accumulation_equals_one_step(loss_type):
     # two micro-batches of unequal token counts, each given the whole step's normaliser, sum to the big step's
     # gradient (TRL #5890, Liger #802: dividing each micro-batch by its own count does not)
@@ -835,7 +853,9 @@ def test_grpo_formula_is_trls_own(name):
         use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=case.get("max_len") or T, accelerator=_Acc(),
         args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
-                                   sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+                                   sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                                   vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0),
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, ent, None))
     want = GRPOTrainer._compute_loss(me, None, inputs)

@@ -42,6 +42,7 @@ from .reference import (
     DPO_SCORED,
     GRPO_FORMS,
     GRPO_LOSS_TYPES,
+    GRPO_SEQUENCE_COUPLED,
     acc_dtype,
     check_dpo_formula,
     check_targets,
@@ -549,6 +550,10 @@ def linear_grpo_loss(
     logit_softcap: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ):
     """TRL's GRPO loss (``GRPOTrainer._compute_loss``, TRL 1.16) from the policy's hidden states and LM head,
     without the logits in memory.
@@ -564,11 +569,13 @@ def linear_grpo_loss(
         ref_logprobs: ``[B, T]`` the reference model's, for the KL term (``beta != 0``).
         temperature: the logits are divided by it, as TRL's fused head does.
         beta, epsilon_low, epsilon_high, delta, loss_type (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``,
-        ``luspo``, ``cispo``, ``sapo``), importance_sampling_level (``token``, ``sequence``),
-        max_completion_length (``dr_grpo``'s constant; None: T), sapo_temperature_pos, sapo_temperature_neg:
+        ``luspo``, ``cispo``, ``sapo``, ``vespo``), importance_sampling_level (``token``, ``sequence``),
+        max_completion_length (``dr_grpo``'s constant; None: T), sapo_temperature_pos, sapo_temperature_neg,
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg:
             as TRL's GRPOConfig (``epsilon_low`` is its ``epsilon``; ``epsilon_high`` None is ``epsilon_low``;
-            for ``cispo`` ``epsilon_high`` is the ratio's cap, as in TRL). TRL's ``vespo`` is not offered.
-        num_items_in_batch: for ``bnpo``, ``dapo`` and ``cispo``, the completion tokens of the whole optimizer
+            for ``cispo`` ``epsilon_high`` is the ratio's cap, as in TRL). ``vespo`` weighs each sequence by
+            its whole ratio, so it takes the log-probabilities first (four products).
+        num_items_in_batch: for ``bnpo``, ``dapo``, ``cispo`` and ``vespo``, the completion tokens of the whole optimizer
             step (every micro-batch; under DDP, divided by the world size); None: this call's. Accumulating
             micro-batches with it gives the gradient of one big step.
         num_sequences_in_batch: for ``grpo``, ``sapo``, ``dr_grpo`` and ``luspo``, the sequences of the whole
@@ -580,8 +587,8 @@ def linear_grpo_loss(
         ``(loss, metrics)``: the 0-d loss (float32; float64 for float64 inputs) and a dict of 0-d detached
         tensors: ``kl`` (with beta), ``entropy``, and for the clipped surrogate ``clip_ratio/low_mean``,
         ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``
-        (for ``cispo``: ``cispo_clip_ratio``), as TRL logs them (one process: TRL's means over processes are
-        left to the caller).
+        (for ``cispo``: ``cispo_clip_ratio``; for ``vespo``: ``vespo/phi_seq_mean``), as TRL logs them (one
+        process: TRL's means over processes are left to the caller).
     """
     if completion_ids.dim() != 2 or tuple(input.shape[:-1]) != tuple(completion_ids.shape):
         raise ValueError(f"tritongrad.linear_grpo_loss: input [B, T, H] and completion_ids [B, T] must agree, got "
@@ -589,12 +596,15 @@ def linear_grpo_loss(
     formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                    importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
                    num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
-                   sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
-    if importance_sampling_level != "token" or logit_softcap is not None or _products_dtype(input) == torch.float16:
-        # one importance weight per sequence: each token's loss depends on its whole sequence, so the
-        # log-probabilities first, then the formula, whose gradient flows back through them (the fused op
-        # takes no soft cap: that path too; nor float16 products, whose gradients the backward must make with
-        # the upstream gradient, AMP's loss scale, before their float16 rounding)
+                   sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                   vespo_lambda_neg=vespo_lambda_neg)
+    if (importance_sampling_level != "token" or loss_type in GRPO_SEQUENCE_COUPLED or logit_softcap is not None
+            or _products_dtype(input) == torch.float16):
+        # one importance weight per sequence (or VESPO's weight): each token's loss depends on its whole
+        # sequence, so the log-probabilities first, then the formula, whose gradient flows back through them (the
+        # fused op takes no soft cap: that path too; nor float16 products, whose gradients the backward must make
+        # with the upstream gradient, AMP's loss scale, before their float16 rounding)
         logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature,
                                                   return_entropy=True, ignore_index=ignore_index,
                                                   logit_softcap=logit_softcap)

@@ -13,11 +13,28 @@ import math
 import torch
 import torch.nn.functional as F
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 # The per-token surrogate of each: TRL's clipped ratio, CISPO's clamped ratio (a constant) times the log-probability,
 # SAPO's soft gate; the loss types differ otherwise in their normaliser (_grpo_normalised).
 GRPO_FORMS = {"grpo": "clip", "bnpo": "clip", "dr_grpo": "clip", "dapo": "clip", "luspo": "clip", "cispo": "cispo",
-              "sapo": "sapo"}
+              "sapo": "sapo", "vespo": "vespo"}
+# VESPO weighs each sequence by a gamma function of its whole importance ratio: not a per-token function, so the
+# fused op does not take it (the log-probabilities first, then the formula).
+GRPO_SEQUENCE_COUPLED = ("vespo",)
+
+
+@torch.no_grad()
+def vespo_weights(advantages, log_ratio, mask, k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float):
+    """TRL 1.16's VESPO weight per sequence ``[B, 1]``, a constant of the loss: ``phi(w) = e^lam w^k e^(-lam w)``
+    with ``w = exp(sum_t M clamp(log_ratio, -20, 20))`` (its log clamped to [log 1e-8, 20]), ``(k, lam)`` by the
+    advantage's sign (``lam`` at least 1e-4); NaN and infinities become 0."""
+    low = math.log(1e-8)
+    seq = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+    log_w = torch.clamp(seq, low, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 # TRL 1.16's DPO losses that are a function of one pair. Not offered: "aot" and "aot_unpaired" (they sort the
 # batch's pairs, so a pair's loss depends on the others) and "sft" (a loss of the chosen tokens, not of the pair).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
@@ -254,7 +271,7 @@ def _grpo_normalised(total, mask, loss_type, max_completion_length, num_items_in
         return total.sum() / (seqs * (T if max_completion_length is None else max_completion_length))
     if loss_type == "luspo":  # each sequence's sum, not its mean
         return total.sum() / seqs
-    items = mask.sum() if num_items_in_batch is None else num_items_in_batch  # bnpo, dapo, cispo: over tokens
+    items = mask.sum() if num_items_in_batch is None else num_items_in_batch  # bnpo, dapo, cispo, vespo: tokens
     items = items.clamp(min=1.0) if isinstance(items, torch.Tensor) else max(items, 1.0)
     return total.sum() / items
 
@@ -278,6 +295,10 @@ def grpo_from_logprobs(
     entropy: torch.Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's GRPO loss of per-token ``logprobs [B, T]`` (the policy's, differentiable), ``advantages [B]`` or
     ``[B, T]`` and a float ``mask [B, T]``; ``(loss, metrics)``. The normalisers (``num_items_in_batch``: tokens,
@@ -297,6 +318,23 @@ def grpo_from_logprobs(
         raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
     metrics = {}
     form = (GRPO_FORMS[loss_type], sapo_temperature_pos, sapo_temperature_neg)
+    if loss_type == "vespo":  # -phi A l, phi a constant of each sequence's whole ratio; TRL's k3 KL term as the others'
+        old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+        phi = vespo_weights(advantages, logprobs - old, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                            vespo_lambda_neg)
+        per_token_loss, per_token_kl = -phi * advantages * logprobs, None
+        if beta != 0.0:
+            ref = ref_logprobs.to(logprobs.dtype)
+            per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
+            per_token_loss = per_token_loss + beta * per_token_kl
+        if per_token_kl is not None:
+            metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
+        loss = _grpo_normalised(per_token_loss * mask, mask, loss_type, max_completion_length, num_items_in_batch,
+                                num_sequences_in_batch)
+        if entropy is not None:
+            metrics["entropy"] = _masked_mean(entropy.detach(), mask)
+        metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask)
+        return loss, metrics
     if importance_sampling_level == "token":
         per_token_loss, coef_1, per_token_kl = grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta,
                                                                epsilon_low, eps_high, delta, *form)
