@@ -39,6 +39,7 @@ from tritongrad.ops.post_training import (
     linear_token_logprobs_reference,
 )
 from tritongrad.ops.post_training import plans as P
+from tritongrad.ops.post_training.reference import ld_token_weights
 from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol
 
 # 600 bytes of logits a chunk: 3 rows of 40 float32 logits, 7 of bfloat16; 16 columns a vocabulary step; DPO
@@ -578,7 +579,8 @@ def test_dpo_f_divergences_against_trl_formula_in_float64(name):
     (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
     (dict(f_divergence_type="chi2"), r"f_divergence_type must be one of .*, got 'chi2'"),
-], ids=["aot", "sft", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence"])
+    (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
+], ids=["aot", "sft", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)
@@ -871,9 +873,51 @@ def test_grpo_formula_is_trls_own(name):
         assert abs(m[key].item() - logged[key][0]) < 1e-12, key
 
 
+def _trl_ld_logps(per_token_logps, shift_completion_mask, ld_alpha):
+    """TRL 1.16's LD-DPO sequence sums (DPOTrainer._compute_loss with ld_alpha), line by line."""
+    comp_pos = shift_completion_mask.cumsum(dim=1)
+    comp_lens = shift_completion_mask.sum(dim=1).long()
+    chosen_lens, rejected_lens = comp_lens.chunk(2, dim=0)
+    shared_lens = torch.minimum(chosen_lens, rejected_lens)
+    shared_lens = torch.cat([shared_lens, shared_lens], dim=0)
+    shared_mask = (comp_pos > 0) & (comp_pos <= shared_lens.unsqueeze(1))
+    tail_mask = comp_pos > shared_lens.unsqueeze(1)
+    return (per_token_logps * shared_mask).sum(dim=1) + ld_alpha * (per_token_logps * tail_mask).sum(dim=1)
+
+
+# LD-DPO: (loss type, ld_alpha)
+DPO_LD_CASES = {"sigmoid-ld": ("sigmoid", 0.5), "ipo-ld": ("ipo", 0.3), "sigmoid-ld0": ("sigmoid", 0.0)}
+
+
+@pytest.mark.parametrize("name", list(DPO_LD_CASES))
+def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
+    # the policy's and the reference's sums weighted alike (the reference from its hidden states and head)
+    loss_type, ld = DPO_LD_CASES[name]
+    beta = 0.5 if loss_type == "ipo" else 0.1
+    t = _dpo_inputs(torch.float32)
+    t["target"][1, 2:] = -100  # a chosen completion shorter than its rejected one: a tail to weigh
+    g = torch.Generator().manual_seed(8)
+    ref_h, ref_W = torch.randn(4, 5, 16, generator=g), torch.randn(40, 16, generator=g) / 4
+
+    def ours(input, weight, target, ref_input):
+        loss, m = linear_dpo_loss(input, weight, target, ref_input=ref_input, ref_weight=ref_W.to(input.dtype),
+                                  beta=beta, loss_type=loss_type, ld_alpha=ld)
+        return loss, m["chosen_rewards"], m["rejected_rewards"]
+
+    def ref(input, weight, target, ref_input):
+        lp = _ref_logprobs(input, weight, target)[0]
+        mask = (target != -100).to(lp.dtype)
+        c, r = _trl_ld_logps(lp * mask, mask, ld).chunk(2)
+        rc, rr = _trl_ld_logps(_ref_logprobs(ref_input, ref_W.to(lp.dtype), target)[0] * mask, mask, ld).chunk(2)
+        return _trl_dpo(c, r, rc.detach(), rr.detach(), mask, beta=beta, loss_type=loss_type, label_smoothing=0.0)
+
+    _check(ours, ref, lambda dt: {"input": t["input"].to(dt), "weight": t["weight"].to(dt), "target": t["target"],
+                                  "ref_input": ref_h.to(dt)}, torch.float32)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"]  # TRL 1.16's sigmoid: no smoothing
-                         + list(DPO_DIV_CASES))
+                         + list(DPO_DIV_CASES) + list(DPO_LD_CASES))
 def test_dpo_formula_is_trls_own(name):
     # dpo_from_logprobs against DPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities from a
     # stand-in model (float32 for the alpha divergence, whose clamp TRL has no float64 entry for): the loss and
@@ -882,8 +926,11 @@ def test_dpo_formula_is_trls_own(name):
     from collections import defaultdict
 
     from trl import DPOTrainer
+    ld = None
     if name in DPO_DIV_CASES:
         loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
+    elif name in DPO_LD_CASES:
+        (loss_type, ld), eps, fdiv, alpha = DPO_LD_CASES[name], 0.0, "reverse_kl", 1.0
     else:
         (loss_type, eps), fdiv, alpha = (name.split("-")[0], DPO_CASES[name]), "reverse_kl", 1.0
     dt = torch.float32 if fdiv == "alpha_divergence" else torch.float64
@@ -896,19 +943,19 @@ def test_dpo_formula_is_trls_own(name):
     completion_mask[4, 4:] = 0
     shifted = completion_mask[:, 1:]
     lp = (-torch.rand(2 * B, L - 1, generator=g, dtype=torch.float64) * 3 * shifted).to(dt)  # each token's logprob
-    ref = (-torch.rand(2 * B, generator=g, dtype=torch.float64) * 3 * shifted.sum(1)).to(dt)
+    ref = (-torch.rand(2 * B, generator=g, dtype=torch.float64) * 3 * shifted.sum(1)).to(dt)  # given: any weighting
     zeros = torch.zeros(2 * B, L - 1, dtype=dt)
     outputs = types.SimpleNamespace(log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
     inputs = {"input_ids": torch.zeros(2 * B, L, dtype=torch.long), "attention_mask": torch.ones(2 * B, L),
               "completion_mask": completion_mask, "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
     me = types.SimpleNamespace(
-        model=types.SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False, ld_alpha=None,
+        model=types.SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False, ld_alpha=ld,
         precompute_ref_logps=True, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_types=[loss_type],
         loss_weights=[1.0],
         beta=beta, label_smoothing=eps, use_weighting=False, args=types.SimpleNamespace(discopop_tau=0.05),
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
     want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
-    chosen, rejected = lp.sum(1).chunk(2)
+    chosen, rejected = (lp * ld_token_weights(shifted.to(dt), ld)).sum(1).chunk(2)
     tokens = shifted.sum(1).to(dt)
     loss, m = dpo_from_logprobs(chosen, rejected, ref[:B], ref[B:], beta=beta, loss_type=loss_type,
                                 label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:],

@@ -50,6 +50,7 @@ from .reference import (
     dpo_pair_loss,
     dpo_score,
     dpo_score_slope,
+    ld_token_weights,
     grpo_from_logprobs,
     linear_distill_reference,
     linear_dpo_reference,
@@ -708,7 +709,8 @@ def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
 
 def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rejected_logps, bias, ignore_index,
                   logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
-                  differentiable_logps, discopop_tau, f_divergence_type, f_alpha_divergence_coef) -> None:
+                  differentiable_logps, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
+                  ld_alpha) -> None:
     _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
                   post_scale)
     if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
@@ -719,13 +721,13 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
         if t.dim() != 1 or t.shape[0] != B:
             raise ValueError(f"tritongrad.linear_dpo_loss: {name} of shape {tuple(t.shape)} must be [{B}], one per "
                              "pair")
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha)
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
 def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_index, logit_scale, logit_softcap,
-              post_scale, beta, loss_type, eps, tau, fdiv, alpha, need, upstream=None):
+              post_scale, beta, loss_type, eps, tau, fdiv, alpha, ld_alpha, need, upstream=None):
     """Chunks of whole pairs (pair i: input's sequences i and B + i, T rows each): the logits of the chunk's
     chosen and rejected rows (one product), the log-probabilities, each sequence's sum, each pair's loss and its
     derivative (PyTorch, O(pairs)), then, where a gradient is asked for, the logits' gradient in place and the
@@ -735,9 +737,9 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     N, V = input.shape[0], weight.shape[0]
     B, T = token_weight.shape[0] // 2, token_weight.shape[1]
     acc = acc_dtype(input)
-    tw = token_weight.to(acc)
+    tokens = token_weight.to(acc).sum(-1)  # the completions' lengths; the sums weigh tokens by LD-DPO's weights
+    tw = ld_token_weights(token_weight.to(acc), ld_alpha)
     ref_c, ref_r = ref_c.to(acc), ref_r.to(acc)
-    tokens = tw.sum(-1)
     logps = torch.zeros(2 * B, dtype=acc, device=input.device)
     lp = torch.empty(N, dtype=acc, device=input.device)
     parts = torch.empty((2, N), dtype=acc, device=input.device)
@@ -797,6 +799,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                   loss_type: str = "sigmoid", label_smoothing: float = 0.0, grads: Optional[list[bool]] = None,
                   differentiable_logps: bool = False, discopop_tau: float = 0.05,
                   f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 1.0,
+                  ld_alpha: Optional[float] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO loss over rows ``[2B T]`` of ``input [2B T, H]`` (B chosen sequences of T rows, then their B
     rejected ones): ``(loss, chosen_logps [B], rejected_logps [B], grad_input, grad_weight, grad_bias)``, the
@@ -814,7 +817,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     loss, chosen, rejected, got = _dpo_pass(input, weight, target, token_weight, ref_chosen_logps,
                                             ref_rejected_logps, bias, ignore_index, logit_scale, logit_softcap,
                                             post_scale, beta, loss_type, label_smoothing, discopop_tau,
-                                            f_divergence_type, f_alpha_divergence_coef, need)
+                                            f_divergence_type, f_alpha_divergence_coef, ld_alpha, need)
     return loss, chosen, rejected, *(g if g is not None else empty() for g in got)
 
 
@@ -825,14 +828,15 @@ def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejecte
         *_, got = _dpo_pass(ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps,
                             ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
                             ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, ctx.discopop_tau,
-                            ctx.f_divergence_type, ctx.f_alpha_divergence_coef, need,
+                            ctx.f_divergence_type, ctx.f_alpha_divergence_coef, ctx.ld_alpha, need,
                             (grad_loss, torch.cat([grad_chosen, grad_rejected])))
         return got[0], got[1], None, None, None, None, got[2]
     # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
     out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), lambda: _dpo_pass(
         ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps, ctx.ref_rejected_logps, ctx.bias,
         ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap, ctx.post_scale, ctx.beta, ctx.loss_type,
-        ctx.label_smoothing, ctx.discopop_tau, ctx.f_divergence_type, ctx.f_alpha_divergence_coef, need)[3])
+        ctx.label_smoothing, ctx.discopop_tau, ctx.f_divergence_type, ctx.f_alpha_divergence_coef, ctx.ld_alpha,
+        need)[3])
     return out[0], out[1], None, None, None, None, out[2]
 
 
@@ -857,6 +861,7 @@ def linear_dpo_loss(
     discopop_tau: float = 0.05,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
+    ld_alpha: float | None = None,
 ):
     """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
     logits in memory.
@@ -880,6 +885,9 @@ def linear_dpo_loss(
             batch's pairs) and ``sft`` are refused.
         f_divergence_type (``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence``),
             f_alpha_divergence_coef: as TRL's DPOConfig (``reference.dpo_score``).
+        ld_alpha: LD-DPO, as TRL's DPOConfig: each sequence's log-probability sums its pair's shared length of
+            completion tokens at weight 1 and the rest at ``ld_alpha`` (``reference.ld_token_weights``), the
+            policy's and the reference's alike; None: plain sums.
         num_pairs_in_batch: the pairs of the whole optimizer step (None: B); the loss is the sum over pairs
             divided by it, so accumulated micro-batches give one big step's gradient.
         logit_softcap: Gemma 2's final soft cap, for the policy and the reference head alike
@@ -898,8 +906,10 @@ def linear_dpo_loss(
     if target.dim() != 2 or target.shape[0] % 2 or tuple(input.shape[:-1]) != tuple(target.shape):
         raise ValueError(f"tritongrad.linear_dpo_loss: input [2B, T, H] and target [2B, T] must agree (chosen rows "
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha)
     mask = _mask_of(target, completion_mask, ignore_index, acc_dtype(input))
     tgt = torch.where(mask > 0, target, ignore_index)
+    weights = ld_token_weights(mask, ld_alpha)
     if ref_chosen_logps is None or ref_rejected_logps is None:
         if ref_input is None or ref_weight is None:
             raise ValueError("tritongrad.linear_dpo_loss: give ref_chosen_logps and ref_rejected_logps, or ref_input "
@@ -907,7 +917,7 @@ def linear_dpo_loss(
         with torch.no_grad():
             ref = linear_token_logprobs(ref_input, ref_weight, tgt, ref_bias, ignore_index=ignore_index,
                                         logit_softcap=logit_softcap)
-            ref = (ref * mask).sum(-1)
+            ref = (ref * weights).sum(-1)
         ref_chosen_logps, ref_rejected_logps = ref.chunk(2)
     ref_chosen_logps, ref_rejected_logps = ref_chosen_logps.detach(), ref_rejected_logps.detach()
     tokens = mask.sum(-1)
@@ -921,11 +931,10 @@ def linear_dpo_loss(
         # of rows, then the formula, whose gradient flows back through them (the logits made twice); float16
         # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale)
         logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
-                                       logit_softcap=logit_softcap) * mask).sum(-1)
+                                       logit_softcap=logit_softcap) * weights).sum(-1)
         chosen, rejected = logps.chunk(2)
         return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps,
                                  num_pairs_in_batch=num_pairs_in_batch, **formula)
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type)
     grads = None
     if torch.is_grad_enabled():
         grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]
@@ -934,7 +943,7 @@ def linear_dpo_loss(
         x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps, ref_rejected_logps, b, ignore_index,
         1.0, float(logit_softcap) if real else logit_softcap, 1.0, _as_float(beta), loss_type,
         _as_float(label_smoothing), grads, False, _as_float(discopop_tau), f_divergence_type,
-        _as_float(f_alpha_divergence_coef),
+        _as_float(f_alpha_divergence_coef), _as_float(ld_alpha) if ld_alpha is not None else None,
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch

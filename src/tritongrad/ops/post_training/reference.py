@@ -374,9 +374,23 @@ def _nan_reduce(x: torch.Tensor, fn) -> torch.Tensor:
     return torch.where(torch.isnan(x).all(), float("nan"), out)
 
 
+def ld_token_weights(mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor:
+    """LD-DPO's weight per token of ``mask [2B, T]`` (B chosen sequences, then their B rejected ones), as TRL 1.16
+    sums a sequence with ``ld_alpha``: 1 over each pair's first ``min(n_chosen, n_rejected)`` masked tokens,
+    ``ld_alpha`` beyond, 0 off the mask. ``ld_alpha`` None: the mask itself."""
+    if ld_alpha is None:
+        return mask
+    pos = mask.cumsum(-1)
+    shared = torch.minimum(*mask.sum(-1).chunk(2))
+    shared = torch.cat([shared, shared])[:, None]
+    return mask * ((pos > 0) & (pos <= shared)).to(mask.dtype) + mask * ld_alpha * (pos > shared).to(mask.dtype)
+
+
 def check_dpo_formula(loss_type: str, label_smoothing: float, discopop_tau: float,
-                      f_divergence_type: str = "reverse_kl") -> None:
+                      f_divergence_type: str = "reverse_kl", ld_alpha: float | None = None) -> None:
     """The loss type and the values it takes, or ValueError."""
+    if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
+        raise ValueError(f"tritongrad.linear_dpo_loss: ld_alpha must be in [0, 1] (or None), got {ld_alpha}")
     if f_divergence_type not in DPO_DIVERGENCES:
         raise ValueError(f"tritongrad.linear_dpo_loss: f_divergence_type must be one of {DPO_DIVERGENCES}, got "
                          f"{f_divergence_type!r}")
@@ -519,16 +533,19 @@ def linear_dpo_reference(
     discopop_tau: float = 0.05,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
+    ld_alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO op over rows ``[2B T]`` (B chosen sequences of T rows, then their B rejected ones):
-    ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t token_weight[s, t]
-    logprob[s, t]`` (``token_weight [2B, T]``: the mask) without gradient unless ``differentiable_logps``, the loss
-    :func:`dpo_from_logprobs` of them over B pairs. ``grads`` is the registered op's hint (kernels only)."""
+    ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t w[s, t]
+    logprob[s, t]`` (``w``: the mask ``token_weight [2B, T]``, LD-DPO's weights with ``ld_alpha``) without gradient
+    unless ``differentiable_logps``, the loss :func:`dpo_from_logprobs` of them over B pairs (the completions'
+    lengths from the mask). ``grads`` is the registered op's hint (kernels only)."""
     lp, _, _ = linear_token_logprobs_reference(input, weight, target, bias, ignore_index, logit_scale,
                                                logit_softcap=logit_softcap, post_scale=post_scale)
-    tw = token_weight.to(lp.dtype)
+    mask = token_weight.to(lp.dtype)
+    tw = ld_token_weights(mask, ld_alpha)
     chosen, rejected = (lp.reshape(tw.shape) * tw).sum(-1).chunk(2)
-    tokens = tw.sum(-1)
+    tokens = mask.sum(-1)
     loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
                                 label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
                                 rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau,
