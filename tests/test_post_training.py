@@ -390,6 +390,17 @@ def test_grpo_against_trl_formula_in_float64(name, dtype):
     _check(ours, ref, lambda dt: _grpo_inputs(dt, case), dtype)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])  # the fused op's check, and the formula's
+def test_grpo_refuses_what_it_does_not_compute(level):
+    case = dict(GRPO_CASES["sapo-kl"], level=level)
+    t = _grpo_inputs(torch.float32, case)
+    kw = _grpo_kwargs(case)
+    with pytest.raises(ValueError, match=r"sapo's temperatures must be > 0, got 0.0 and 1.05"):
+        linear_grpo_loss(**t, **kw, sapo_temperature_pos=0.0)
+    with pytest.raises(ValueError, match=r"loss_type must be one of .*'vespo'\), got 'gspo'"):
+        linear_grpo_loss(**t, **dict(kw, loss_type="gspo"))
+
+
 def test_grpo_metrics_are_trls():
     # every metric TRL logs, in float64: KL mean, clip ratios (means, the per-sequence min and max), entropy
     case = GRPO_CASES["grpo-kl-clipped"]

@@ -576,9 +576,9 @@ def linear_grpo_loss(
             as TRL's GRPOConfig (``epsilon_low`` is its ``epsilon``; ``epsilon_high`` None is ``epsilon_low``;
             for ``cispo`` ``epsilon_high`` is the ratio's cap, as in TRL). ``vespo`` weighs each sequence by
             its whole ratio, so it takes the log-probabilities first (four products).
-        num_items_in_batch: for ``bnpo``, ``dapo``, ``cispo`` and ``vespo``, the completion tokens of the whole optimizer
-            step (every micro-batch; under DDP, divided by the world size); None: this call's. Accumulating
-            micro-batches with it gives the gradient of one big step.
+        num_items_in_batch: for ``bnpo``, ``dapo``, ``cispo`` and ``vespo``, the completion tokens of the whole
+            optimizer step (every micro-batch; under DDP, divided by the world size); None: this call's.
+            Accumulating micro-batches with it gives the gradient of one big step.
         num_sequences_in_batch: for ``grpo``, ``sapo``, ``dr_grpo`` and ``luspo``, the sequences of the whole
             optimizer step; None: B.
         logit_softcap: Gemma 2's final soft cap, before the temperature (:func:`linear_token_logprobs`); with

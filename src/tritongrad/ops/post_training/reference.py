@@ -306,6 +306,9 @@ def grpo_from_logprobs(
     gradient-accumulation steps; None is this call's own count. docs/post-training.md has the formulas."""
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"tritongrad.linear_grpo_loss: loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+        raise ValueError("tritongrad.linear_grpo_loss: sapo's temperatures must be > 0, got "
+                         f"{sapo_temperature_pos} and {sapo_temperature_neg}")
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError("tritongrad.linear_grpo_loss: importance_sampling_level must be 'token' or 'sequence', got "
                          f"{importance_sampling_level!r}")
