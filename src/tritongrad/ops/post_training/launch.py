@@ -652,19 +652,15 @@ def linear_grpo_loss(
 # ---------------------------------------------------------------- DPO, fused
 def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps, tau, fdiv="reverse_kl",
                alpha=1.0):
-    """``(sum over pairs of the loss, its derivative by chosen, by rejected)`` per pair of TRL's DPO loss
-    (reference.py's ``dpo_pair_loss``, which computes the loss), the derivatives as autograd takes them through
-    it (relu's at 0 is 0): those by the log-ratios (or their scores, under an f-divergence: times the score's
-    slope)."""
+    """``(derivative by chosen, by rejected)`` per pair of TRL's DPO loss (reference.py's ``dpo_pair_loss``), as
+    autograd takes them through it (relu's at 0 is 0): those by the log-ratios (or their scores, under an
+    f-divergence: times the score's slope)."""
     lc, lr = chosen - ref_c, rejected - ref_r
-    total = dpo_pair_loss(lc, lr, tokens_c, tokens_r, beta=beta, loss_type=loss_type, label_smoothing=eps,
-                          discopop_tau=tau, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha).sum()
     if loss_type in DPO_SCORED and fdiv != "reverse_kl":
-        slopes = dpo_score_slope(lc, fdiv, alpha), dpo_score_slope(lr, fdiv, alpha)
         dc, dr = _dpo_slopes(dpo_score(lc, fdiv, alpha), dpo_score(lr, fdiv, alpha), tokens_c, tokens_r, beta,
                              loss_type, eps, tau)
-        return total, dc * slopes[0], dr * slopes[1]
-    return (total, *_dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau))
+        return dc * dpo_score_slope(lc, fdiv, alpha), dr * dpo_score_slope(lr, fdiv, alpha)
+    return _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau)
 
 
 def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
@@ -767,8 +763,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
             for sl in pair:
                 logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
             if any(grads.need):
-                _, dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
-                                       tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha)
+                dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
+                                    tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha)
                 for sl, (a, e), d in zip(pair, spans, (dc, dr)):
                     d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
                     dl[a:e] = (d[:, None] * tw[sl]).reshape(-1)

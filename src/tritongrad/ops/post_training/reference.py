@@ -200,12 +200,17 @@ def _clipped_loss(log_ratio, logprobs, advantages, ref_logprobs, beta: float, ep
         if delta is not None:
             coef_1 = torch.clamp(coef_1, max=delta)
         loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    kl = None
-    if beta != 0.0:
-        ref = ref_logprobs.to(logprobs.dtype)
-        kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
-        loss = loss + beta * kl
+    loss, kl = _with_kl(loss, logprobs, ref_logprobs, beta)
     return loss, coef_1, kl
+
+
+def _with_kl(loss, logprobs, ref_logprobs, beta: float):
+    """``(loss + beta kl, kl or None)``: TRL's k3 estimate of the KL to the reference, where beta != 0."""
+    if beta == 0.0:
+        return loss, None
+    ref = ref_logprobs.to(logprobs.dtype)
+    kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
+    return loss + beta * kl, kl
 
 
 def grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta: float, epsilon_low: float,
@@ -321,24 +326,12 @@ def grpo_from_logprobs(
         raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
     metrics = {}
     form = (GRPO_FORMS[loss_type], sapo_temperature_pos, sapo_temperature_neg)
-    if loss_type == "vespo":  # -phi A l, phi a constant of each sequence's whole ratio; TRL's k3 KL term as the others'
+    if loss_type == "vespo":  # -phi A l, phi a constant of each sequence's whole ratio
         old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
-        phi = vespo_weights(advantages, logprobs - old, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                            vespo_lambda_neg)
-        per_token_loss, per_token_kl = -phi * advantages * logprobs, None
-        if beta != 0.0:
-            ref = ref_logprobs.to(logprobs.dtype)
-            per_token_kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
-            per_token_loss = per_token_loss + beta * per_token_kl
-        if per_token_kl is not None:
-            metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
-        loss = _grpo_normalised(per_token_loss * mask, mask, loss_type, max_completion_length, num_items_in_batch,
-                                num_sequences_in_batch)
-        if entropy is not None:
-            metrics["entropy"] = _masked_mean(entropy.detach(), mask)
-        metrics["vespo/phi_seq_mean"] = _masked_mean(phi, mask)
-        return loss, metrics
-    if importance_sampling_level == "token":
+        coef_1 = vespo_weights(advantages, logprobs - old, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                               vespo_lambda_neg)
+        per_token_loss, per_token_kl = _with_kl(-coef_1 * advantages * logprobs, logprobs, ref_logprobs, beta)
+    elif importance_sampling_level == "token":
         per_token_loss, coef_1, per_token_kl = grpo_token_loss(logprobs, advantages, old_logprobs, ref_logprobs, beta,
                                                                epsilon_low, eps_high, delta, *form)
     else:  # one importance weight per sequence (GSPO)
@@ -352,8 +345,11 @@ def grpo_from_logprobs(
     if entropy is not None:
         metrics["entropy"] = _masked_mean(entropy.detach(), mask)
     c1 = coef_1.detach()
-    if form[0] == "cispo":  # what TRL logs for each: the clipped ratios of the clipped surrogate, CISPO's own
+    # what TRL logs for each: the clipped ratios of the clipped surrogate, CISPO's own, VESPO's weights
+    if form[0] == "cispo":
         metrics["cispo_clip_ratio"] = _masked_mean(((c1 > eps_high) & (advantages > 0)).to(logprobs.dtype), mask)
+    if form[0] == "vespo":
+        metrics["vespo/phi_seq_mean"] = _masked_mean(c1, mask)
     if form[0] != "clip":
         return loss, metrics
     low = ((c1 < 1 - epsilon_low) & (advantages < 0)).to(logprobs.dtype)
