@@ -293,6 +293,9 @@ SWEEP = [  # (warps a program, stages, warps of the persistent grid per SM) for 
     (2, 12, 16),
     # Deeper pipelines for rows that do not fill the grid (the linear loss's chunks: one row a program).
     (4, 8, 16), (4, 12, 16), (8, 8, 16),
+    # Wide programs and more warps an SM, for rows that do not fill the grid (Liger's plan for them: 32768
+    # columns a step over 32 warps, a program a row).
+    (8, 4, 32), (16, 4, 32), (16, 4, 64), (8, 2, 32), (16, 2, 64), (32, 2, 64),
 ]
 
 

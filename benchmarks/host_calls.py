@@ -1,6 +1,7 @@
 """Host time of one eager forward+backward call of the LLM ops, on the GPU machine's host: tritongrad's
-apply_rotary_pos_emb, llama_rms_norm (above the small-input threshold) and swiglu against Liger-Kernel's
-(when installed) and Hugging Face's eager code, at tiny shapes where the GPU is never the bottleneck.
+apply_rotary_pos_emb, llama_rms_norm (above the small-input threshold), swiglu and linear_cross_entropy (16
+chunks of 128 rows, and one) against Liger-Kernel's (when installed) and Hugging Face's eager code, at tiny
+shapes where the GPU is never the bottleneck.
 
     python benchmarks/host_calls.py [--calls 300] [--rounds 15]
 
@@ -12,6 +13,7 @@ Figures compare only within one run: hosts of the pool differ by up to 1.6x. doc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, os.environ.get("TRITONGRAD_SRC") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import tritongrad  # noqa: E402
 from host_profile import per_call_us  # noqa: E402 (after tritongrad: its own src/ is then not imported)
+from tritongrad.ops.cross_entropy import plans as ce_plans  # noqa: E402
 
 
 def cases(dev="cuda", dtype=torch.bfloat16):
@@ -48,7 +51,24 @@ def cases(dev="cuda", dtype=torch.bfloat16):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
+    # The linear loss over 16 chunks of 128 rows, Liger's chunks too (next_pow2(N / ceil(V / H)) rows), and over
+    # one: the difference is the host's cost of a chunk.
+    hl = torch.randn(2048, 64, device=dev, dtype=dtype, requires_grad=True)
+    wl = (torch.randn(1024, 64, device=dev, dtype=dtype) / 8).requires_grad_()
+    tl_ = torch.randint(0, 1024, (2048,), device=dev)
+    small = dataclasses.replace(ce_plans.TABLE, LCE_EFFICIENT_ROWS=128, LCE_MIN_ROWS=128)
+    assert ce_plans.lce_chunk_rows(2048, 1024, 64, 2, small) == 128
+
+    def tg_lce(n):
+        with ce_plans.using(small):
+            torch.autograd.backward(tritongrad.linear_cross_entropy(hl[:n], wl, tl_[:n]))
+
+    def hf_lce(n):
+        torch.autograd.backward(torch.nn.functional.cross_entropy((hl[:n] @ wl.t()).float(), tl_[:n]))
+
     out = {
+        "lce_16_chunks": {"tritongrad": lambda: tg_lce(2048), "hf": lambda: hf_lce(2048)},
+        "lce_1_chunk": {"tritongrad": lambda: tg_lce(128), "hf": lambda: hf_lce(128)},
         "rope": {"tritongrad": lambda: bw(tritongrad.apply_rotary_pos_emb(q, k, cos, sin), (gq, gk)),
                  "hf": lambda: bw(hf_rope(q, k, cos, sin), (gq, gk))},
         "llama_rms_norm": {"tritongrad": lambda: bw(tritongrad.llama_rms_norm(x, w, 1e-6), gx),
@@ -59,6 +79,7 @@ def cases(dev="cuda", dtype=torch.bfloat16):
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except ImportError as e:
         print(f"Liger-Kernel not importable ({e}): its rows are left out")
@@ -66,6 +87,9 @@ def cases(dev="cuda", dtype=torch.bfloat16):
         out["rope"]["liger"] = lambda: bw(LigerRopeFunction.apply(q, k, cos, sin), (gq, gk))
         out["llama_rms_norm"]["liger"] = lambda: bw(LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False), gx)
         out["swiglu"]["liger"] = lambda: bw(LigerSiLUMulFunction.apply(g, u), go)
+        for name, n in (("lce_16_chunks", 2048), ("lce_1_chunk", 128)):
+            out[name]["liger"] = (lambda n=n: torch.autograd.backward(
+                LigerFusedLinearCrossEntropyFunction.apply(hl[:n], wl, tl_[:n])[0]))
     return out
 
 

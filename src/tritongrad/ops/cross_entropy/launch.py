@@ -132,20 +132,22 @@ def _stats(target: torch.Tensor, weight: torch.Tensor | None, C: int, ignore_ind
     return stats
 
 
-def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
+def _rows_launch(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, ignore_index, splits, *, mean: bool,
                  store_lse: bool, lse_all: bool, lse_known: bool, dloss_mode: int, softcap: bool, scaled: bool,
-                 smoothing: bool, acc):
-    """One launch of the main kernel over the rows of ``x`` [N, C] (unit column stride); ``splits``: the float
-    arguments (``_splits``)."""
+                 smoothing: bool, acc) -> rt.Bound:
+    """The main kernel's launch over the rows of ``x`` [N, C] (unit column stride), bound to everything but its
+    ten tensors (x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, in that order; None where
+    absent): the linear loss's chunks, equal in shape and strides, launch it once each without rebuilding its
+    arguments. ``splits``: the float arguments (``_splits``)."""
     N, C = x.shape
     stride_g = grad.stride(0) if grad is not None else 0
     align = rt.align(int(x.stride(0)), stride_g)
     narrow = int(weight is not None and smoothing) + int(align * x.element_size() < 16) + int(softcap)
     plan = P.row_plan(rt.hint(N), int(C), x.element_size(), rt.device_props(x.device), narrow, P.table())
-    _fwd_kernel[(plan.programs,)](
-        x, target_ptr=target, weight_ptr=weight, stats_ptr=stats, loss_ptr=loss, lse_ptr=lse, parts_ptr=parts,
-        grad_ptr=grad, dloss_ptr=dloss, dlse_ptr=dlse, N=N, C=C, stride_x_row=x.stride(0), stride_g_row=stride_g,
-        stride_t=target.stride(0), stride_w=weight.stride(0) if weight is not None else 0,
+    return _fwd_kernel.bind(
+        (plan.programs,), x, target_ptr=target, weight_ptr=weight, stats_ptr=stats, loss_ptr=loss, lse_ptr=lse,
+        parts_ptr=parts, grad_ptr=grad, dloss_ptr=dloss, dlse_ptr=dlse, N=N, C=C, stride_x_row=x.stride(0),
+        stride_g_row=stride_g, stride_t=target.stride(0), stride_w=weight.stride(0) if weight is not None else 0,
         stride_dloss=dloss.stride(0) if dloss is not None and dloss.dim() == 1 else 0,
         stride_dlse=dlse.stride(0) if dlse is not None else 0, ignore_index=ignore_index, **splits,
         BLOCK_C=plan.BLOCK_C, STAGES=plan.stages, HAS_WEIGHT=weight is not None, HAS_SCALE=scaled, HAS_SOFTCAP=softcap,
@@ -153,6 +155,12 @@ def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, 
         STORE_GRAD=grad is not None, LSE_KNOWN=lse_known, DLOSS=dloss_mode, HAS_DLSE=dlse is not None,
         ACC=rt.tl_acc_dtype(acc), ALIGN=align, num_warps=plan.num_warps,
     )
+
+
+def _rows_kernel(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, ignore_index, splits, **flags):
+    """One launch of the main kernel over the rows of ``x`` (``_rows_launch``'s arguments)."""
+    _rows_launch(x, target, weight, stats, loss, lse, parts, grad, dloss, dlse, ignore_index, splits, **flags)(
+        x, target, weight, stats, loss, lse, parts, grad, dloss, dlse)
 
 
 def _finish(rows: torch.Tensor, stats, out: torch.Tensor, mean: bool) -> torch.Tensor:
@@ -398,23 +406,6 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
-def _lce_chunk_grads(logits, h, weight, gi_rows, gw, gb, f32: bool, first: bool) -> None:
-    """One chunk's share of the gradients asked for (None: not asked), from the gradient of its logits."""
-    if gi_rows is not None:
-        torch.mm(logits, weight, out=gi_rows)
-    if gw is not None:
-        # Chunks add into grad_weight in order: each product accumulates in float32 and rounds once to
-        # weight's dtype, or, with f32, into a float32 buffer the size of the weight (docs/cross-entropy.md).
-        if f32:
-            _addmm_f32(gw, logits.t(), h)
-        elif first:
-            torch.mm(logits.t(), h, out=gw)
-        else:
-            gw.addmm_(logits.t(), h)
-    if gb is not None:
-        gb += logits.sum(0, dtype=gb.dtype)
-
-
 def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, z_loss,
               logit_scale, rows, need: tuple[bool, bool, bool], dloss=None, f32: bool = False):
     """Chunks of rows: logits (one product; the loss kernel applies ``logit_scale``), the loss kernel writing the
@@ -422,7 +413,10 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     then that chunk's share of the gradients asked for (``need``: input, weight, bias). ``rows``: the per-row
     loss buffer, or None. ``dloss``: the upstream gradient (None: 1, the forward's case). ``f32``: a 16-bit
     weight's gradient accumulates over the chunks in float32 and rounds once. Returns the gradients (None
-    where not asked)."""
+    where not asked).
+
+    Per chunk the host issues four launches and nothing else: the views come from one ``split`` each, and the
+    loss kernel's launch is bound once per chunk shape (docs/host-path.md#the-linear-losses-chunk-loop)."""
     N, H = input.shape
     V = weight.shape[0]
     acc = rt.acc_of(input)
@@ -439,19 +433,41 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     splits = _splits(label_smoothing, z_loss, logit_softcap, logit_scale)
     dloss_mode = DLOSS_ONE if dloss is None else DLOSS_ROWS if dloss.dim() == 1 else DLOSS_SCALAR
     wt = weight.t()
-    for r0 in range(0, N, chunk):
-        r1 = min(N, r0 + chunk)
-        h, logits = input[r0:r1], buf[: r1 - r0]
+    flags = dict(mean=mean and want_grad, store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
+                 softcap=logit_softcap is not None, scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
+    hs, ts = input.split(chunk), target.split(chunk)
+    n = len(hs) if N else 0  # split gives one empty piece of no rows
+    ls = rows.split(chunk) if rows is not None else (None,) * n
+    ds = dloss.split(chunk) if dloss_mode == DLOSS_ROWS else (dloss,) * n
+    gis = gi.split(chunk) if gi is not None else (None,) * n
+    launches, views = {}, {}  # by chunk rows: the bound loss kernel; the logits and their transpose
+    for i in range(n):
+        h = hs[i]
+        m = h.shape[0]
+        if m not in views:
+            logits = buf if m == buf.shape[0] else buf[:m]
+            views[m] = logits, logits.t()
+            launches[m] = _rows_launch(logits, ts[i], None, stats, ls[i], None, None, logits if want_grad else None,
+                                       ds[i], None, ignore_index, splits, **flags)
+        logits, logits_t = views[m]
         if bias is None:
             torch.mm(h, wt, out=logits)
         else:
             torch.addmm(bias, h, wt, out=logits)
-        d = dloss[r0:r1] if dloss_mode == DLOSS_ROWS else dloss
-        _rows_kernel(logits, target[r0:r1], None, stats, rows[r0:r1] if rows is not None else None, None, None,
-                     logits if want_grad else None, d, None, ignore_index, splits, mean=mean and want_grad,
-                     store_lse=False, lse_all=False, lse_known=False, dloss_mode=dloss_mode,
-                     softcap=logit_softcap is not None, scaled=logit_scale != 1.0, smoothing=smoothing, acc=acc)
-        _lce_chunk_grads(logits, h, weight, gi[r0:r1] if need[0] else None, gw, gb, f32, first=r0 == 0)
+        launches[m](logits, ts[i], None, stats, ls[i], None, None, logits if want_grad else None, ds[i], None)
+        if gis[i] is not None:
+            torch.mm(logits, weight, out=gis[i])
+        if gw is not None:
+            # Chunks add into grad_weight in order: each product accumulates in float32 and rounds once to
+            # weight's dtype, or, with f32, into a float32 buffer the size of the weight (docs/cross-entropy.md).
+            if f32:
+                _addmm_f32(gw, logits_t, h)
+            elif i == 0:
+                torch.mm(logits_t, h, out=gw)
+            else:
+                gw.addmm_(logits_t, h)
+        if gb is not None:
+            gb += logits.sum(0, dtype=gb.dtype)
     return gi, (gw.to(weight.dtype) if f32 and need[1] else gw), (gb.to(bias.dtype) if need[2] else None)
 
 
