@@ -3,7 +3,7 @@ apply_rotary_pos_emb, llama_rms_norm (above the small-input threshold), swiglu a
 chunks of 128 rows, and one) against Liger-Kernel's (when installed) and Hugging Face's eager code, at tiny
 shapes where the GPU is never the bottleneck.
 
-    python benchmarks/host_calls.py [--calls 300] [--rounds 15]
+    python benchmarks/host_calls.py [--calls 300] [--rounds 15] [--cases lce_16_chunks,...] [--providers ...]
 
 Each figure is the median over rounds of a burst of calls issued after a synchronize, divided by the calls:
 pipelined host time per call (microseconds). Prints a table and writes host_calls.json to $OUT (or --out).
@@ -98,9 +98,15 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--providers", default=None, help="comma-separated providers (default: all)")
     a = p.parse_args()
     rows = {}
     for name, providers in cases().items():
+        if a.cases and name not in a.cases.split(","):
+            continue
+        if a.providers:
+            providers = {k: v for k, v in providers.items() if k in a.providers.split(",")}
         for fn in providers.values():
             for _ in range(20):
                 fn()
@@ -109,6 +115,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, git=os.environ.get("TRITONGRAD_GIT_SHA"),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), calls=a.calls, rounds=a.rounds,
                 tritongrad_src=os.path.dirname(os.path.dirname(tritongrad.__file__)))
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "host_calls.json"), "w") as f:
         json.dump(dict(meta=meta, us_per_call=rows), f, indent=1)
 
