@@ -416,7 +416,7 @@ def _lce_pass(input, weight, target, bias, ignore_index, reduction, label_smooth
     where not asked).
 
     Per chunk the host issues four launches and nothing else: the views come from one ``split`` each, and the
-    loss kernel's launch is bound once per chunk shape (docs/host-path.md#the-linear-losses-chunk-loop)."""
+    loss kernel's launch is bound once per chunk shape (docs/cross-entropy.md, chunk size)."""
     N, H = input.shape
     V = weight.shape[0]
     acc = rt.acc_of(input)
