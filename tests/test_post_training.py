@@ -140,7 +140,16 @@ def dpo_ipo_bias(dtype, device):
             "post_scale": 0.8, "beta": 0.5, "loss_type": "ipo", "differentiable_logps": True}
 
 
-test_linear_dpo_suite = pytest.mark.slow(OpSuite(linear_dpo_op, [dpo_ipo_bias], mixed=True, device=DEVICE).pytest())
+def dpo_list_sft(dtype, device):
+    # a list of loss types with weights, sft's chosen-token mean among them: each pair's derivative their weighted
+    # sum, sft's through the call's chosen-token count; differentiable sequence log-probabilities as above
+    case = dpo_ipo_bias(dtype, device)
+    case.update(loss_type="sigmoid,sft,bco_pair", loss_weights=[1.0, 0.5, 0.25], beta=0.1)
+    return case
+
+
+test_linear_dpo_suite = pytest.mark.slow(OpSuite(linear_dpo_op, [dpo_ipo_bias, dpo_list_sft], mixed=True,
+                                                 device=DEVICE).pytest())
 
 
 # ---------------------------------------------------------------- parity helpers
@@ -583,15 +592,82 @@ def test_dpo_f_divergences_against_trl_formula_in_float64(name):
     _check(ours, ref, _dpo_inputs, torch.float32)
 
 
+# Lists of loss types with their weights, as TRL's loss_type=[...] and loss_weights: (types, weights, label smoothing)
+DPO_MULTI_CASES = {"sft": (["sft"], None, 0.0), "sigmoid+sft": (["sigmoid", "sft"], [1.0, 0.5], 0.0),
+                   "mpo": (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], 0.0),
+                   "ipo+robust": (["ipo", "robust"], [0.7, 1.3], 0.1)}
+
+
+def _trl_dpo_multi(c, r, rc, rr, mask, lp, *, beta, types, weights, eps):
+    """TRL 1.16's loop over loss types: sum_k w_k mean(per-sequence loss_k); sft: the chosen tokens' mean -logp."""
+    loss = 0.0
+    for name, w in zip(types, weights or [1.0] * len(types)):
+        if name == "sft":
+            cm, _ = mask.chunk(2)
+            one = -lp.chunk(2)[0][cm.bool()].mean()
+        else:
+            one = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=name, label_smoothing=eps)[0]
+        loss = loss + one * w
+    return loss, beta * (c - rc).detach(), beta * (r - rr).detach()
+
+
+@pytest.mark.parametrize("name,dtype", _grid(DPO_MULTI_CASES, ["mpo"]), ids=str)
+def test_dpo_loss_lists_against_trl_formula_in_float64(name, dtype):
+    # the weighted sum of several loss types, sft's chosen-token mean among them, in the fused op (chunks of whole
+    # pairs: each pair's derivative the weighted sum of its types') and in float64: loss, rewards, gradients
+    types, weights, eps = DPO_MULTI_CASES[name]
+    beta = 0.5 if "ipo" in types else 0.1
+
+    def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
+                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=types,
+                                  loss_weights=weights, label_smoothing=eps)
+        return loss, m["chosen_rewards"], m["rejected_rewards"]
+
+    def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        lp = _ref_logprobs(input, weight, target)[0]
+        mask = (target != -100).to(lp.dtype)
+        c, r = (lp * mask).sum(1).chunk(2)
+        return _trl_dpo_multi(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, lp * mask,
+                              beta=beta, types=types, weights=weights, eps=eps)
+
+    _check(ours, ref, _dpo_inputs, dtype)
+
+
+def test_dpo_loss_list_accumulates_over_micro_batches():
+    # sigmoid + sft over two micro-batches with num_pairs_in_batch: the gradients of one call over both (sft's
+    # mean over each call's chosen tokens; here both calls hold the same number of them)
+    t = _dpo_inputs(torch.float64)
+    W = t["weight"].clone().requires_grad_()
+    kw = dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])
+    tg = t["target"]
+    assert (tg[0] != -100).sum() == (tg[1] != -100).sum()  # both chosen rows hold as many tokens
+    whole, _ = linear_dpo_loss(t["input"], W, tg, ref_chosen_logps=t["ref_chosen_logps"],
+                               ref_rejected_logps=t["ref_rejected_logps"], **kw)
+    g_whole, = torch.autograd.grad(whole, W)
+    total = 0
+    for i in range(2):
+        rows = [i, 2 + i]
+        part, _ = linear_dpo_loss(t["input"][rows], W, tg[rows], ref_chosen_logps=t["ref_chosen_logps"][i:i + 1],
+                                  ref_rejected_logps=t["ref_rejected_logps"][i:i + 1], num_pairs_in_batch=2, **kw)
+        total = total + part
+    g_parts, = torch.autograd.grad(total, W)
+    torch.testing.assert_close(total, whole)
+    torch.testing.assert_close(g_parts, g_whole)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(loss_type="aot"), r"loss_type must be one of .* aot and aot_unpaired couple the batch's pairs"),
-    (dict(loss_type="sft"), r"sft is not a pair's loss"),
+    (dict(loss_type=["sigmoid", "sft"], ld_alpha=0.5), r"sft with ld_alpha is not computed"),
+    (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), r"must give one weight per loss type"),
+    (dict(loss_type=["sigmoid", "sigmoid"]), r"names a loss type twice"),
+    (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, float("nan")]), r"loss_weights must be finite numbers"),
     (dict(loss_type="exo_pair"), r"exo_pair takes label_smoothing in \(0, 1\).*got 0.0"),
     (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
     (dict(f_divergence_type="chi2"), r"f_divergence_type must be one of .*, got 'chi2'"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["aot", "sft", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
+], ids=["aot", "sft-ld", "weights-length", "twice", "weights-nan", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)
@@ -928,7 +1004,7 @@ def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"]  # TRL 1.16's sigmoid: no smoothing
-                         + list(DPO_DIV_CASES) + list(DPO_LD_CASES))
+                         + list(DPO_DIV_CASES) + list(DPO_LD_CASES) + list(DPO_MULTI_CASES))
 def test_dpo_formula_is_trls_own(name):
     # dpo_from_logprobs against DPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities from a
     # stand-in model (float32 for the alpha divergence, whose clamp TRL has no float64 entry for): the loss and
@@ -937,15 +1013,18 @@ def test_dpo_formula_is_trls_own(name):
     from collections import defaultdict
 
     from trl import DPOTrainer
-    ld = None
+    ld, weights = None, None
     if name in DPO_DIV_CASES:
         loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
+    elif name in DPO_MULTI_CASES:
+        (loss_type, weights, eps), fdiv, alpha = DPO_MULTI_CASES[name], "reverse_kl", 1.0
     elif name in DPO_LD_CASES:
         (loss_type, ld), eps, fdiv, alpha = DPO_LD_CASES[name], 0.0, "reverse_kl", 1.0
     else:
         (loss_type, eps), fdiv, alpha = (name.split("-")[0], DPO_CASES[name]), "reverse_kl", 1.0
     dt = torch.float32 if fdiv == "alpha_divergence" else torch.float64
-    beta = {"ipo": 0.5, "sppo_hard": 0.5, "discopop": 1.0}.get(loss_type, 0.1)
+    names = loss_type if isinstance(loss_type, list) else [loss_type]
+    beta = {"ipo": 0.5, "sppo_hard": 0.5, "discopop": 1.0}.get(names[0], 0.1)
     g = torch.Generator().manual_seed(5)
     B, L = 3, 7
     completion_mask = torch.zeros(2 * B, L)
@@ -961,8 +1040,8 @@ def test_dpo_formula_is_trls_own(name):
               "completion_mask": completion_mask, "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
     me = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False, ld_alpha=ld,
-        precompute_ref_logps=True, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_types=[loss_type],
-        loss_weights=[1.0],
+        precompute_ref_logps=True, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_types=names,
+        loss_weights=weights or [1.0] * len(names),
         beta=beta, label_smoothing=eps, use_weighting=False, args=types.SimpleNamespace(discopop_tau=0.05),
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
     want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
@@ -970,7 +1049,7 @@ def test_dpo_formula_is_trls_own(name):
     tokens = shifted.sum(1).to(dt)
     loss, m = dpo_from_logprobs(chosen, rejected, ref[:B], ref[B:], beta=beta, loss_type=loss_type,
                                 label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:],
-                                f_divergence_type=fdiv, f_alpha_divergence_coef=alpha)
+                                f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_weights=weights)
     torch.testing.assert_close(loss, want)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):  # TRL averages the accuracies' booleans in float32

@@ -48,6 +48,7 @@ from .reference import (
     check_targets,
     dpo_from_logprobs,
     dpo_pair_loss,
+    dpo_losses,
     dpo_score,
     dpo_score_slope,
     ld_token_weights,
@@ -651,16 +652,25 @@ def linear_grpo_loss(
 
 # ---------------------------------------------------------------- DPO, fused
 def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps, tau, fdiv="reverse_kl",
-               alpha=1.0):
+               alpha=1.0, loss_weights=None, sft_slope=None):
     """``(derivative by chosen, by rejected)`` per pair of TRL's DPO loss (reference.py's ``dpo_pair_loss``), as
     autograd takes them through it (relu's at 0 is 0): those by the log-ratios (or their scores, under an
-    f-divergence: times the score's slope)."""
+    f-divergence: times the score's slope), each loss type's times its weight. ``sft_slope``: sft's derivative
+    by a pair's chosen log-probability, ``-B / sum_pairs n_c`` over the call's B pairs."""
     lc, lr = chosen - ref_c, rejected - ref_r
-    if loss_type in DPO_SCORED and fdiv != "reverse_kl":
-        dc, dr = _dpo_slopes(dpo_score(lc, fdiv, alpha), dpo_score(lr, fdiv, alpha), tokens_c, tokens_r, beta,
-                             loss_type, eps, tau)
-        return dc * dpo_score_slope(lc, fdiv, alpha), dr * dpo_score_slope(lr, fdiv, alpha)
-    return _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau)
+    dc = dr = None
+    for name, w in dpo_losses(loss_type, loss_weights):
+        if name == "sft":
+            c, r = torch.zeros_like(lc) + sft_slope, torch.zeros_like(lr)
+        elif name in DPO_SCORED and fdiv != "reverse_kl":
+            c, r = _dpo_slopes(dpo_score(lc, fdiv, alpha), dpo_score(lr, fdiv, alpha), tokens_c, tokens_r, beta,
+                               name, eps, tau)
+            c, r = c * dpo_score_slope(lc, fdiv, alpha), r * dpo_score_slope(lr, fdiv, alpha)
+        else:
+            c, r = _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, name, eps, tau)
+        c, r = (c, r) if w == 1.0 else (c * w, r * w)
+        dc, dr = (c, r) if dc is None else (dc + c, dr + r)
+    return dc, dr
 
 
 def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
@@ -706,7 +716,7 @@ def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
 def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rejected_logps, bias, ignore_index,
                   logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
                   differentiable_logps, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
-                  ld_alpha) -> None:
+                  ld_alpha, loss_weights=None) -> None:
     _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
                   post_scale)
     if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
@@ -717,13 +727,13 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
         if t.dim() != 1 or t.shape[0] != B:
             raise ValueError(f"tritongrad.linear_dpo_loss: {name} of shape {tuple(t.shape)} must be [{B}], one per "
                              "pair")
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights)
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
 def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_index, logit_scale, logit_softcap,
-              post_scale, beta, loss_type, eps, tau, fdiv, alpha, ld_alpha, need, upstream=None):
+              post_scale, beta, loss_type, eps, tau, fdiv, alpha, ld_alpha, need, upstream=None, loss_weights=None):
     """Chunks of whole pairs (pair i: input's sequences i and B + i, T rows each): the logits of the chunk's
     chosen and rejected rows (one product), the log-probabilities, each sequence's sum, each pair's loss and its
     derivative (PyTorch, O(pairs)), then, where a gradient is asked for, the logits' gradient in place and the
@@ -735,6 +745,7 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     acc = acc_dtype(input)
     tokens = token_weight.to(acc).sum(-1)  # the completions' lengths; the sums weigh tokens by LD-DPO's weights
     tw = ld_token_weights(token_weight.to(acc), ld_alpha)
+    sft_slope = -B / tokens[:B].sum() if B else None  # sft's derivative by each chosen sum (on the device)
     ref_c, ref_r = ref_c.to(acc), ref_r.to(acc)
     logps = torch.zeros(2 * B, dtype=acc, device=input.device)
     lp = torch.empty(N, dtype=acc, device=input.device)
@@ -764,7 +775,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
                 logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
             if any(grads.need):
                 dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
-                                    tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha)
+                                    tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha,
+                                    loss_weights, sft_slope)
                 for sl, (a, e), d in zip(pair, spans, (dc, dr)):
                     d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
                     dl[a:e] = (d[:, None] * tw[sl]).reshape(-1)
@@ -777,7 +789,7 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     chosen, rejected = logps[:B].clone(), logps[B:].clone()  # outputs of a registered op: no views of each other
     total = dpo_pair_loss(chosen - ref_c, rejected - ref_r, tokens[:B], tokens[B:], beta=beta, loss_type=loss_type,
                           label_smoothing=eps, discopop_tau=tau, f_divergence_type=fdiv,
-                          f_alpha_divergence_coef=alpha).sum()
+                          f_alpha_divergence_coef=alpha, loss_weights=loss_weights, chosen_logps=chosen).sum()
     return total / B, chosen, rejected, grads.result()
 
 
@@ -795,7 +807,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                   loss_type: str = "sigmoid", label_smoothing: float = 0.0, grads: Optional[list[bool]] = None,
                   differentiable_logps: bool = False, discopop_tau: float = 0.05,
                   f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 1.0,
-                  ld_alpha: Optional[float] = None,
+                  ld_alpha: Optional[float] = None, loss_weights: Optional[list[float]] = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO loss over rows ``[2B T]`` of ``input [2B T, H]`` (B chosen sequences of T rows, then their B
     rejected ones): ``(loss, chosen_logps [B], rejected_logps [B], grad_input, grad_weight, grad_bias)``, the
@@ -813,7 +825,8 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
     loss, chosen, rejected, got = _dpo_pass(input, weight, target, token_weight, ref_chosen_logps,
                                             ref_rejected_logps, bias, ignore_index, logit_scale, logit_softcap,
                                             post_scale, beta, loss_type, label_smoothing, discopop_tau,
-                                            f_divergence_type, f_alpha_divergence_coef, ld_alpha, need)
+                                            f_divergence_type, f_alpha_divergence_coef, ld_alpha, need,
+                                            loss_weights=loss_weights)
     return loss, chosen, rejected, *(g if g is not None else empty() for g in got)
 
 
@@ -825,14 +838,14 @@ def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejecte
                             ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
                             ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, ctx.discopop_tau,
                             ctx.f_divergence_type, ctx.f_alpha_divergence_coef, ctx.ld_alpha, need,
-                            (grad_loss, torch.cat([grad_chosen, grad_rejected])))
+                            (grad_loss, torch.cat([grad_chosen, grad_rejected])), loss_weights=ctx.loss_weights)
         return got[0], got[1], None, None, None, None, got[2]
     # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
     out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), lambda: _dpo_pass(
         ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps, ctx.ref_rejected_logps, ctx.bias,
         ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap, ctx.post_scale, ctx.beta, ctx.loss_type,
         ctx.label_smoothing, ctx.discopop_tau, ctx.f_divergence_type, ctx.f_alpha_divergence_coef, ctx.ld_alpha,
-        need)[3])
+        need, loss_weights=ctx.loss_weights)[3])
     return out[0], out[1], None, None, None, None, out[2]
 
 
@@ -849,7 +862,7 @@ def linear_dpo_loss(
     ref_bias: torch.Tensor | None = None,
     completion_mask: torch.Tensor | None = None,
     beta: float = 0.1,
-    loss_type: str = "sigmoid",
+    loss_type: str | list[str] = "sigmoid",
     label_smoothing: float = 0.0,
     num_pairs_in_batch=None,
     ignore_index: int = -100,
@@ -858,6 +871,7 @@ def linear_dpo_loss(
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
     ld_alpha: float | None = None,
+    loss_weights: list[float] | None = None,
 ):
     """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
     logits in memory.
@@ -877,8 +891,10 @@ def linear_dpo_loss(
             ``bco_pair``, ``sppo_hard``, ``apo_zero``, ``apo_down``, ``discopop``, ``sigmoid_norm`` (the formulas:
             ``reference.dpo_pair_loss``). ``robust`` takes label smoothing in [0, 0.5), ``exo_pair`` in (0, 1);
             ``sigmoid`` with label smoothing is conservative DPO, as TRL before 1.0 defined it (TRL 1.16's
-            sigmoid ignores label smoothing: the two agree at 0). ``aot`` and ``aot_unpaired`` (a sort over the
-            batch's pairs) and ``sft`` are refused.
+            sigmoid ignores label smoothing: the two agree at 0). ``sft``: the chosen tokens' mean negative
+            log-probability. ``aot`` and ``aot_unpaired`` (a sort over the batch's pairs) are refused.
+        loss_weights: with a list of loss types (TRL's ``loss_type=[...]``, e.g. MPO's ``["sigmoid", "bco_pair",
+            "sft"]``), one weight each (None: 1 each); the loss is their weighted sum, as TRL's.
         f_divergence_type (``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence``),
             f_alpha_divergence_coef: as TRL's DPOConfig (``reference.dpo_score``).
         ld_alpha: LD-DPO, as TRL's DPOConfig: each sequence's log-probability sums its pair's shared length of
@@ -902,7 +918,10 @@ def linear_dpo_loss(
     if target.dim() != 2 or target.shape[0] % 2 or tuple(input.shape[:-1]) != tuple(target.shape):
         raise ValueError(f"tritongrad.linear_dpo_loss: input [2B, T, H] and target [2B, T] must agree (chosen rows "
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights)
+    terms = dpo_losses(loss_type, loss_weights)
+    loss_type = ",".join(n for n, _ in terms)  # the registered op takes the names joined, and a weight each
+    loss_weights = None if all(w == 1.0 for _, w in terms) else [w for _, w in terms]
     mask = _mask_of(target, completion_mask, ignore_index, acc_dtype(input))
     tgt = torch.where(mask > 0, target, ignore_index)
     weights = ld_token_weights(mask, ld_alpha)
@@ -919,7 +938,7 @@ def linear_dpo_loss(
     tokens = mask.sum(-1)
     formula = dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
                    rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
-                   f_alpha_divergence_coef=f_alpha_divergence_coef)
+                   f_alpha_divergence_coef=f_alpha_divergence_coef, loss_weights=loss_weights)
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
     if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16:
@@ -939,7 +958,7 @@ def linear_dpo_loss(
         x.reshape(-1, x.shape[-1]), w, tgt.reshape(-1), mask, ref_chosen_logps, ref_rejected_logps, b, ignore_index,
         1.0, float(logit_softcap) if real else logit_softcap, 1.0, _as_float(beta), loss_type,
         _as_float(label_smoothing), grads, False, _as_float(discopop_tau), f_divergence_type,
-        _as_float(f_alpha_divergence_coef), _as_float(ld_alpha) if ld_alpha is not None else None,
+        _as_float(f_alpha_divergence_coef), _as_float(ld_alpha) if ld_alpha is not None else None, loss_weights,
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch

@@ -35,10 +35,11 @@ def vespo_weights(advantages, log_ratio, mask, k_pos: float, lambda_pos: float, 
     k = torch.where(nonneg, k_pos, k_neg)
     lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-# TRL 1.16's DPO losses that are a function of one pair. Not offered: "aot" and "aot_unpaired" (they sort the
-# batch's pairs, so a pair's loss depends on the others) and "sft" (a loss of the chosen tokens, not of the pair).
+# TRL 1.16's DPO losses that are a function of one pair, and "sft" (the chosen tokens' mean negative log-probability,
+# a pair's share of it a constant times its chosen sum). Not offered: "aot" and "aot_unpaired" (they sort the
+# batch's pairs, so a pair's loss depends on the others).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-                  "apo_down", "discopop", "sigmoid_norm")
+                  "apo_down", "discopop", "sigmoid_norm", "sft")
 DPO_PER_TOKEN = ("ipo", "sigmoid_norm")  # the log-ratios divided by the completions' lengths
 # TRL's f-divergences: the score f'(t) each loss type that takes scores applies to the log-ratio l = log t.
 DPO_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -385,33 +386,57 @@ def ld_token_weights(mask: torch.Tensor, ld_alpha: float | None) -> torch.Tensor
     return mask * ((pos > 0) & (pos <= shared)).to(mask.dtype) + mask * ld_alpha * (pos > shared).to(mask.dtype)
 
 
-def check_dpo_formula(loss_type: str, label_smoothing: float, discopop_tau: float,
-                      f_divergence_type: str = "reverse_kl", ld_alpha: float | None = None) -> None:
-    """The loss type and the values it takes, or ValueError."""
+def dpo_losses(loss_type, loss_weights=None) -> tuple[tuple[str, float], ...]:
+    """TRL's ``loss_type`` (a name, a list of names, or names joined by commas, as the registered op takes them)
+    with ``loss_weights`` (None: 1 each) as ``(name, weight)`` pairs; the loss is ``sum_k weight_k loss_k``."""
+    names = loss_type.split(",") if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(names) if loss_weights is None else list(loss_weights)
+    if not names or len(weights) != len(names):
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_weights {loss_weights!r} must give one weight per loss "
+                         f"type of {loss_type!r}")
+    for w in weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not -math.inf < w < math.inf:  # NaN fails too
+            raise ValueError(f"tritongrad.linear_dpo_loss: loss_weights must be finite numbers, got {loss_weights!r}")
+    return tuple(zip(names, (float(w) for w in weights)))
+
+
+def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
+                      f_divergence_type: str = "reverse_kl", ld_alpha: float | None = None, loss_weights=None) -> None:
+    """The loss types (one, or several with ``loss_weights``) and the values they take, or ValueError."""
     if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
         raise ValueError(f"tritongrad.linear_dpo_loss: ld_alpha must be in [0, 1] (or None), got {ld_alpha}")
     if f_divergence_type not in DPO_DIVERGENCES:
         raise ValueError(f"tritongrad.linear_dpo_loss: f_divergence_type must be one of {DPO_DIVERGENCES}, got "
                          f"{f_divergence_type!r}")
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r} "
-                         "(TRL's aot and aot_unpaired couple the batch's pairs through a sort; sft is not a pair's loss)")
-    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
+    terms = dpo_losses(loss_type, loss_weights)
+    for name, _ in terms:
+        if name not in DPO_LOSS_TYPES:
+            raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {name!r} "
+                             "(TRL's aot and aot_unpaired couple the batch's pairs through a sort)")
+    names = [n for n, _ in terms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tritongrad.linear_dpo_loss: loss_type {loss_type!r} names a loss type twice")
+    if "sft" in names and ld_alpha is not None:
+        raise ValueError("tritongrad.linear_dpo_loss: sft with ld_alpha is not computed (TRL's sft takes the chosen "
+                         "tokens unweighted, LD-DPO's sums weigh them); drop one of the two")
+    if "robust" in names and not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
                          f"{label_smoothing}")
-    if loss_type == "exo_pair" and not 0.0 < label_smoothing < 1.0:
+    if "exo_pair" in names and not 0.0 < label_smoothing < 1.0:
         raise ValueError(f"tritongrad.linear_dpo_loss: exo_pair takes label_smoothing in (0, 1) (its log(e) is "
                          f"infinite at 0; the EXO paper uses 1e-3), got {label_smoothing}")
-    if loss_type == "discopop" and not discopop_tau > 0:
+    if "discopop" in names and not discopop_tau > 0:
         raise ValueError(f"tritongrad.linear_dpo_loss: discopop takes discopop_tau > 0, got {discopop_tau}")
 
 
-def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_tokens, *, beta: float, loss_type: str,
+def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_tokens, *, beta: float, loss_type,
                   label_smoothing: float, discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
-                  f_alpha_divergence_coef: float = 1.0) -> torch.Tensor:
+                  f_alpha_divergence_coef: float = 1.0, loss_weights=None,
+                  chosen_logps: torch.Tensor | None = None) -> torch.Tensor:
     """Each pair's loss ``[B]`` of its log-ratios ``lc = logp_c - ref_c``, ``lr = logp_r - ref_r`` (reverse KL),
-    as TRL 1.16's ``DPOTrainer._compute_loss`` defines it per loss type; with d = lc - lr, s = sigmoid, e the
-    label smoothing:
+    as TRL 1.16's ``DPOTrainer._compute_loss`` defines it per loss type; several loss types (``loss_type`` a list,
+    or names joined by commas) add up, each times its weight in ``loss_weights`` (:func:`dpo_losses`). With
+    d = lc - lr, s = sigmoid, e the label smoothing:
 
         sigmoid       -log s(b d);  e > 0: -(1-e) log s(b d) - e log s(-b d) (conservative DPO, TRL before 1.0)
         hinge         relu(1 - b d)
@@ -426,9 +451,30 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
         apo_down      s(b lc) + 1 - s(b d)
         discopop      -log s(b d) (1 - m) + exp(-b d) m,      m = s(b d / tau)
 
+        sft           -B logp_c / sum_pairs n_c               (``chosen_logps``: logp_c, unweighted sums; over the
+                                                              B pairs' mean, TRL's mean over the chosen tokens)
+
     Under another ``f_divergence_type``, the loss types of DPO_SCORED take the scores of lc and lr
     (:func:`dpo_score`) in their place, as TRL does; the others keep the log-ratios.
     """
+    total = None
+    for name, w in dpo_losses(loss_type, loss_weights):
+        if name == "sft":
+            if chosen_logps is None:
+                raise ValueError("tritongrad.linear_dpo_loss: loss_type 'sft' needs the chosen log-probabilities")
+            one = -chosen_logps * (lc.shape[0] / chosen_tokens.to(lc.dtype).sum())
+        else:
+            one = _dpo_one_loss(lc, lr, chosen_tokens, rejected_tokens, beta=beta, loss_type=name,
+                                label_smoothing=label_smoothing, discopop_tau=discopop_tau,
+                                f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
+        one = one if w == 1.0 else one * w
+        total = one if total is None else total + one
+    return total
+
+
+def _dpo_one_loss(lc, lr, chosen_tokens, rejected_tokens, *, beta, loss_type, label_smoothing, discopop_tau,
+                  f_divergence_type, f_alpha_divergence_coef):
+    """One pair loss type of :func:`dpo_pair_loss`."""
     if loss_type in DPO_SCORED and f_divergence_type != "reverse_kl":
         lc = dpo_score(lc, f_divergence_type, f_alpha_divergence_coef)
         lr = dpo_score(lr, f_divergence_type, f_alpha_divergence_coef)
@@ -480,21 +526,25 @@ def dpo_from_logprobs(
     discopop_tau: float = 0.05,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
+    loss_weights=None,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's DPO loss of sequence log-probabilities ``[B]`` (the policy's differentiable, the reference's not):
     ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are the
-    normalisation of IPO and sigmoid_norm. ``num_pairs_in_batch``: the pairs of the whole optimizer step (None:
-    B). ``discopop_tau``: DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the
-    f-divergence (TRL's ``DPOConfig`` fields of those names)."""
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type)
-    if loss_type in DPO_PER_TOKEN and (chosen_tokens is None or rejected_tokens is None):
+    normalisation of IPO and sigmoid_norm, and their sum sft's. ``num_pairs_in_batch``: the pairs of the whole
+    optimizer step (None: B). ``loss_type`` (one name, or a list with ``loss_weights``), ``discopop_tau``:
+    DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the f-divergence (TRL's
+    ``DPOConfig`` fields of those names)."""
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, loss_weights=loss_weights)
+    names = [n for n, _ in dpo_losses(loss_type, loss_weights)]
+    if any(n in DPO_PER_TOKEN or n == "sft" for n in names) and (chosen_tokens is None or rejected_tokens is None):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type={loss_type!r} needs the completion lengths")
     chosen_logratios = chosen_logps - ref_chosen_logps.to(chosen_logps.dtype)
     rejected_logratios = rejected_logps - ref_rejected_logps.to(rejected_logps.dtype)
     d = chosen_logratios - rejected_logratios
     per_pair = dpo_pair_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta=beta,
                              loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
-                             f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
+                             f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+                             loss_weights=loss_weights, chosen_logps=chosen_logps)
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
     chosen_rewards = beta * chosen_logratios.detach()
@@ -533,6 +583,7 @@ def linear_dpo_reference(
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
     ld_alpha: float | None = None,
+    loss_weights: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO op over rows ``[2B T]`` (B chosen sequences of T rows, then their B rejected ones):
     ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t w[s, t]
@@ -548,7 +599,8 @@ def linear_dpo_reference(
     loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
                                 label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
                                 rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau,
-                                f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
+                                f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+                                loss_weights=loss_weights)
     if not differentiable_logps:
         chosen, rejected = chosen.detach(), rejected.detach()
     return loss, chosen, rejected
