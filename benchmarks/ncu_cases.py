@@ -4,10 +4,15 @@
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section MemoryWorkloadAnalysis python benchmarks/ncu_cases.py CASE
 
-CASE: ce32k (cross_entropy 16384x32000), ce128k (8192x128256), rms4k (rms_norm 4096x4096), ws16 (weighted_sum
-16x1048576); bf16. The range covers the launching thread: kernels the autograd engine launches from its own
-thread (the norms' and weighted_sum's backward) fall outside it; cross_entropy's gradient is written by its
-forward kernel.
+CASE: ce32k (cross_entropy 16384x32000), ce128k (8192x128256), rms4k (rms_norm 4096x4096), rms32k and ln32k
+(rms_norm, layer_norm 32768x4096), ws16 (weighted_sum 16x1048576); bf16. The range covers the launching thread:
+kernels the autograd engine launches from its own thread (the norms' and weighted_sum's backward) fall outside
+it, so those take a kernel-name filter instead of the range (each of the three steps' launches is profiled):
+
+    ncu --clock-control none --cache-control all --kernel-name regex:"_bwd|column_sum" --section ... \
+        python benchmarks/ncu_cases.py rms32k
+
+cross_entropy's gradient is written by its forward kernel.
 """
 
 import sys
@@ -16,7 +21,7 @@ import torch
 
 import tritongrad as tg
 
-CASES = ("ce32k", "ce128k", "rms4k", "ws16")
+CASES = ("ce32k", "ce128k", "rms4k", "rms32k", "ln32k", "ws16")
 
 
 def main(case: str) -> None:
@@ -36,6 +41,17 @@ def main(case: str) -> None:
 
         def step():
             tg.rms_norm(x, (4096,), w).backward(g)
+    elif case in ("rms32k", "ln32k"):
+        x = torch.randn(32768, 4096, device=dev, dtype=bf16, requires_grad=True)
+        w = torch.randn(4096, device=dev, dtype=bf16, requires_grad=True)
+        b = torch.randn(4096, device=dev, dtype=bf16, requires_grad=True)
+        g = torch.randn_like(x)
+
+        def step():
+            if case == "rms32k":
+                tg.rms_norm(x, (4096,), w).backward(g)
+            else:
+                tg.layer_norm(x, (4096,), w, b).backward(g)
     elif case == "ws16":
         x = torch.randn(16, 1 << 20, device=dev, dtype=bf16, requires_grad=True)
         w = torch.randn(1 << 20, device=dev, dtype=bf16, requires_grad=True)
