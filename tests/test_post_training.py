@@ -658,7 +658,6 @@ def test_dpo_loss_list_accumulates_over_micro_batches():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(loss_type="aot"), r"loss_type must be one of .* aot and aot_unpaired couple the batch's pairs"),
-    (dict(loss_type=["sigmoid", "sft"], ld_alpha=0.5), r"sft with ld_alpha is not computed"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), r"must give one weight per loss type"),
     (dict(loss_type=["sigmoid", "sigmoid"]), r"names a loss type twice"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, float("nan")]), r"loss_weights must be finite numbers"),
@@ -667,7 +666,7 @@ def test_dpo_loss_list_accumulates_over_micro_batches():
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
     (dict(f_divergence_type="chi2"), r"f_divergence_type must be one of .*, got 'chi2'"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["aot", "sft-ld", "weights-length", "twice", "weights-nan", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
+], ids=["aot", "weights-length", "twice", "weights-nan", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)
@@ -973,16 +972,19 @@ def _trl_ld_logps(per_token_logps, shift_completion_mask, ld_alpha):
 
 
 # LD-DPO: (loss type, ld_alpha)
-DPO_LD_CASES = {"sigmoid-ld": ("sigmoid", 0.5), "ipo-ld": ("ipo", 0.3), "sigmoid-ld0": ("sigmoid", 0.0)}
+DPO_LD_CASES = {"sigmoid-ld": ("sigmoid", 0.5), "ipo-ld": ("ipo", 0.3), "sigmoid-ld0": ("sigmoid", 0.0),
+                "sigmoid+sft-ld": (["sigmoid", "sft"], 0.5)}  # sft's chosen tokens unweighted, the sigmoid's not
 
 
 @pytest.mark.parametrize("name", list(DPO_LD_CASES))
 def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
     # the policy's and the reference's sums weighted alike (the reference from its hidden states and head)
     loss_type, ld = DPO_LD_CASES[name]
+    names = loss_type if isinstance(loss_type, list) else [loss_type]
     beta = 0.5 if loss_type == "ipo" else 0.1
     t = _dpo_inputs(torch.float32)
     t["target"][1, 2:] = -100  # a chosen completion shorter than its rejected one: a tail to weigh
+    t["target"][2, 3:] = -100  # and a rejected one shorter than its chosen one: a chosen tail (sft weighs it 1)
     g = torch.Generator().manual_seed(8)
     ref_h, ref_W = torch.randn(4, 5, 16, generator=g), torch.randn(40, 16, generator=g) / 4
 
@@ -996,7 +998,8 @@ def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
         mask = (target != -100).to(lp.dtype)
         c, r = _trl_ld_logps(lp * mask, mask, ld).chunk(2)
         rc, rr = _trl_ld_logps(_ref_logprobs(ref_input, ref_W.to(lp.dtype), target)[0] * mask, mask, ld).chunk(2)
-        return _trl_dpo(c, r, rc.detach(), rr.detach(), mask, beta=beta, loss_type=loss_type, label_smoothing=0.0)
+        return _trl_dpo_multi(c, r, rc.detach(), rr.detach(), mask, lp * mask, beta=beta, types=names, weights=None,
+                              eps=0.0)
 
     _check(ours, ref, lambda dt: {"input": t["input"].to(dt), "weight": t["weight"].to(dt), "target": t["target"],
                                   "ref_input": ref_h.to(dt)}, torch.float32)
@@ -1046,10 +1049,12 @@ def test_dpo_formula_is_trls_own(name):
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
     want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
     chosen, rejected = (lp * ld_token_weights(shifted.to(dt), ld)).sum(1).chunk(2)
+    plain = (lp * shifted.to(dt)).sum(1).chunk(2)[0]  # sft's chosen sums: every token 1
     tokens = shifted.sum(1).to(dt)
     loss, m = dpo_from_logprobs(chosen, rejected, ref[:B], ref[B:], beta=beta, loss_type=loss_type,
                                 label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:],
-                                f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_weights=weights)
+                                f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_weights=weights,
+                                sft_chosen_logps=plain)
     torch.testing.assert_close(loss, want)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):  # TRL averages the accuracies' booleans in float32

@@ -653,16 +653,18 @@ def linear_grpo_loss(
 # ---------------------------------------------------------------- DPO, fused
 def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_type, eps, tau, fdiv="reverse_kl",
                alpha=1.0, loss_weights=None, sft_slope=None):
-    """``(derivative by chosen, by rejected)`` per pair of TRL's DPO loss (reference.py's ``dpo_pair_loss``), as
-    autograd takes them through it (relu's at 0 is 0): those by the log-ratios (or their scores, under an
-    f-divergence: times the score's slope), each loss type's times its weight. ``sft_slope``: sft's derivative
-    by a pair's chosen log-probability, ``-B / sum_pairs n_c`` over the call's B pairs."""
+    """``(derivative by chosen, by rejected, by the chosen sum of sft)`` per pair of TRL's DPO loss (reference.py's
+    ``dpo_pair_loss``), as autograd takes them through it (relu's at 0 is 0): those by the log-ratios (or their
+    scores, under an f-divergence: times the score's slope), each loss type's times its weight. ``sft_slope``:
+    sft's derivative by a pair's chosen sum of unweighted log-probabilities, ``-B / sum_pairs n_c`` over the
+    call's B pairs; the third derivative is None without sft."""
     lc, lr = chosen - ref_c, rejected - ref_r
-    dc = dr = None
+    dc = dr = ds = None
     for name, w in dpo_losses(loss_type, loss_weights):
         if name == "sft":
-            c, r = torch.zeros_like(lc) + sft_slope, torch.zeros_like(lr)
-        elif name in DPO_SCORED and fdiv != "reverse_kl":
+            ds = torch.zeros_like(lc) + sft_slope * w
+            continue
+        if name in DPO_SCORED and fdiv != "reverse_kl":
             c, r = _dpo_slopes(dpo_score(lc, fdiv, alpha), dpo_score(lr, fdiv, alpha), tokens_c, tokens_r, beta,
                                name, eps, tau)
             c, r = c * dpo_score_slope(lc, fdiv, alpha), r * dpo_score_slope(lr, fdiv, alpha)
@@ -670,7 +672,9 @@ def _dpo_terms(chosen, rejected, ref_c, ref_r, tokens_c, tokens_r, beta, loss_ty
             c, r = _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, name, eps, tau)
         c, r = (c, r) if w == 1.0 else (c * w, r * w)
         dc, dr = (c, r) if dc is None else (dc + c, dr + r)
-    return dc, dr
+    if dc is None:  # sft alone
+        dc, dr = torch.zeros_like(lc), torch.zeros_like(lr)
+    return dc, dr, ds
 
 
 def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
@@ -743,11 +747,14 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     N, V = input.shape[0], weight.shape[0]
     B, T = token_weight.shape[0] // 2, token_weight.shape[1]
     acc = acc_dtype(input)
-    tokens = token_weight.to(acc).sum(-1)  # the completions' lengths; the sums weigh tokens by LD-DPO's weights
-    tw = ld_token_weights(token_weight.to(acc), ld_alpha)
+    mask = token_weight.to(acc)
+    tokens = mask.sum(-1)  # the completions' lengths; the sums weigh tokens by LD-DPO's weights
+    tw = ld_token_weights(mask, ld_alpha)
     sft_slope = -B / tokens[:B].sum() if B else None  # sft's derivative by each chosen sum (on the device)
     ref_c, ref_r = ref_c.to(acc), ref_r.to(acc)
     logps = torch.zeros(2 * B, dtype=acc, device=input.device)
+    # sft's chosen sums weigh every token 1, LD-DPO's sums do not: kept apart where they differ
+    plain = torch.zeros(B, dtype=acc, device=input.device) if ld_alpha is not None else None
     lp = torch.empty(N, dtype=acc, device=input.device)
     parts = torch.empty((2, N), dtype=acc, device=input.device)
     dl = torch.empty(N, dtype=acc, device=input.device)
@@ -773,13 +780,18 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
             pair = slice(p0, p1), slice(B + p0, B + p1)
             for sl in pair:
                 logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
+            if plain is not None:
+                plain[p0:p1] = (lp.view(2 * B, T)[pair[0]] * mask[pair[0]]).sum(-1)
             if any(grads.need):
-                dc, dr = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
-                                    tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha,
-                                    loss_weights, sft_slope)
+                dc, dr, ds = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
+                                        tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha,
+                                        loss_weights, sft_slope)
                 for sl, (a, e), d in zip(pair, spans, (dc, dr)):
                     d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
-                    dl[a:e] = (d[:, None] * tw[sl]).reshape(-1)
+                    rows_d = d[:, None] * tw[sl]
+                    if ds is not None and sl is pair[0]:  # sft's share, over the chosen tokens unweighted
+                        rows_d = rows_d + (ds / B if upstream is None else upstream[0] * ds / B)[:, None] * mask[sl]
+                    dl[a:e] = rows_d.reshape(-1)
                 for (a, e), rows in zip(spans, (g[:n], g[n:])):
                     _bwd_kernel[(n,)](
                         rows, target, parts, dl, None, V, N, a, rows.stride(0), target.stride(0), dl.stride(0), 0,
@@ -789,7 +801,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     chosen, rejected = logps[:B].clone(), logps[B:].clone()  # outputs of a registered op: no views of each other
     total = dpo_pair_loss(chosen - ref_c, rejected - ref_r, tokens[:B], tokens[B:], beta=beta, loss_type=loss_type,
                           label_smoothing=eps, discopop_tau=tau, f_divergence_type=fdiv,
-                          f_alpha_divergence_coef=alpha, loss_weights=loss_weights, chosen_logps=chosen).sum()
+                          f_alpha_divergence_coef=alpha, loss_weights=loss_weights,
+                          chosen_logps=chosen if plain is None else plain).sum()
     return total / B, chosen, rejected, grads.result()
 
 
@@ -945,11 +958,12 @@ def linear_dpo_loss(
         # a pair's logits over the budget: its loss needs all its tokens first, so the log-probabilities in chunks
         # of rows, then the formula, whose gradient flows back through them (the logits made twice); float16
         # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale)
-        logps = (linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
-                                       logit_softcap=logit_softcap) * weights).sum(-1)
-        chosen, rejected = logps.chunk(2)
+        token_lp = linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
+                                         logit_softcap=logit_softcap)
+        chosen, rejected = (token_lp * weights).sum(-1).chunk(2)
+        plain = (token_lp * mask).sum(-1).chunk(2)[0] if ld_alpha is not None else None  # sft's: every token 1
         return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps,
-                                 num_pairs_in_batch=num_pairs_in_batch, **formula)
+                                 num_pairs_in_batch=num_pairs_in_batch, sft_chosen_logps=plain, **formula)
     grads = None
     if torch.is_grad_enabled():
         grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]

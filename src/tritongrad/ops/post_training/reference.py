@@ -416,9 +416,6 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
     names = [n for n, _ in terms]
     if len(set(names)) != len(names):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type {loss_type!r} names a loss type twice")
-    if "sft" in names and ld_alpha is not None:
-        raise ValueError("tritongrad.linear_dpo_loss: sft with ld_alpha is not computed (TRL's sft takes the chosen "
-                         "tokens unweighted, LD-DPO's sums weigh them); drop one of the two")
     if "robust" in names and not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
                          f"{label_smoothing}")
@@ -527,11 +524,13 @@ def dpo_from_logprobs(
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 1.0,
     loss_weights=None,
+    sft_chosen_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's DPO loss of sequence log-probabilities ``[B]`` (the policy's differentiable, the reference's not):
     ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are the
-    normalisation of IPO and sigmoid_norm, and their sum sft's. ``num_pairs_in_batch``: the pairs of the whole
-    optimizer step (None: B). ``loss_type`` (one name, or a list with ``loss_weights``), ``discopop_tau``:
+    normalisation of IPO and sigmoid_norm, and their sum sft's; ``sft_chosen_logps``: the chosen sums sft takes
+    where they differ from ``chosen_logps`` (LD-DPO weighs the others' tokens, sft every token 1; None: the
+    same). ``num_pairs_in_batch``: the pairs of the whole optimizer step (None: B). ``loss_type`` (one name, or a list with ``loss_weights``), ``discopop_tau``:
     DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the f-divergence (TRL's
     ``DPOConfig`` fields of those names)."""
     check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, loss_weights=loss_weights)
@@ -544,7 +543,8 @@ def dpo_from_logprobs(
     per_pair = dpo_pair_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta=beta,
                              loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
                              f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-                             loss_weights=loss_weights, chosen_logps=chosen_logps)
+                             loss_weights=loss_weights,
+                             chosen_logps=chosen_logps if sft_chosen_logps is None else sft_chosen_logps)
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
     chosen_rewards = beta * chosen_logratios.detach()
@@ -595,12 +595,13 @@ def linear_dpo_reference(
     mask = token_weight.to(lp.dtype)
     tw = ld_token_weights(mask, ld_alpha)
     chosen, rejected = (lp.reshape(tw.shape) * tw).sum(-1).chunk(2)
+    plain = (lp.reshape(tw.shape) * mask).sum(-1).chunk(2)[0] if ld_alpha is not None else None
     tokens = mask.sum(-1)
     loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
                                 label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
                                 rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau,
                                 f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-                                loss_weights=loss_weights)
+                                loss_weights=loss_weights, sft_chosen_logps=plain)
     if not differentiable_logps:
         chosen, rejected = chosen.detach(), rejected.detach()
     return loss, chosen, rejected
