@@ -14,7 +14,7 @@ import sm90  # noqa: F401  (first: Triton out of its interpreter)
 import torch
 
 from tritongrad import _runtime
-from tritongrad.ops.post_training import linear_grpo_loss, linear_jsd, linear_token_logprobs_op
+from tritongrad.ops.post_training import linear_dpo_loss, linear_grpo_loss, linear_jsd, linear_token_logprobs_op
 
 _ONE_OFF_STORES = 2  # as ce_sm90_compile.py: a one-off save is no spill in a loop
 
@@ -45,6 +45,11 @@ def _calls(dtype, V: int, weight_dtype=None) -> None:
     loss, _ = linear_grpo_loss(h.reshape(2, 8, H), W, t.reshape(2, 8).clamp(min=0), torch.randn(2),
                                ref_logprobs=-torch.rand(2, 8), beta=0.04)
     loss.backward()
+    if dtype != torch.float16:  # the fused DPO op, with WPO's per-row statistic (HAS_SQ)
+        loss, _ = linear_dpo_loss(h.reshape(2, 8, H), W, t.reshape(2, 8).clamp(min=0),
+                                  ref_chosen_logps=-torch.rand(1) * 9, ref_rejected_logps=-torch.rand(1) * 9,
+                                  use_weighting=True)
+        loss.backward()
     ht, Wt = torch.randn(N, 16).to(dtype), torch.randn(V, 16).to(dtype)
     for beta in (0.0, 1.0, 0.5):
         linear_jsd(h, W, ht, Wt, 1.0, beta).backward()

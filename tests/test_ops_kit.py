@@ -505,6 +505,18 @@ def test_gradcheck_reports_a_wrong_gradient():
         suite.check_gradcheck(tanhw_ragged)
 
 
+def test_stop_gradient_samples_take_every_check_but_gradcheck():
+    # OpSuite(stop_gradient=...): the named sample has no gradcheck case and keeps every other kind of check; the
+    # other samples keep their gradcheck; a name that is not a sample is an error, not a silent no-op
+    names = [s.__name__ for s in TANHW_SAMPLES]
+    plain = [c for c, _ in OpSuite(TANHW_RIGHT, TANHW_SAMPLES).cases]
+    stopped = [c for c, _ in OpSuite(TANHW_RIGHT, TANHW_SAMPLES, stop_gradient={names[1]: "why"}).cases]
+    assert set(plain) - set(stopped) == {f"gradcheck-{names[1]}"}
+    assert f"gradcheck-{names[0]}" in stopped and f"upstream-grads-{names[1]}" in stopped
+    with pytest.raises(ValueError, match=r"stop_gradient names \['nope'\], not samples of the suite"):
+        OpSuite(TANHW_RIGHT, TANHW_SAMPLES, stop_gradient={"nope": "why"})
+
+
 def test_isolated_case_reports_a_crash():
     # OpSuite(isolate=True): a case whose process dies (here an abort in the launcher) fails with a message
     # that says so; the test session goes on.

@@ -39,7 +39,7 @@ from tritongrad.ops.post_training import (
     linear_token_logprobs_reference,
 )
 from tritongrad.ops.post_training import plans as P
-from tritongrad.ops.post_training.reference import ld_token_weights
+from tritongrad.ops.post_training.reference import ld_token_weights, wpo_weights
 from tritongrad.testing import OpSuite, assert_close_earned, ulp_atol
 
 # 600 bytes of logits a chunk: 3 rows of 40 float32 logits, 7 of bfloat16; 16 columns a vocabulary step; DPO
@@ -148,8 +148,16 @@ def dpo_list_sft(dtype, device):
     return case
 
 
-test_linear_dpo_suite = pytest.mark.slow(OpSuite(linear_dpo_op, [dpo_ipo_bias, dpo_list_sft], mixed=True,
-                                                 device=DEVICE).pytest())
+def dpo_wpo(dtype, device):
+    # WPO's per-pair weights (the forward kernel's log sum p^2 per row), constants of the loss, over the soft cap
+    case = dpo_ipo_bias(dtype, device)
+    case.update(loss_type="sigmoid", beta=0.1, use_weighting=True)
+    return case
+
+
+test_linear_dpo_suite = pytest.mark.slow(OpSuite(
+    linear_dpo_op, [dpo_ipo_bias, dpo_list_sft, dpo_wpo], mixed=True, device=DEVICE,
+    stop_gradient={"dpo_wpo": "WPO's weights are TRL's no-grad constants"}).pytest())
 
 
 # ---------------------------------------------------------------- parity helpers
@@ -466,7 +474,8 @@ def test_grpo_gradient_accumulation_equals_one_step(loss_type):
 
 # ---------------------------------------------------------------- DPO
 def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, completion_mask, *, beta, loss_type,
-             label_smoothing, discopop_tau=0.05, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0):
+             label_smoothing, discopop_tau=0.05, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0,
+             per_sequence=False):
     """TRL 1.16's DPOTrainer._compute_loss (one loss type, no weighting), its arithmetic line by line; sigmoid
     with label smoothing as TRL 0.x defined it (conservative DPO)."""
     chosen_logratios = chosen_logps - ref_chosen_logps
@@ -524,6 +533,8 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         clean_loss_term = -(1 - label_smoothing) * F.logsigmoid(beta * delta_score)
         flipped_loss_term = -label_smoothing * F.logsigmoid(-beta * delta_score)
         per_sequence_loss = (clean_loss_term - flipped_loss_term) / (1 - 2 * label_smoothing)
+    if per_sequence:  # before TRL's mean (WPO weighs each pair first)
+        return per_sequence_loss
     return per_sequence_loss.mean(), beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
@@ -656,17 +667,71 @@ def test_dpo_loss_list_accumulates_over_micro_batches():
     torch.testing.assert_close(g_parts, g_whole)
 
 
+def _trl_wpo(per_token_logps, log_sum_sq_probs, shift_completion_mask):
+    """TRL 1.16's WPO weights (use_weighting), line by line: each pair's w_chosen * w_rejected."""
+    completion_lengths = shift_completion_mask.sum(dim=1).clamp_min(1)
+    aligned_logps = (per_token_logps - log_sum_sq_probs) * shift_completion_mask
+    weights = torch.exp(aligned_logps.sum(dim=1) / completion_lengths)
+    chosen_weights, rejected_weights = weights.chunk(2, dim=0)
+    return (chosen_weights * rejected_weights).detach()
+
+
+# WPO: (loss types, weights, label smoothing, softcap)
+DPO_WPO_CASES = {"sigmoid-wpo": (["sigmoid"], None, 0.0, None), "ipo+hinge-wpo": (["ipo", "hinge"], [1.0, 0.5], 0.0, None),
+                 "sigmoid-wpo-softcap": (["sigmoid"], None, 0.0, 3.0)}
+
+
+@pytest.mark.parametrize("name,dtype", _grid(DPO_WPO_CASES, ["sigmoid-wpo"]), ids=str)
+def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
+    # WPO's weights from each row's log sum_j p_j^2 (the forward kernel's HAS_SQ statistic) and log-probability,
+    # each pair's loss times its weight, in chunks of whole pairs; against TRL's arithmetic in float64
+    types, weights, eps, cap = DPO_WPO_CASES[name]
+    beta = 0.5 if "ipo" in types else 0.1
+    if dtype == torch.float16:  # the fused op's chunks make float16's gradients in no pass: refused, not run
+        t = _dpo_inputs(dtype)
+        with pytest.raises(ValueError, match=r"use_weighting \(WPO\) is computed by the fused op.*torch.float16"):
+            linear_dpo_loss(t["input"], t["weight"], t["target"], ref_chosen_logps=t["ref_chosen_logps"],
+                            ref_rejected_logps=t["ref_rejected_logps"], use_weighting=True)
+        return
+
+    def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
+                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=types,
+                                  loss_weights=weights, label_smoothing=eps, use_weighting=True, logit_softcap=cap)
+        return loss, m["chosen_rewards"], m["rejected_rewards"]
+
+    def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
+        z = input @ weight.t()
+        if cap is not None:
+            z = cap * torch.tanh(z / cap)
+        logp = torch.log_softmax(z, -1)
+        mask = (target != -100).to(z.dtype)
+        lp = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0] * mask
+        lss = torch.logsumexp(2 * logp, -1)
+        w = _trl_wpo(lp, lss, mask)
+        c, r = lp.sum(1).chunk(2)
+        rc, rr = ref_chosen_logps.to(z.dtype), ref_rejected_logps.to(z.dtype)
+        loss = 0.0
+        for t_, w_ in zip(types, weights or [1.0] * len(types)):
+            per_seq = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=t_, label_smoothing=eps, per_sequence=True)
+            loss = loss + (per_seq * w).mean() * w_
+        return loss, beta * (c - rc).detach(), beta * (r - rr).detach()
+
+    _check(ours, ref, _dpo_inputs, dtype)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(loss_type="aot"), r"loss_type must be one of .* aot and aot_unpaired couple the batch's pairs"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), r"must give one weight per loss type"),
     (dict(loss_type=["sigmoid", "sigmoid"]), r"names a loss type twice"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, float("nan")]), r"loss_weights must be finite numbers"),
+    (dict(loss_type=["sigmoid", "sft"], use_weighting=True), r"sft with use_weighting is not computed"),
     (dict(loss_type="exo_pair"), r"exo_pair takes label_smoothing in \(0, 1\).*got 0.0"),
     (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
     (dict(f_divergence_type="chi2"), r"f_divergence_type must be one of .*, got 'chi2'"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["aot", "weights-length", "twice", "weights-nan", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
+], ids=["aot", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)
@@ -1007,7 +1072,8 @@ def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"]  # TRL 1.16's sigmoid: no smoothing
-                         + list(DPO_DIV_CASES) + list(DPO_LD_CASES) + list(DPO_MULTI_CASES))
+                         + list(DPO_DIV_CASES) + list(DPO_LD_CASES) + list(DPO_MULTI_CASES)
+                         + [n for n in DPO_WPO_CASES if "softcap" not in n])
 def test_dpo_formula_is_trls_own(name):
     # dpo_from_logprobs against DPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities from a
     # stand-in model (float32 for the alpha divergence, whose clamp TRL has no float64 entry for): the loss and
@@ -1016,11 +1082,13 @@ def test_dpo_formula_is_trls_own(name):
     from collections import defaultdict
 
     from trl import DPOTrainer
-    ld, weights = None, None
+    ld, weights, wpo = None, None, False
     if name in DPO_DIV_CASES:
         loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
     elif name in DPO_MULTI_CASES:
         (loss_type, weights, eps), fdiv, alpha = DPO_MULTI_CASES[name], "reverse_kl", 1.0
+    elif name in DPO_WPO_CASES:
+        (loss_type, weights, eps, _), fdiv, alpha, wpo = DPO_WPO_CASES[name], "reverse_kl", 1.0, True
     elif name in DPO_LD_CASES:
         (loss_type, ld), eps, fdiv, alpha = DPO_LD_CASES[name], 0.0, "reverse_kl", 1.0
     else:
@@ -1038,14 +1106,16 @@ def test_dpo_formula_is_trls_own(name):
     lp = (-torch.rand(2 * B, L - 1, generator=g, dtype=torch.float64) * 3 * shifted).to(dt)  # each token's logprob
     ref = (-torch.rand(2 * B, generator=g, dtype=torch.float64) * 3 * shifted.sum(1)).to(dt)  # given: any weighting
     zeros = torch.zeros(2 * B, L - 1, dtype=dt)
-    outputs = types.SimpleNamespace(log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+    lss = (-torch.rand(2 * B, L - 1, generator=g, dtype=torch.float64) * 2).to(dt)  # each token's log sum p^2
+    outputs = types.SimpleNamespace(log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
+                                    log_sum_sq_probs=lss)
     inputs = {"input_ids": torch.zeros(2 * B, L, dtype=torch.long), "attention_mask": torch.ones(2 * B, L),
               "completion_mask": completion_mask, "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
     me = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True), accelerator=_Acc(), aux_loss_enabled=False, ld_alpha=ld,
         precompute_ref_logps=True, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_types=names,
         loss_weights=weights or [1.0] * len(names),
-        beta=beta, label_smoothing=eps, use_weighting=False, args=types.SimpleNamespace(discopop_tau=0.05),
+        beta=beta, label_smoothing=eps, use_weighting=wpo, args=types.SimpleNamespace(discopop_tau=0.05),
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
     want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
     chosen, rejected = (lp * ld_token_weights(shifted.to(dt), ld)).sum(1).chunk(2)
@@ -1054,7 +1124,7 @@ def test_dpo_formula_is_trls_own(name):
     loss, m = dpo_from_logprobs(chosen, rejected, ref[:B], ref[B:], beta=beta, loss_type=loss_type,
                                 label_smoothing=eps, chosen_tokens=tokens[:B], rejected_tokens=tokens[B:],
                                 f_divergence_type=fdiv, f_alpha_divergence_coef=alpha, loss_weights=weights,
-                                sft_chosen_logps=plain)
+                                sft_chosen_logps=plain, pair_weights=wpo_weights(lp, lss, shifted) if wpo else None)
     torch.testing.assert_close(loss, want)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected"):  # TRL averages the accuracies' booleans in float32

@@ -28,7 +28,9 @@ ls = log \sum s and A = \sum a:
     logprob = (z_t - mx) - ls,    H = ls - A / \sum s
 
 so no large common offset of the logits is subtracted after rounding (the row's max is taken out first, as in
-the cross-entropy family). With HAS_STATS the same pass also gives two statistics without gradient, which TRL's
+the cross-entropy family). With HAS_SQ it also sums q = \sum exp(2 (z - m)) (q' = q exp(2 (m - m')) as m
+grows), for WPO's weights: log \sum_j p_j^2 = log \sum q - 2 ls, without gradient (TRL's log_sum_sq_probs).
+With HAS_STATS the same pass also gives two statistics without gradient, which TRL's
 DPO trainer logs: the mean of z over the vocabulary, and whether t is the first argmax of z. ``parts`` [2 or 3, N]
 keeps mx, ls (and H) for the backward, which needs no pass over the row to find them:
 ``_token_logprobs_bwd_kernel`` reads each chunk once and writes dL/dx over it (the launchers then multiply it
@@ -83,9 +85,10 @@ def _head_slope(x, scale, cap, post, HAS_CAP: tl.constexpr):
 
 
 @triton.jit
-def _online_step(z, m, s_vec, a_vec, mask, WITH_A: tl.constexpr):
+def _online_step(z, m, s_vec, a_vec, q_vec, mask, WITH_A: tl.constexpr, WITH_Q: tl.constexpr):
     """One chunk ``z`` (masked lanes -inf) into the running max ``m`` and the per-lane sums
-    ``s = sum exp(z - m)`` and ``a = sum exp(z - m) (z - m)`` (module docstring)."""
+    ``s = sum exp(z - m)``, ``a = sum exp(z - m) (z - m)`` (WITH_A) and ``q = sum exp(2 (z - m))`` (WITH_Q)
+    (module docstring)."""
     m_new = tl.maximum(m, tl.max(z, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no inf - inf
     alpha = tl.exp(m - m_safe)
@@ -93,8 +96,10 @@ def _online_step(z, m, s_vec, a_vec, mask, WITH_A: tl.constexpr):
     if WITH_A:
         shift = tl.where(m == float("-inf"), 0.0, m - m_safe)  # s is 0 there: no 0 * inf
         a_vec = alpha * (a_vec + s_vec * shift) + e * tl.where(mask, z - m_safe, 0.0)  # masked: 0, not 0 * -inf
+    if WITH_Q:
+        q_vec = q_vec * (alpha * alpha) + e * e
     s_vec = s_vec * alpha + e
-    return m_new, s_vec, a_vec
+    return m_new, s_vec, a_vec, q_vec
 
 
 @triton.jit
@@ -105,6 +110,7 @@ def _token_logprobs_fwd_kernel(
     ent_ptr,  # [N] ACC out; None without HAS_ENTROPY
     parts_ptr,  # [2 or 3, N] ACC out: mx, ls (and H with HAS_ENTROPY)
     stats_ptr,  # [2, N] ACC out: the mean of z, and 1.0 where the target is the first argmax; None without HAS_STATS
+    sq_ptr,  # [N] ACC out: log sum_j p_j^2 (WPO's weights); None without HAS_SQ
     V,
     N,
     row0,
@@ -122,6 +128,7 @@ def _token_logprobs_fwd_kernel(
     HAS_STATS: tl.constexpr,
     HAS_CAP: tl.constexpr,
     ACC: tl.constexpr,
+    HAS_SQ: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     n = row0 + pid
@@ -135,6 +142,7 @@ def _token_logprobs_fwd_kernel(
     m = tl.full([], float("-inf"), dtype=ACC)
     s_vec = tl.zeros([BLOCK_V], dtype=ACC)
     a_vec = tl.zeros([BLOCK_V], dtype=ACC)
+    q_vec = tl.zeros([BLOCK_V], dtype=ACC)
     zsum = tl.zeros([BLOCK_V], dtype=ACC)
     before = tl.full([BLOCK_V], float("-inf"), dtype=ACC)  # the largest z_j with j < t
     for k in range(0, V, BLOCK_V):
@@ -145,7 +153,7 @@ def _token_logprobs_fwd_kernel(
             zsum += z  # masked lanes loaded as 0
             before = tl.maximum(before, tl.where(m_v & (o < t), z, float("-inf")))
         z = tl.where(m_v, z, float("-inf"))
-        m, s_vec, a_vec = _online_step(z, m, s_vec, a_vec, m_v, HAS_ENTROPY)
+        m, s_vec, a_vec, q_vec = _online_step(z, m, s_vec, a_vec, q_vec, m_v, HAS_ENTROPY, HAS_SQ)
     mx = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(s_vec, 0)
     ls = tl.log(s)
@@ -158,6 +166,8 @@ def _token_logprobs_fwd_kernel(
     tl.store(logp_ptr + n, lp)
     tl.store(parts_ptr + n, mx)
     tl.store(parts_ptr + N + n, ls)
+    if HAS_SQ:  # sum p^2 = sum exp(2 (z - mx)) / s^2
+        tl.store(sq_ptr + n, tl.log(tl.sum(q_vec, 0)) - 2.0 * ls)
     if HAS_ENTROPY:
         h = ls - tl.sum(a_vec, 0) / s
         tl.store(ent_ptr + n, h)
@@ -286,8 +296,8 @@ def _distill_fwd_kernel(
         m_v = o < V
         zs = tl.where(m_v, tl.load(p_s + o, mask=m_v, other=0.0).to(ACC) * scale, float("-inf"))
         zt = tl.where(m_v, tl.load(p_t + o, mask=m_v, other=0.0).to(ACC) * scale, float("-inf"))
-        m_s, s_s, _ = _online_step(zs, m_s, s_s, s_s, m_v, False)
-        m_t, s_t, _ = _online_step(zt, m_t, s_t, s_t, m_v, False)
+        m_s, s_s, _, _ = _online_step(zs, m_s, s_s, s_s, s_s, m_v, False, False)
+        m_t, s_t, _, _ = _online_step(zt, m_t, s_t, s_t, s_t, m_v, False, False)
     mx_s = tl.where(m_s == float("-inf"), 0.0, m_s)
     mx_t = tl.where(m_t == float("-inf"), 0.0, m_t)
     ls_s = tl.log(tl.sum(s_s, 0))

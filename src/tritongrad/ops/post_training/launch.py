@@ -52,6 +52,7 @@ from .reference import (
     dpo_score,
     dpo_score_slope,
     ld_token_weights,
+    wpo_weights,
     grpo_from_logprobs,
     linear_distill_reference,
     linear_dpo_reference,
@@ -174,11 +175,11 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
         r1 = min(N, r0 + plan.rows)
         logits = _logits_into(buf[: r1 - r0], input[r0:r1], w, b)
         _fwd_kernel[(r1 - r0,)](
-            logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None, V, N, r0,
+            logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None, None, V, N, r0,
             logits.stride(0), target.stride(0), ignore_index, *scale, *rt.split_float(cap), *rt.split_float(post),
             BLOCK_V=plan.BLOCK_V,
             HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(acc),
-            num_warps=plan.num_warps,
+            HAS_SQ=False, num_warps=plan.num_warps,
         )
     return lp, ent, stats, parts
 
@@ -438,9 +439,9 @@ def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, 
         h = input[r0:r1]
         g = _logits_into(buf[: r1 - r0], h, w, b)
         _fwd_kernel[(r1 - r0,)](
-            g, target, lp, ent, parts, None, V, N, r0, g.stride(0), target.stride(0), ignore_index, *scale,
+            g, target, lp, ent, parts, None, None, V, N, r0, g.stride(0), target.stride(0), ignore_index, *scale,
             *_NO_CAP, BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=ent is not None, HAS_STATS=False, HAS_CAP=False,
-            ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+            ACC=rt.tl_acc_dtype(acc), HAS_SQ=False, num_warps=plan.num_warps,
         )
         rows[sl], dl[sl] = _grpo_terms(lp[sl], cast(advantages, sl), cast(old, sl), cast(ref, sl),
                                        cast(token_weight, sl), beta, eps_low, eps_high, delta, *form)
@@ -720,7 +721,7 @@ def _dpo_slopes(lc, lr, tokens_c, tokens_r, beta, loss_type, eps, tau):
 def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rejected_logps, bias, ignore_index,
                   logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
                   differentiable_logps, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
-                  ld_alpha, loss_weights=None) -> None:
+                  ld_alpha, loss_weights=None, use_weighting=False) -> None:
     _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
                   post_scale)
     if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
@@ -731,13 +732,15 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
         if t.dim() != 1 or t.shape[0] != B:
             raise ValueError(f"tritongrad.linear_dpo_loss: {name} of shape {tuple(t.shape)} must be [{B}], one per "
                              "pair")
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights,
+                      use_weighting)
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
 def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_index, logit_scale, logit_softcap,
-              post_scale, beta, loss_type, eps, tau, fdiv, alpha, ld_alpha, need, upstream=None, loss_weights=None):
+              post_scale, beta, loss_type, eps, tau, fdiv, alpha, ld_alpha, need, upstream=None, loss_weights=None,
+              use_weighting=False):
     """Chunks of whole pairs (pair i: input's sequences i and B + i, T rows each): the logits of the chunk's
     chosen and rejected rows (one product), the log-probabilities, each sequence's sum, each pair's loss and its
     derivative (PyTorch, O(pairs)), then, where a gradient is asked for, the logits' gradient in place and the
@@ -755,6 +758,9 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     logps = torch.zeros(2 * B, dtype=acc, device=input.device)
     # sft's chosen sums weigh every token 1, LD-DPO's sums do not: kept apart where they differ
     plain = torch.zeros(B, dtype=acc, device=input.device) if ld_alpha is not None else None
+    # WPO: each row's log sum_j p_j^2 from the forward kernel, each pair's weight once its chunk is scored
+    sq = torch.empty(N, dtype=acc, device=input.device) if use_weighting else None
+    pair_w = torch.ones(B, dtype=acc, device=input.device) if use_weighting else None
     lp = torch.empty(N, dtype=acc, device=input.device)
     parts = torch.empty((2, N), dtype=acc, device=input.device)
     dl = torch.empty(N, dtype=acc, device=input.device)
@@ -774,18 +780,24 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
             g = _logits_into(buf[: 2 * n], h, w, b)
             for (a, e), rows in zip(spans, (g[:n], g[n:])):
                 _fwd_kernel[(n,)](
-                    rows, target, lp, None, parts, None, V, N, a, rows.stride(0), target.stride(0), ignore_index,
-                    *scale, *cap, *post, HAS_ENTROPY=False, HAS_STATS=False, **launch,
+                    rows, target, lp, None, parts, None, sq, V, N, a, rows.stride(0), target.stride(0), ignore_index,
+                    *scale, *cap, *post, HAS_ENTROPY=False, HAS_STATS=False, HAS_SQ=sq is not None, **launch,
                 )
             pair = slice(p0, p1), slice(B + p0, B + p1)
             for sl in pair:
                 logps[sl] = (lp.view(2 * B, T)[sl] * tw[sl]).sum(-1)
             if plain is not None:
                 plain[p0:p1] = (lp.view(2 * B, T)[pair[0]] * mask[pair[0]]).sum(-1)
+            if sq is not None:
+                def both(t):  # the chunk's chosen sequences, then its rejected ones
+                    return torch.cat([t[pair[0]], t[pair[1]]])
+                pair_w[p0:p1] = wpo_weights(both(lp.view(2 * B, T)), both(sq.view(2 * B, T)), both(mask))
             if any(grads.need):
                 dc, dr, ds = _dpo_terms(logps[pair[0]], logps[pair[1]], ref_c[p0:p1], ref_r[p0:p1],
                                         tokens[pair[0]], tokens[pair[1]], beta, loss_type, eps, tau, fdiv, alpha,
                                         loss_weights, sft_slope)
+                if pair_w is not None:  # WPO: the pair's loss times its weight, a constant
+                    dc, dr = dc * pair_w[p0:p1], dr * pair_w[p0:p1]
                 for sl, (a, e), d in zip(pair, spans, (dc, dr)):
                     d = d / B if upstream is None else upstream[0] * d / B + upstream[1][sl]
                     rows_d = d[:, None] * tw[sl]
@@ -802,7 +814,7 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     total = dpo_pair_loss(chosen - ref_c, rejected - ref_r, tokens[:B], tokens[B:], beta=beta, loss_type=loss_type,
                           label_smoothing=eps, discopop_tau=tau, f_divergence_type=fdiv,
                           f_alpha_divergence_coef=alpha, loss_weights=loss_weights,
-                          chosen_logps=chosen if plain is None else plain).sum()
+                          chosen_logps=chosen if plain is None else plain, pair_weights=pair_w).sum()
     return total / B, chosen, rejected, grads.result()
 
 
@@ -821,6 +833,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                   differentiable_logps: bool = False, discopop_tau: float = 0.05,
                   f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 1.0,
                   ld_alpha: Optional[float] = None, loss_weights: Optional[list[float]] = None,
+                  use_weighting: bool = False,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO loss over rows ``[2B T]`` of ``input [2B T, H]`` (B chosen sequences of T rows, then their B
     rejected ones): ``(loss, chosen_logps [B], rejected_logps [B], grad_input, grad_weight, grad_bias)``, the
@@ -839,7 +852,7 @@ def linear_dpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tenso
                                             ref_rejected_logps, bias, ignore_index, logit_scale, logit_softcap,
                                             post_scale, beta, loss_type, label_smoothing, discopop_tau,
                                             f_divergence_type, f_alpha_divergence_coef, ld_alpha, need,
-                                            loss_weights=loss_weights)
+                                            loss_weights=loss_weights, use_weighting=use_weighting)
     return loss, chosen, rejected, *(g if g is not None else empty() for g in got)
 
 
@@ -851,14 +864,15 @@ def _linear_dpo_backward(ctx, grad_loss: torch.Tensor, grad_chosen, grad_rejecte
                             ctx.ref_rejected_logps, ctx.bias, ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap,
                             ctx.post_scale, ctx.beta, ctx.loss_type, ctx.label_smoothing, ctx.discopop_tau,
                             ctx.f_divergence_type, ctx.f_alpha_divergence_coef, ctx.ld_alpha, need,
-                            (grad_loss, torch.cat([grad_chosen, grad_rejected])), loss_weights=ctx.loss_weights)
+                            (grad_loss, torch.cat([grad_chosen, grad_rejected])), loss_weights=ctx.loss_weights,
+                            use_weighting=ctx.use_weighting)
         return got[0], got[1], None, None, None, None, got[2]
     # the sequence log-probabilities are the metrics' (the reference detaches them): their gradients are not read
     out = _forward_made(ctx, need, grad_loss, (ctx.input, ctx.weight, ctx.bias), lambda: _dpo_pass(
         ctx.input, ctx.weight, ctx.target, ctx.token_weight, ctx.ref_chosen_logps, ctx.ref_rejected_logps, ctx.bias,
         ctx.ignore_index, ctx.logit_scale, ctx.logit_softcap, ctx.post_scale, ctx.beta, ctx.loss_type,
         ctx.label_smoothing, ctx.discopop_tau, ctx.f_divergence_type, ctx.f_alpha_divergence_coef, ctx.ld_alpha,
-        need, loss_weights=ctx.loss_weights)[3])
+        need, loss_weights=ctx.loss_weights, use_weighting=ctx.use_weighting)[3])
     return out[0], out[1], None, None, None, None, out[2]
 
 
@@ -885,6 +899,7 @@ def linear_dpo_loss(
     f_alpha_divergence_coef: float = 1.0,
     ld_alpha: float | None = None,
     loss_weights: list[float] | None = None,
+    use_weighting: bool = False,
 ):
     """TRL's DPO loss (``DPOTrainer._compute_loss``) from the policy's hidden states and LM head, without the
     logits in memory.
@@ -908,6 +923,10 @@ def linear_dpo_loss(
             log-probability. ``aot`` and ``aot_unpaired`` (a sort over the batch's pairs) are refused.
         loss_weights: with a list of loss types (TRL's ``loss_type=[...]``, e.g. MPO's ``["sigmoid", "bco_pair",
             "sft"]``), one weight each (None: 1 each); the loss is their weighted sum, as TRL's.
+        use_weighting: WPO, as TRL's DPOConfig: each pair's loss times ``w_c w_r``, with ``w_s = exp(mean over
+            the sequence's tokens of (logprob - log sum_j p_j^2))`` under the policy, constants
+            (``reference.wpo_weights``). Not with sft; bfloat16/float32/float64 inputs whose pairs fit
+            ``pair_bytes`` (the fused op's chunks of whole pairs).
         f_divergence_type (``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence``),
             f_alpha_divergence_coef: as TRL's DPOConfig (``reference.dpo_score``).
         ld_alpha: LD-DPO, as TRL's DPOConfig: each sequence's log-probability sums its pair's shared length of
@@ -931,7 +950,8 @@ def linear_dpo_loss(
     if target.dim() != 2 or target.shape[0] % 2 or tuple(input.shape[:-1]) != tuple(target.shape):
         raise ValueError(f"tritongrad.linear_dpo_loss: input [2B, T, H] and target [2B, T] must agree (chosen rows "
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights,
+                      use_weighting)
     terms = dpo_losses(loss_type, loss_weights)
     loss_type = ",".join(n for n, _ in terms)  # the registered op takes the names joined, and a weight each
     loss_weights = None if all(w == 1.0 for _, w in terms) else [w for _, w in terms]
@@ -955,6 +975,10 @@ def linear_dpo_loss(
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
     if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16:
+        if use_weighting:
+            raise ValueError(f"tritongrad.linear_dpo_loss: use_weighting (WPO) is computed by the fused op's chunks of "
+                             f"whole pairs, which take neither float16 inputs nor pairs over pair_bytes; got "
+                             f"{x.dtype}, pairs of 2 x {T} rows of {w.shape[0]} classes")
         # a pair's logits over the budget: its loss needs all its tokens first, so the log-probabilities in chunks
         # of rows, then the formula, whose gradient flows back through them (the logits made twice); float16
         # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale)
@@ -973,6 +997,7 @@ def linear_dpo_loss(
         1.0, float(logit_softcap) if real else logit_softcap, 1.0, _as_float(beta), loss_type,
         _as_float(label_smoothing), grads, False, _as_float(discopop_tau), f_divergence_type,
         _as_float(f_alpha_divergence_coef), _as_float(ld_alpha) if ld_alpha is not None else None, loss_weights,
+        use_weighting,
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch

@@ -93,6 +93,22 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int, op: str = "li
                          f"outside [0, {V}) and not ignore_index={ignore_index}")
 
 
+def head_logits(input, weight, bias=None, logit_scale: float = 1.0, logit_softcap: float | None = None,
+                post_scale: float = 1.0) -> torch.Tensor:
+    """``post_scale * c tanh(logit_scale * F.linear(input, weight, bias) / c)`` (no cap: ``post_scale *
+    logit_scale * F.linear(...)``), the product rounded to input's dtype as F.linear returns it (float32
+    parameters cast to a 16-bit input's dtype, as under autocast), then in float32 (float64 for float64)."""
+    low = (lambda t: t if t is None or t.dtype == input.dtype else t.to(input.dtype))
+    z = F.linear(input, low(weight), low(bias)).to(acc_dtype(input))
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    if post_scale != 1.0:
+        z = z * post_scale
+    return z
+
+
 def linear_token_logprobs_reference(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -116,15 +132,7 @@ def linear_token_logprobs_reference(
     ``grad_weight_f32`` is the registered op's hint (kernels only)."""
     if _readable(target):
         check_targets(target, weight.shape[0], ignore_index)
-    acc = acc_dtype(input)
-    low = (lambda t: t if t is None or t.dtype == input.dtype else t.to(input.dtype))
-    z = F.linear(input, low(weight), low(bias)).to(acc)
-    if logit_scale != 1.0:
-        z = z * logit_scale
-    if logit_softcap is not None:
-        z = logit_softcap * torch.tanh(z / logit_softcap)
-    if post_scale != 1.0:
-        z = z * post_scale
+    z = head_logits(input, weight, bias, logit_scale, logit_softcap, post_scale)
     logp = torch.log_softmax(z, -1)
     valid = target != ignore_index
     safe = torch.where(valid, target, 0).long()
@@ -401,7 +409,8 @@ def dpo_losses(loss_type, loss_weights=None) -> tuple[tuple[str, float], ...]:
 
 
 def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
-                      f_divergence_type: str = "reverse_kl", ld_alpha: float | None = None, loss_weights=None) -> None:
+                      f_divergence_type: str = "reverse_kl", ld_alpha: float | None = None, loss_weights=None,
+                      use_weighting: bool = False) -> None:
     """The loss types (one, or several with ``loss_weights``) and the values they take, or ValueError."""
     if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
         raise ValueError(f"tritongrad.linear_dpo_loss: ld_alpha must be in [0, 1] (or None), got {ld_alpha}")
@@ -414,6 +423,11 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
             raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {name!r} "
                              "(TRL's aot and aot_unpaired couple the batch's pairs through a sort)")
     names = [n for n, _ in terms]
+    if type(use_weighting) is not bool:
+        raise TypeError(f"tritongrad.linear_dpo_loss: use_weighting must be a bool, got {use_weighting!r}")
+    if use_weighting and "sft" in names:
+        raise ValueError("tritongrad.linear_dpo_loss: sft with use_weighting is not computed (WPO weighs sft's "
+                         "batch-wide mean by every pair's weight, so no chunk of pairs knows its gradient)")
     if len(set(names)) != len(names):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type {loss_type!r} names a loss type twice")
     if "robust" in names and not 0.0 <= label_smoothing < 0.5:
@@ -429,7 +443,7 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
 def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_tokens, *, beta: float, loss_type,
                   label_smoothing: float, discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
                   f_alpha_divergence_coef: float = 1.0, loss_weights=None,
-                  chosen_logps: torch.Tensor | None = None) -> torch.Tensor:
+                  chosen_logps: torch.Tensor | None = None, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Each pair's loss ``[B]`` of its log-ratios ``lc = logp_c - ref_c``, ``lr = logp_r - ref_r`` (reverse KL),
     as TRL 1.16's ``DPOTrainer._compute_loss`` defines it per loss type; several loss types (``loss_type`` a list,
     or names joined by commas) add up, each times its weight in ``loss_weights`` (:func:`dpo_losses`). With
@@ -452,7 +466,8 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
                                                               B pairs' mean, TRL's mean over the chosen tokens)
 
     Under another ``f_divergence_type``, the loss types of DPO_SCORED take the scores of lc and lr
-    (:func:`dpo_score`) in their place, as TRL does; the others keep the log-ratios.
+    (:func:`dpo_score`) in their place, as TRL does; the others keep the log-ratios. ``pair_weights`` ``[B]``
+    (WPO, :func:`wpo_weights`; constants) multiply each pair's loss.
     """
     total = None
     for name, w in dpo_losses(loss_type, loss_weights):
@@ -466,7 +481,16 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
                                 f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
         one = one if w == 1.0 else one * w
         total = one if total is None else total + one
-    return total
+    return total if pair_weights is None else total * pair_weights.to(total.dtype)
+
+
+@torch.no_grad()
+def wpo_weights(token_logps: torch.Tensor, log_sum_sq_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """WPO's weight of each pair ``[B]`` (TRL's ``use_weighting``; constants of the loss): per sequence ``[2B, T]``,
+    ``w_s = exp(sum_t m (logprob_t - log sum_j p_j^2) / max(n_s, 1))``, and a pair's ``w_chosen * w_rejected``."""
+    m = mask.to(token_logps.dtype)
+    w = torch.exp(((token_logps - log_sum_sq_probs.to(m.dtype)) * m).sum(-1) / m.sum(-1).clamp(min=1.0))
+    return w.chunk(2)[0] * w.chunk(2)[1]
 
 
 def _dpo_one_loss(lc, lr, chosen_tokens, rejected_tokens, *, beta, loss_type, label_smoothing, discopop_tau,
@@ -525,15 +549,18 @@ def dpo_from_logprobs(
     f_alpha_divergence_coef: float = 1.0,
     loss_weights=None,
     sft_chosen_logps: torch.Tensor | None = None,
+    pair_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """TRL's DPO loss of sequence log-probabilities ``[B]`` (the policy's differentiable, the reference's not):
     ``(loss, metrics)``. ``chosen_tokens``/``rejected_tokens`` (``[B]``, completion lengths) are the
     normalisation of IPO and sigmoid_norm, and their sum sft's; ``sft_chosen_logps``: the chosen sums sft takes
     where they differ from ``chosen_logps`` (LD-DPO weighs the others' tokens, sft every token 1; None: the
-    same). ``num_pairs_in_batch``: the pairs of the whole optimizer step (None: B). ``loss_type`` (one name, or a list with ``loss_weights``), ``discopop_tau``:
+    same). ``pair_weights``: WPO's per-pair weights (:func:`wpo_weights`), constants. ``num_pairs_in_batch``:
+    the pairs of the whole optimizer step (None: B). ``loss_type`` (one name, or a list with ``loss_weights``), ``discopop_tau``:
     DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the f-divergence (TRL's
     ``DPOConfig`` fields of those names)."""
-    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, loss_weights=loss_weights)
+    check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, loss_weights=loss_weights,
+                      use_weighting=pair_weights is not None)
     names = [n for n, _ in dpo_losses(loss_type, loss_weights)]
     if any(n in DPO_PER_TOKEN or n == "sft" for n in names) and (chosen_tokens is None or rejected_tokens is None):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type={loss_type!r} needs the completion lengths")
@@ -544,7 +571,8 @@ def dpo_from_logprobs(
                              loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
                              f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
                              loss_weights=loss_weights,
-                             chosen_logps=chosen_logps if sft_chosen_logps is None else sft_chosen_logps)
+                             chosen_logps=chosen_logps if sft_chosen_logps is None else sft_chosen_logps,
+                             pair_weights=None if pair_weights is None else pair_weights.detach())
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
     chosen_rewards = beta * chosen_logratios.detach()
@@ -584,6 +612,7 @@ def linear_dpo_reference(
     f_alpha_divergence_coef: float = 1.0,
     ld_alpha: float | None = None,
     loss_weights: list[float] | None = None,
+    use_weighting: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused DPO op over rows ``[2B T]`` (B chosen sequences of T rows, then their B rejected ones):
     ``(loss, chosen_logps [B], rejected_logps [B])``, the sequence log-probabilities ``sum_t w[s, t]
@@ -597,11 +626,17 @@ def linear_dpo_reference(
     chosen, rejected = (lp.reshape(tw.shape) * tw).sum(-1).chunk(2)
     plain = (lp.reshape(tw.shape) * mask).sum(-1).chunk(2)[0] if ld_alpha is not None else None
     tokens = mask.sum(-1)
+    pair_weights = None
+    if use_weighting:  # WPO: log sum_j p_j^2 of each row, from the same logits
+        with torch.no_grad():
+            lsq = torch.logsumexp(2 * torch.log_softmax(
+                head_logits(input, weight, bias, logit_scale, logit_softcap, post_scale), -1), -1)
+        pair_weights = wpo_weights(lp.reshape(tw.shape), lsq.reshape(tw.shape), mask)
     loss, _ = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
                                 label_smoothing=label_smoothing, chosen_tokens=tokens.chunk(2)[0],
                                 rejected_tokens=tokens.chunk(2)[1], discopop_tau=discopop_tau,
                                 f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-                                loss_weights=loss_weights, sft_chosen_logps=plain)
+                                loss_weights=loss_weights, sft_chosen_logps=plain, pair_weights=pair_weights)
     if not differentiable_logps:
         chosen, rejected = chosen.detach(), rejected.detach()
     return loss, chosen, rejected
