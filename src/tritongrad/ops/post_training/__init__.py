@@ -21,11 +21,12 @@ from .reference import (
     linear_dpo_reference,
     linear_grpo_reference,
     linear_token_logprobs_reference,
+    wpo_weights,
 )
 
 __all__ = [
     "dpo_from_logprobs", "grpo_from_logprobs", "linear_distill_op", "linear_distill_reference", "linear_dpo_loss",
     "linear_dpo_op", "linear_dpo_reference", "linear_grpo_loss", "linear_grpo_op", "linear_grpo_reference",
     "linear_jsd", "linear_kl_div", "linear_token_logprobs", "linear_token_logprobs_op",
-    "linear_token_logprobs_reference", "patch_trl", "unpatch_trl",
+    "linear_token_logprobs_reference", "patch_trl", "unpatch_trl", "wpo_weights",
 ]

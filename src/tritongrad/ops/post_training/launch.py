@@ -47,17 +47,17 @@ from .reference import (
     check_dpo_formula,
     check_targets,
     dpo_from_logprobs,
-    dpo_pair_loss,
     dpo_losses,
+    dpo_pair_loss,
     dpo_score,
     dpo_score_slope,
     ld_token_weights,
-    wpo_weights,
     grpo_from_logprobs,
     linear_distill_reference,
     linear_dpo_reference,
     linear_grpo_reference,
     linear_token_logprobs_reference,
+    wpo_weights,
 )
 
 _fwd_kernel = kernel(kernels._token_logprobs_fwd_kernel)
