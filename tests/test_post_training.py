@@ -548,7 +548,7 @@ DPO_DIV_CASES = {"sigmoid-forward_kl": ("sigmoid", 0.0, "forward_kl", 1.0),
                  "hinge-alpha": ("hinge", 0.0, "alpha_divergence", 0.5),
                  "exo_pair-alpha": ("exo_pair", 1e-3, "alpha_divergence", 1.5),
                  "sigmoid_norm-forward_kl": ("sigmoid_norm", 0.0, "forward_kl", 1.0),
-                 "bco_pair-js": ("bco_pair", 0.0, "js_divergence", 1.0)}
+                 "sigmoid+sft-js": (["sigmoid", "sft"], 0.0, "js_divergence", 1.0)}
 
 
 def _dpo_inputs(dt):
@@ -586,19 +586,21 @@ def test_dpo_against_trl_formula_in_float64(name, dtype):
 def test_dpo_f_divergences_against_trl_formula_in_float64(name):
     loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
     beta = 0.5 if loss_type == "ipo" else 0.1
-    formula = dict(beta=beta, loss_type=loss_type, label_smoothing=eps, f_divergence_type=fdiv,
-                   f_alpha_divergence_coef=alpha)
+    names = loss_type if isinstance(loss_type, list) else [loss_type]
+    divergence = dict(f_divergence_type=fdiv, f_alpha_divergence_coef=alpha)
 
     def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
         loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
-                                  ref_rejected_logps=ref_rejected_logps, **formula)
+                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=loss_type,
+                                  label_smoothing=eps, **divergence)
         return loss, m["chosen_rewards"], m["rejected_rewards"]
 
     def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
         lp = _ref_logprobs(input, weight, target)[0]
         mask = (target != -100).to(lp.dtype)
         c, r = (lp * mask).sum(1).chunk(2)
-        return _trl_dpo(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, **formula)
+        return _trl_dpo_multi(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, lp * mask,
+                              beta=beta, types=names, weights=None, eps=eps, **divergence)
 
     _check(ours, ref, _dpo_inputs, torch.float32)
 
@@ -609,7 +611,7 @@ DPO_MULTI_CASES = {"sft": (["sft"], None, 0.0), "sigmoid+sft": (["sigmoid", "sft
                    "ipo+robust": (["ipo", "robust"], [0.7, 1.3], 0.1)}
 
 
-def _trl_dpo_multi(c, r, rc, rr, mask, lp, *, beta, types, weights, eps):
+def _trl_dpo_multi(c, r, rc, rr, mask, lp, *, beta, types, weights, eps, **divergence):
     """TRL 1.16's loop over loss types: sum_k w_k mean(per-sequence loss_k); sft: the chosen tokens' mean -logp."""
     loss = 0.0
     for name, w in zip(types, weights or [1.0] * len(types)):
@@ -617,7 +619,7 @@ def _trl_dpo_multi(c, r, rc, rr, mask, lp, *, beta, types, weights, eps):
             cm, _ = mask.chunk(2)
             one = -lp.chunk(2)[0][cm.bool()].mean()
         else:
-            one = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=name, label_smoothing=eps)[0]
+            one = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=name, label_smoothing=eps, **divergence)[0]
         loss = loss + one * w
     return loss, beta * (c - rc).detach(), beta * (r - rr).detach()
 
@@ -730,8 +732,10 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
     (dict(f_divergence_type="chi2"), r"f_divergence_type must be one of .*, got 'chi2'"),
+    (dict(loss_type=["sigmoid", "bco_pair"], f_divergence_type="js_divergence"),
+     r"f_divergence_type='js_divergence' takes the loss types .* got \['bco_pair'\]"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["aot", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "ld_alpha"])
+], ids=["aot", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "f-divergence-bco_pair", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)

@@ -43,7 +43,9 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "
 DPO_PER_TOKEN = ("ipo", "sigmoid_norm")  # the log-ratios divided by the completions' lengths
 # TRL's f-divergences: the score f'(t) each loss type that takes scores applies to the log-ratio l = log t.
 DPO_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-# The loss types that take the scores; the others (nca_pair, bco_pair, sppo_hard, apo_zero, apo_down) the log-ratios.
+# The loss types that take the scores. TRL refuses the others (nca_pair, bco_pair, sppo_hard, apo_zero, apo_down)
+# under any divergence but reverse KL: its f-DPO reparameterization leaves a beta log Z(x) term that cancels only
+# in the chosen-rejected difference. sft takes neither (the policy's log-probabilities alone).
 DPO_SCORED = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "discopop", "sigmoid_norm")
 ALPHA_CLAMP = 80.0  # TRL's cap on (alpha - 1) l before exp, for float32 and bfloat16
 
@@ -430,6 +432,11 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
                          "batch-wide mean by every pair's weight, so no chunk of pairs knows its gradient)")
     if len(set(names)) != len(names):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type {loss_type!r} names a loss type twice")
+    other = [n for n in names if n not in DPO_SCORED and n != "sft"]
+    if f_divergence_type != "reverse_kl" and other:
+        raise ValueError(f"tritongrad.linear_dpo_loss: f_divergence_type={f_divergence_type!r} takes the loss types "
+                         f"{DPO_SCORED} and sft, as TRL's DPOTrainer does (the f-DPO reparameterization's beta log "
+                         f"Z(x) cancels only in the chosen-rejected difference), got {other}")
     if "robust" in names and not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"tritongrad.linear_dpo_loss: the robust loss takes label_smoothing in [0, 0.5), got "
                          f"{label_smoothing}")
@@ -466,7 +473,8 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
                                                               B pairs' mean, TRL's mean over the chosen tokens)
 
     Under another ``f_divergence_type``, the loss types of DPO_SCORED take the scores of lc and lr
-    (:func:`dpo_score`) in their place, as TRL does; the others keep the log-ratios. ``pair_weights`` ``[B]``
+    (:func:`dpo_score`) in their place, as TRL does (TRL refuses the others there, and so does
+    :func:`check_dpo_formula`). ``pair_weights`` ``[B]``
     (WPO, :func:`wpo_weights`; constants) multiply each pair's loss.
     """
     total = None
