@@ -495,7 +495,21 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         rejected_scores = (torch.exp(torch.clamp(t_rejected, max=80.0)) - 1.0) * coef
     delta_score = chosen_scores - rejected_scores
     chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
-    if loss_type == "exo_pair":
+    if loss_type == "aot":
+        logratios = chosen_logps - rejected_logps
+        ref_logratios = ref_chosen_logps - ref_rejected_logps
+        logratios_sorted, _ = torch.sort(logratios, dim=0)
+        ref_logratios_sorted, _ = torch.sort(ref_logratios, dim=0)
+        delta = logratios_sorted - ref_logratios_sorted
+        per_sequence_loss = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
+                             - F.logsigmoid(-beta * delta) * label_smoothing)
+    elif loss_type == "aot_unpaired":
+        chosen_logratios_sorted, _ = torch.sort(chosen_logratios, dim=0)
+        rejected_logratios_sorted, _ = torch.sort(rejected_logratios, dim=0)
+        delta = chosen_logratios_sorted - rejected_logratios_sorted
+        per_sequence_loss = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
+                             - F.logsigmoid(-beta * delta) * label_smoothing)
+    elif loss_type == "exo_pair":
         eps = torch.tensor(label_smoothing)  # float32, as TRL makes it
         per_sequence_loss = (torch.sigmoid(beta * delta_score) * (F.logsigmoid(beta * delta_score) - torch.log1p(-eps))
                              + torch.sigmoid(-beta * delta_score) * (F.logsigmoid(-beta * delta_score) - torch.log(eps)))
@@ -540,7 +554,7 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 
 DPO_CASES = {"sigmoid": 0.0, "sigmoid-smoothed": 0.1, "hinge": 0.0, "ipo": 0.0, "robust": 0.1, "exo_pair": 1e-3,
              "nca_pair": 0.0, "bco_pair": 0.0, "sppo_hard": 0.0, "apo_zero": 0.0, "apo_down": 0.0, "discopop": 0.0,
-             "sigmoid_norm": 0.0}
+             "sigmoid_norm": 0.0, "aot": 0.0, "aot-smoothed": 0.1, "aot_unpaired": 0.0}
 # f-divergences other than reverse KL: (loss type, label smoothing, f_divergence_type, f_alpha_divergence_coef);
 # bco_pair takes the log-ratios whatever the divergence
 DPO_DIV_CASES = {"sigmoid-forward_kl": ("sigmoid", 0.0, "forward_kl", 1.0),
@@ -669,6 +683,16 @@ def test_dpo_loss_list_accumulates_over_micro_batches():
     torch.testing.assert_close(g_parts, g_whole)
 
 
+def test_dpo_fused_op_refuses_losses_that_sort_the_pairs():
+    # aot couples the batch's pairs through a sort: linear_dpo_loss takes the log-probabilities path for it, and the
+    # fused op, called directly, says why it cannot
+    t = _dpo_inputs(torch.float32)
+    tw = (t["target"] != -100).to(torch.float32)
+    with pytest.raises(ValueError, match=r"\['aot'\] sort the batch's pairs, so no chunk of pairs knows its gradient"):
+        linear_dpo_op(t["input"].reshape(-1, t["input"].shape[-1]), t["weight"], t["target"].reshape(-1), tw,
+                      t["ref_chosen_logps"], t["ref_rejected_logps"], loss_type="sigmoid,aot")
+
+
 def _trl_wpo(per_token_logps, log_sum_sq_probs, shift_completion_mask):
     """TRL 1.16's WPO weights (use_weighting), line by line: each pair's w_chosen * w_rejected."""
     completion_lengths = shift_completion_mask.sum(dim=1).clamp_min(1)
@@ -723,7 +747,8 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(loss_type="aot"), r"loss_type must be one of .* aot and aot_unpaired couple the batch's pairs"),
+    (dict(loss_type="kto_pair"), r"loss_type must be one of .*, got 'kto_pair'"),
+    (dict(loss_type="aot", use_weighting=True), r"use_weighting \(WPO\) with aot or aot_unpaired is refused"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), r"must give one weight per loss type"),
     (dict(loss_type=["sigmoid", "sigmoid"]), r"names a loss type twice"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, float("nan")]), r"loss_weights must be finite numbers"),
@@ -735,7 +760,7 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     (dict(loss_type=["sigmoid", "bco_pair"], f_divergence_type="js_divergence"),
      r"f_divergence_type='js_divergence' takes the loss types .* got \['bco_pair'\]"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["aot", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "f-divergence-bco_pair", "ld_alpha"])
+], ids=["unknown", "aot-wpo", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "f-divergence-bco_pair", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)

@@ -38,6 +38,7 @@ from ..cross_entropy.launch import _addmm_f32, _as_float, _host_checkable, _scal
 from . import kernels
 from . import plans as P
 from .reference import (
+    DPO_BATCH_COUPLED,
     DPO_LOSS_TYPES,
     DPO_SCORED,
     GRPO_FORMS,
@@ -734,6 +735,10 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
                              "pair")
     check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights,
                       use_weighting)
+    coupled = [n for n, _ in dpo_losses(loss_type, loss_weights) if n in DPO_BATCH_COUPLED]
+    if coupled:
+        raise ValueError(f"tritongrad.linear_dpo: {coupled} sort the batch's pairs, so no chunk of pairs knows its "
+                         "gradient; linear_dpo_loss computes them from the log-probabilities (four products)")
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
@@ -920,7 +925,8 @@ def linear_dpo_loss(
             ``reference.dpo_pair_loss``). ``robust`` takes label smoothing in [0, 0.5), ``exo_pair`` in (0, 1);
             ``sigmoid`` with label smoothing is conservative DPO, as TRL before 1.0 defined it (TRL 1.16's
             sigmoid ignores label smoothing: the two agree at 0). ``sft``: the chosen tokens' mean negative
-            log-probability. ``aot`` and ``aot_unpaired`` (a sort over the batch's pairs) are refused.
+            log-probability. ``aot`` and ``aot_unpaired`` sort the batch's pairs: they take the
+            log-probabilities first, then the formula (four products, not three).
         loss_weights: with a list of loss types (TRL's ``loss_type=[...]``, e.g. MPO's ``["sigmoid", "bco_pair",
             "sft"]``), one weight each (None: 1 each); the loss is their weighted sum, as TRL's.
         use_weighting: WPO, as TRL's DPOConfig: each pair's loss times ``w_c w_r``, with ``w_s = exp(mean over
@@ -974,14 +980,16 @@ def linear_dpo_loss(
                    f_alpha_divergence_coef=f_alpha_divergence_coef, loss_weights=loss_weights)
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
-    if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16:
+    coupled = any(n in DPO_BATCH_COUPLED for n, _ in terms)
+    if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16 or coupled:
         if use_weighting:
             raise ValueError(f"tritongrad.linear_dpo_loss: use_weighting (WPO) is computed by the fused op's chunks of "
                              f"whole pairs, which take neither float16 inputs nor pairs over pair_bytes; got "
                              f"{x.dtype}, pairs of 2 x {T} rows of {w.shape[0]} classes")
         # a pair's logits over the budget: its loss needs all its tokens first, so the log-probabilities in chunks
         # of rows, then the formula, whose gradient flows back through them (the logits made twice); float16
-        # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale)
+        # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale);
+        # and aot's sort over the batch's pairs, whose loss needs every pair first
         token_lp = linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
                                          logit_softcap=logit_softcap)
         chosen, rejected = (token_lp * weights).sum(-1).chunk(2)

@@ -35,11 +35,12 @@ def vespo_weights(advantages, log_ratio, mask, k_pos: float, lambda_pos: float, 
     k = torch.where(nonneg, k_pos, k_neg)
     lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-# TRL 1.16's DPO losses that are a function of one pair, and "sft" (the chosen tokens' mean negative log-probability,
-# a pair's share of it a constant times its chosen sum). Not offered: "aot" and "aot_unpaired" (they sort the
-# batch's pairs, so a pair's loss depends on the others).
+# TRL 1.16's DPO losses: those that are a function of one pair; "sft" (the chosen tokens' mean negative
+# log-probability, a pair's share of it a constant times its chosen sum); and "aot", "aot_unpaired", which sort the
+# batch's pairs, so a pair's loss depends on the others (DPO_BATCH_COUPLED: not in chunks of pairs).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-                  "apo_down", "discopop", "sigmoid_norm", "sft")
+                  "apo_down", "discopop", "sigmoid_norm", "sft", "aot", "aot_unpaired")
+DPO_BATCH_COUPLED = ("aot", "aot_unpaired")
 DPO_PER_TOKEN = ("ipo", "sigmoid_norm")  # the log-ratios divided by the completions' lengths
 # TRL's f-divergences: the score f'(t) each loss type that takes scores applies to the log-ratio l = log t.
 DPO_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -422,14 +423,16 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
     terms = dpo_losses(loss_type, loss_weights)
     for name, _ in terms:
         if name not in DPO_LOSS_TYPES:
-            raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {name!r} "
-                             "(TRL's aot and aot_unpaired couple the batch's pairs through a sort)")
+            raise ValueError(f"tritongrad.linear_dpo_loss: loss_type must be one of {DPO_LOSS_TYPES}, got {name!r}")
     names = [n for n, _ in terms]
     if type(use_weighting) is not bool:
         raise TypeError(f"tritongrad.linear_dpo_loss: use_weighting must be a bool, got {use_weighting!r}")
     if use_weighting and "sft" in names:
         raise ValueError("tritongrad.linear_dpo_loss: sft with use_weighting is not computed (WPO weighs sft's "
                          "batch-wide mean by every pair's weight, so no chunk of pairs knows its gradient)")
+    if use_weighting and any(n in DPO_BATCH_COUPLED for n in names):
+        raise ValueError("tritongrad.linear_dpo_loss: use_weighting (WPO) with aot or aot_unpaired is refused, as "
+                         "TRL's DPOTrainer refuses it: those losses sort the pairs, which misaligns per-pair weights")
     if len(set(names)) != len(names):
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type {loss_type!r} names a loss type twice")
     other = [n for n in names if n not in DPO_SCORED and n != "sft"]
@@ -450,7 +453,8 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
 def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_tokens, *, beta: float, loss_type,
                   label_smoothing: float, discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
                   f_alpha_divergence_coef: float = 1.0, loss_weights=None,
-                  chosen_logps: torch.Tensor | None = None, pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+                  chosen_logps: torch.Tensor | None = None, pair_weights: torch.Tensor | None = None,
+                  aot_logps: tuple | None = None) -> torch.Tensor:
     """Each pair's loss ``[B]`` of its log-ratios ``lc = logp_c - ref_c``, ``lr = logp_r - ref_r`` (reverse KL),
     as TRL 1.16's ``DPOTrainer._compute_loss`` defines it per loss type; several loss types (``loss_type`` a list,
     or names joined by commas) add up, each times its weight in ``loss_weights`` (:func:`dpo_losses`). With
@@ -468,6 +472,10 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
         apo_zero      1 - s(b lc) + s(b lr)
         apo_down      s(b lc) + 1 - s(b d)
         discopop      -log s(b d) (1 - m) + exp(-b d) m,      m = s(b d / tau)
+        aot           -(1-e) log s(b u) - e log s(-b u),      u = sort(logp_c - logp_r) - sort(ref_c - ref_r)
+        aot_unpaired  the same with u = sort(lc) - sort(lr)       (sorted over the batch's pairs: ``aot_logps``
+                                                              = (logp_c, logp_r, ref_c, ref_r) for aot; the
+                                                              i-th loss is the sorted order's, not pair i's)
 
         sft           -B logp_c / sum_pairs n_c               (``chosen_logps``: logp_c, unweighted sums; over the
                                                               B pairs' mean, TRL's mean over the chosen tokens)
@@ -483,6 +491,15 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
             if chosen_logps is None:
                 raise ValueError("tritongrad.linear_dpo_loss: loss_type 'sft' needs the chosen log-probabilities")
             one = -chosen_logps * (lc.shape[0] / chosen_tokens.to(lc.dtype).sum())
+        elif name in DPO_BATCH_COUPLED:
+            if name == "aot":
+                if aot_logps is None:
+                    raise ValueError("tritongrad.linear_dpo_loss: loss_type 'aot' needs the sequence log-probabilities")
+                c, r, ref_c, ref_r = (t.to(lc.dtype) for t in aot_logps)
+                u = torch.sort(c - r, dim=0)[0] - torch.sort(ref_c - ref_r, dim=0)[0]
+            else:
+                u = torch.sort(lc, dim=0)[0] - torch.sort(lr, dim=0)[0]
+            one = -F.logsigmoid(beta * u) * (1 - label_smoothing) - F.logsigmoid(-beta * u) * label_smoothing
         else:
             one = _dpo_one_loss(lc, lr, chosen_tokens, rejected_tokens, beta=beta, loss_type=name,
                                 label_smoothing=label_smoothing, discopop_tau=discopop_tau,
@@ -580,7 +597,8 @@ def dpo_from_logprobs(
                              f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
                              loss_weights=loss_weights,
                              chosen_logps=chosen_logps if sft_chosen_logps is None else sft_chosen_logps,
-                             pair_weights=None if pair_weights is None else pair_weights.detach())
+                             pair_weights=None if pair_weights is None else pair_weights.detach(),
+                             aot_logps=(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps))
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
     loss = per_pair.sum() / pairs
     chosen_rewards = beta * chosen_logratios.detach()
