@@ -495,18 +495,13 @@ def _trl_dpo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         rejected_scores = (torch.exp(torch.clamp(t_rejected, max=80.0)) - 1.0) * coef
     delta_score = chosen_scores - rejected_scores
     chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
-    if loss_type == "aot":
-        logratios = chosen_logps - rejected_logps
-        ref_logratios = ref_chosen_logps - ref_rejected_logps
-        logratios_sorted, _ = torch.sort(logratios, dim=0)
-        ref_logratios_sorted, _ = torch.sort(ref_logratios, dim=0)
-        delta = logratios_sorted - ref_logratios_sorted
-        per_sequence_loss = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
-                             - F.logsigmoid(-beta * delta) * label_smoothing)
-    elif loss_type == "aot_unpaired":
-        chosen_logratios_sorted, _ = torch.sort(chosen_logratios, dim=0)
-        rejected_logratios_sorted, _ = torch.sort(rejected_logratios, dim=0)
-        delta = chosen_logratios_sorted - rejected_logratios_sorted
+    if loss_type in ("aot", "aot_unpaired"):
+        if loss_type == "aot":
+            logratios_sorted, _ = torch.sort(chosen_logps - rejected_logps, dim=0)
+            ref_logratios_sorted, _ = torch.sort(ref_chosen_logps - ref_rejected_logps, dim=0)
+            delta = logratios_sorted - ref_logratios_sorted
+        else:
+            delta = torch.sort(chosen_logratios, dim=0)[0] - torch.sort(rejected_logratios, dim=0)[0]
         per_sequence_loss = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
                              - F.logsigmoid(-beta * delta) * label_smoothing)
     elif loss_type == "exo_pair":
@@ -599,14 +594,18 @@ def test_dpo_against_trl_formula_in_float64(name, dtype):
 @pytest.mark.parametrize("name", list(DPO_DIV_CASES))
 def test_dpo_f_divergences_against_trl_formula_in_float64(name):
     loss_type, eps, fdiv, alpha = DPO_DIV_CASES[name]
-    beta = 0.5 if loss_type == "ipo" else 0.1
     names = loss_type if isinstance(loss_type, list) else [loss_type]
-    divergence = dict(f_divergence_type=fdiv, f_alpha_divergence_coef=alpha)
+    _check_dpo_list(names, None, eps, torch.float32, f_divergence_type=fdiv, f_alpha_divergence_coef=alpha)
+
+
+def _check_dpo_list(types, weights, eps, dtype, **divergence):
+    """linear_dpo_loss with a list of loss types (and a divergence) against TRL's loop over them in float64."""
+    beta = 0.5 if "ipo" in types else 0.1
 
     def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
         loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
-                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=loss_type,
-                                  label_smoothing=eps, **divergence)
+                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=types,
+                                  loss_weights=weights, label_smoothing=eps, **divergence)
         return loss, m["chosen_rewards"], m["rejected_rewards"]
 
     def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
@@ -614,9 +613,9 @@ def test_dpo_f_divergences_against_trl_formula_in_float64(name):
         mask = (target != -100).to(lp.dtype)
         c, r = (lp * mask).sum(1).chunk(2)
         return _trl_dpo_multi(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, lp * mask,
-                              beta=beta, types=names, weights=None, eps=eps, **divergence)
+                              beta=beta, types=types, weights=weights, eps=eps, **divergence)
 
-    _check(ours, ref, _dpo_inputs, torch.float32)
+    _check(ours, ref, _dpo_inputs, dtype)
 
 
 # Lists of loss types with their weights, as TRL's loss_type=[...] and loss_weights: (types, weights, label smoothing)
@@ -643,22 +642,7 @@ def test_dpo_loss_lists_against_trl_formula_in_float64(name, dtype):
     # the weighted sum of several loss types, sft's chosen-token mean among them, in the fused op (chunks of whole
     # pairs: each pair's derivative the weighted sum of its types') and in float64: loss, rewards, gradients
     types, weights, eps = DPO_MULTI_CASES[name]
-    beta = 0.5 if "ipo" in types else 0.1
-
-    def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
-        loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
-                                  ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=types,
-                                  loss_weights=weights, label_smoothing=eps)
-        return loss, m["chosen_rewards"], m["rejected_rewards"]
-
-    def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
-        lp = _ref_logprobs(input, weight, target)[0]
-        mask = (target != -100).to(lp.dtype)
-        c, r = (lp * mask).sum(1).chunk(2)
-        return _trl_dpo_multi(c, r, ref_chosen_logps.to(lp.dtype), ref_rejected_logps.to(lp.dtype), mask, lp * mask,
-                              beta=beta, types=types, weights=weights, eps=eps)
-
-    _check(ours, ref, _dpo_inputs, dtype)
+    _check_dpo_list(types, weights, eps, dtype)
 
 
 def test_dpo_loss_list_accumulates_over_micro_batches():
