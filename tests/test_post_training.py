@@ -687,7 +687,8 @@ def _trl_wpo(per_token_logps, log_sum_sq_probs, shift_completion_mask):
 
 
 # WPO: (loss types, weights, label smoothing, softcap)
-DPO_WPO_CASES = {"sigmoid-wpo": (["sigmoid"], None, 0.0, None), "ipo+hinge-wpo": (["ipo", "hinge"], [1.0, 0.5], 0.0, None),
+DPO_WPO_CASES = {"sigmoid-wpo": (["sigmoid"], None, 0.0, None),
+                 "ipo+hinge-wpo": (["ipo", "hinge"], [1.0, 0.5], 0.0, None),
                  "sigmoid-wpo-softcap": (["sigmoid"], None, 0.0, 3.0)}
 
 
@@ -744,7 +745,8 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     (dict(loss_type=["sigmoid", "bco_pair"], f_divergence_type="js_divergence"),
      r"f_divergence_type='js_divergence' takes the loss types .* got \['bco_pair'\]"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["unknown", "aot-wpo", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5", "discopop-tau-0", "f-divergence", "f-divergence-bco_pair", "ld_alpha"])
+], ids=["unknown", "aot-wpo", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5",
+        "discopop-tau-0", "f-divergence", "f-divergence-bco_pair", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
     t = _dpo_inputs(torch.float32)

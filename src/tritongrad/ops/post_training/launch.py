@@ -49,6 +49,7 @@ from .reference import (
     check_targets,
     dpo_from_logprobs,
     dpo_losses,
+    dpo_metrics,
     dpo_pair_loss,
     dpo_score,
     dpo_score_slope,
@@ -1009,9 +1010,7 @@ def linear_dpo_loss(
     )
     if num_pairs_in_batch is not None:  # the op's mean over this call's B pairs, as a share of the whole step's
         loss = loss * B / num_pairs_in_batch
-    with torch.no_grad():  # the metrics, from the same sequence log-probabilities (O(pairs))
-        _, metrics = dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps, **formula)
-    return loss, metrics
+    return loss, dpo_metrics(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta)  # O(pairs)
 
 
 # ---------------------------------------------------------------- distillation

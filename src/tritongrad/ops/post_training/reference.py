@@ -476,14 +476,13 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
         aot_unpaired  the same with u = sort(lc) - sort(lr)       (sorted over the batch's pairs: ``aot_logps``
                                                               = (logp_c, logp_r, ref_c, ref_r) for aot; the
                                                               i-th loss is the sorted order's, not pair i's)
-
         sft           -B logp_c / sum_pairs n_c               (``chosen_logps``: logp_c, unweighted sums; over the
                                                               B pairs' mean, TRL's mean over the chosen tokens)
 
     Under another ``f_divergence_type``, the loss types of DPO_SCORED take the scores of lc and lr
     (:func:`dpo_score`) in their place, as TRL does (TRL refuses the others there, and so does
-    :func:`check_dpo_formula`). ``pair_weights`` ``[B]``
-    (WPO, :func:`wpo_weights`; constants) multiply each pair's loss.
+    :func:`check_dpo_formula`). ``pair_weights`` ``[B]`` (WPO, :func:`wpo_weights`; constants) multiply each
+    pair's loss.
     """
     total = None
     for name, w in dpo_losses(loss_type, loss_weights):
@@ -581,9 +580,9 @@ def dpo_from_logprobs(
     normalisation of IPO and sigmoid_norm, and their sum sft's; ``sft_chosen_logps``: the chosen sums sft takes
     where they differ from ``chosen_logps`` (LD-DPO weighs the others' tokens, sft every token 1; None: the
     same). ``pair_weights``: WPO's per-pair weights (:func:`wpo_weights`), constants. ``num_pairs_in_batch``:
-    the pairs of the whole optimizer step (None: B). ``loss_type`` (one name, or a list with ``loss_weights``), ``discopop_tau``:
-    DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the f-divergence (TRL's
-    ``DPOConfig`` fields of those names)."""
+    the pairs of the whole optimizer step (None: B). ``loss_type``: one name, or a list with ``loss_weights``;
+    ``discopop_tau``: DiscoPOP's temperature; ``f_divergence_type``, ``f_alpha_divergence_coef``: the
+    f-divergence (TRL's ``DPOConfig`` fields of those names). The metrics: :func:`dpo_metrics`."""
     check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, loss_weights=loss_weights,
                       use_weighting=pair_weights is not None)
     names = [n for n, _ in dpo_losses(loss_type, loss_weights)]
@@ -591,7 +590,6 @@ def dpo_from_logprobs(
         raise ValueError(f"tritongrad.linear_dpo_loss: loss_type={loss_type!r} needs the completion lengths")
     chosen_logratios = chosen_logps - ref_chosen_logps.to(chosen_logps.dtype)
     rejected_logratios = rejected_logps - ref_rejected_logps.to(rejected_logps.dtype)
-    d = chosen_logratios - rejected_logratios
     per_pair = dpo_pair_loss(chosen_logratios, rejected_logratios, chosen_tokens, rejected_tokens, beta=beta,
                              loss_type=loss_type, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
                              f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
@@ -600,20 +598,26 @@ def dpo_from_logprobs(
                              pair_weights=None if pair_weights is None else pair_weights.detach(),
                              aot_logps=(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps))
     pairs = per_pair.shape[0] if num_pairs_in_batch is None else num_pairs_in_batch
-    loss = per_pair.sum() / pairs
-    chosen_rewards = beta * chosen_logratios.detach()
-    rejected_rewards = beta * rejected_logratios.detach()
-    metrics = {
+    return per_pair.sum() / pairs, dpo_metrics(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                               beta)
+
+
+@torch.no_grad()
+def dpo_metrics(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float) -> dict:
+    """What TRL's DPOTrainer logs of a batch's sequence log-probabilities ``[B]``: the rewards ``beta (logp -
+    ref)`` per pair and their means, the accuracy and margin, and the log-probabilities' means (detached)."""
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps.to(chosen_logps.dtype))
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps.to(rejected_logps.dtype))
+    return {
         "chosen_rewards": chosen_rewards,
         "rejected_rewards": rejected_rewards,
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(d.dtype).mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype).mean(),
         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-        "logps/chosen": chosen_logps.detach().mean(),
-        "logps/rejected": rejected_logps.detach().mean(),
+        "logps/chosen": chosen_logps.mean(),
+        "logps/rejected": rejected_logps.mean(),
     }
-    return loss, metrics
 
 
 def linear_dpo_reference(
