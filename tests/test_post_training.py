@@ -667,14 +667,17 @@ def test_dpo_loss_list_accumulates_over_micro_batches():
     torch.testing.assert_close(g_parts, g_whole)
 
 
-def test_dpo_fused_op_refuses_losses_that_sort_the_pairs():
-    # aot couples the batch's pairs through a sort: linear_dpo_loss takes the log-probabilities path for it, and the
-    # fused op, called directly, says why it cannot
+def test_dpo_fused_op_refuses_losses_that_couple_the_pairs():
+    # aot couples the batch's pairs through a sort, sft under WPO through the mean weight: linear_dpo_loss takes the
+    # log-probabilities path for them, and the fused op, called directly, says why it cannot
     t = _dpo_inputs(torch.float32)
     tw = (t["target"] != -100).to(torch.float32)
+    args = (t["input"].reshape(-1, t["input"].shape[-1]), t["weight"], t["target"].reshape(-1), tw,
+            t["ref_chosen_logps"], t["ref_rejected_logps"])
     with pytest.raises(ValueError, match=r"\['aot'\] sort the batch's pairs, so no chunk of pairs knows its gradient"):
-        linear_dpo_op(t["input"].reshape(-1, t["input"].shape[-1]), t["weight"], t["target"].reshape(-1), tw,
-                      t["ref_chosen_logps"], t["ref_rejected_logps"], loss_type="sigmoid,aot")
+        linear_dpo_op(*args, loss_type="sigmoid,aot")
+    with pytest.raises(ValueError, match=r"sft with use_weighting \(WPO\) takes the mean of every pair's weight"):
+        linear_dpo_op(*args, loss_type="sigmoid,sft", use_weighting=True)
 
 
 def _trl_wpo(per_token_logps, log_sum_sq_probs, shift_completion_mask):
@@ -689,21 +692,17 @@ def _trl_wpo(per_token_logps, log_sum_sq_probs, shift_completion_mask):
 # WPO: (loss types, weights, label smoothing, softcap)
 DPO_WPO_CASES = {"sigmoid-wpo": (["sigmoid"], None, 0.0, None),
                  "ipo+hinge-wpo": (["ipo", "hinge"], [1.0, 0.5], 0.0, None),
-                 "sigmoid-wpo-softcap": (["sigmoid"], None, 0.0, 3.0)}
+                 "sigmoid-wpo-softcap": (["sigmoid"], None, 0.0, 3.0),
+                 "sigmoid+sft-wpo": (["sigmoid", "sft"], [1.0, 0.5], 0.0, None)}
 
 
 @pytest.mark.parametrize("name,dtype", _grid(DPO_WPO_CASES, ["sigmoid-wpo"]), ids=str)
 def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     # WPO's weights from each row's log sum_j p_j^2 (the forward kernel's HAS_SQ statistic) and log-probability,
-    # each pair's loss times its weight, in chunks of whole pairs; against TRL's arithmetic in float64
+    # each pair's loss times its weight, in chunks of whole pairs (float16, and sft's batch-wide term, from the
+    # log-probabilities with the same statistic); against TRL's arithmetic in float64
     types, weights, eps, cap = DPO_WPO_CASES[name]
     beta = 0.5 if "ipo" in types else 0.1
-    if dtype == torch.float16:  # the fused op's chunks make float16's gradients in no pass: refused, not run
-        t = _dpo_inputs(dtype)
-        with pytest.raises(ValueError, match=r"use_weighting \(WPO\) is computed by the fused op.*torch.float16"):
-            linear_dpo_loss(t["input"], t["weight"], t["target"], ref_chosen_logps=t["ref_chosen_logps"],
-                            ref_rejected_logps=t["ref_rejected_logps"], use_weighting=True)
-        return
 
     def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
         loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
@@ -724,7 +723,11 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
         rc, rr = ref_chosen_logps.to(z.dtype), ref_rejected_logps.to(z.dtype)
         loss = 0.0
         for t_, w_ in zip(types, weights or [1.0] * len(types)):
-            per_seq = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=t_, label_smoothing=eps, per_sequence=True)
+            if t_ == "sft":  # TRL's batch loss, broadcast to every pair
+                per_seq = (-lp.chunk(2)[0][mask.chunk(2)[0].bool()].mean()).expand(c.shape[0])
+            else:
+                per_seq = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=t_, label_smoothing=eps,
+                                   per_sequence=True)
             loss = loss + (per_seq * w).mean() * w_
         return loss, beta * (c - rc).detach(), beta * (r - rr).detach()
 
@@ -737,7 +740,6 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), r"must give one weight per loss type"),
     (dict(loss_type=["sigmoid", "sigmoid"]), r"names a loss type twice"),
     (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, float("nan")]), r"loss_weights must be finite numbers"),
-    (dict(loss_type=["sigmoid", "sft"], use_weighting=True), r"sft with use_weighting is not computed"),
     (dict(loss_type="exo_pair"), r"exo_pair takes label_smoothing in \(0, 1\).*got 0.0"),
     (dict(loss_type="robust", label_smoothing=0.5), r"robust loss takes label_smoothing in \[0, 0.5\), got 0.5"),
     (dict(loss_type="discopop", discopop_tau=0.0), r"discopop takes discopop_tau > 0, got 0.0"),
@@ -745,7 +747,7 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     (dict(loss_type=["sigmoid", "bco_pair"], f_divergence_type="js_divergence"),
      r"f_divergence_type='js_divergence' takes the loss types .* got \['bco_pair'\]"),
     (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\] \(or None\), got 1.5"),
-], ids=["unknown", "aot-wpo", "weights-length", "twice", "weights-nan", "sft-wpo", "exo_pair-0", "robust-0.5",
+], ids=["unknown", "aot-wpo", "weights-length", "twice", "weights-nan", "exo_pair-0", "robust-0.5",
         "discopop-tau-0", "f-divergence", "f-divergence-bco_pair", "ld_alpha"])
 def test_dpo_refuses_what_it_does_not_compute(kw, match):
     # TRL's batch-coupled and non-pair loss types, and values whose loss TRL would make infinite or undefined
@@ -779,7 +781,7 @@ def test_dpo_reference_model_from_hidden_states_and_accumulation():
 
 # ipo and sigmoid_norm (the token counts), robust (both sigmoid terms), nca_pair and apo_down (chosen and rejected
 # apart, not through d alone); every loss type's derivative is checked against TRL's formula on the fused path above
-@pytest.mark.parametrize("loss_type", ["ipo", "robust", "sigmoid_norm", "nca_pair", "apo_down"])
+@pytest.mark.parametrize("loss_type", ["ipo", "robust", "sigmoid_norm", "nca_pair", "apo_down", "sigmoid-wpo"])
 def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
     # the fused op in chunks of one pair (SMALL), of two (the second ragged: one pair), and the unfused path
     # (a pair over pair_bytes: chunks of rows, the logits made twice): the same loss, gradients and metrics, equal
@@ -789,8 +791,8 @@ def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
     t[5, 2:] = -100
     g = torch.Generator().manual_seed(4)
     ref_c, ref_r = (-10 + torch.randn(3, generator=g, dtype=torch.float64) for _ in range(2))
-    kw = dict(beta=0.5 if loss_type == "ipo" else 0.1, loss_type=loss_type,
-              label_smoothing=0.2 if loss_type == "robust" else 0.0)
+    kw = dict(beta=0.5 if loss_type == "ipo" else 0.1, loss_type=loss_type.split("-")[0],
+              label_smoothing=0.2 if loss_type == "robust" else 0.0, use_weighting=loss_type.endswith("-wpo"))
     pair = P.pair_bytes(5, 40, 8)
     results = []
     for limits in (SMALL, dataclasses.replace(SMALL, pair_bytes=2 * pair),
@@ -1089,7 +1091,7 @@ def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
 @pytest.mark.parametrize("name", [n for n in DPO_CASES if n != "sigmoid-smoothed"]  # TRL 1.16's sigmoid: no smoothing
                          + list(DPO_DIV_CASES) + list(DPO_LD_CASES) + list(DPO_MULTI_CASES)
                          + [n for n in DPO_WPO_CASES if "softcap" not in n])
-def test_dpo_formula_is_trls_own(name):
+def test_dpo_formula_is_trls_own(name, monkeypatch):
     # dpo_from_logprobs against DPOTrainer._compute_loss itself (TRL installed), on float64 log-probabilities from a
     # stand-in model (float32 for the alpha divergence, whose clamp TRL has no float64 entry for): the loss and
     # the rewards it logs
@@ -1132,6 +1134,14 @@ def test_dpo_formula_is_trls_own(name):
         loss_weights=weights or [1.0] * len(names),
         beta=beta, label_smoothing=eps, use_weighting=wpo, args=types.SimpleNamespace(discopop_tau=0.05),
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    if wpo and "sft" in names:
+        # TRL 1.16 raises here: it multiplies sft's batch loss, broadcast to every pair by expand, by each pair's
+        # weight in place; its arithmetic is checked with that product made out of place
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+            DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
+        me._metrics = {"train": defaultdict(list)}
+        expand = torch.Tensor.expand
+        monkeypatch.setattr(torch.Tensor, "expand", lambda self, *size: expand(self, *size).clone())
     want = DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, False)
     chosen, rejected = (lp * ld_token_weights(shifted.to(dt), ld)).sum(1).chunk(2)
     plain = (lp * shifted.to(dt)).sum(1).chunk(2)[0]  # sft's chosen sums: every token 1
@@ -1157,16 +1167,17 @@ def _tiny_llama(seed=0):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("softcap, logit_scale", [(None, None), (2.0, 1.3)])
-def test_trl_fused_head_patched_is_exact(softcap, logit_scale):
+def test_trl_fused_head_patched_is_exact(softcap, logit_scale, monkeypatch):
     # TRL's fused LM head (every trainer's log-probabilities) served by tritongrad: the same log-probabilities,
-    # entropy, statistics, loss and parameter gradients as TRL's own kernel, float32, with a final-logit soft
-    # cap too (Gemma 2's; the config's logit scale before it, the temperature after it); a field tritongrad does
-    # not compute is handed back to TRL's
+    # entropy, statistics (WPO's log sum p^2 too), loss and parameter gradients as TRL's own kernel, float32,
+    # with a final-logit soft cap too (Gemma 2's; the config's logit scale before it, the temperature after it);
+    # a field tritongrad does not compute is handed back to TRL's
     _trl()
     from trl.trainer.utils import add_fused_lm_head
 
+    from tritongrad.ops.post_training import trl_integration
     from tritongrad.ops.post_training.trl_integration import REPORT, patch_trl, unpatch_trl
-    fields = ("log_probs", "entropy", "mean_logits", "is_top1")
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     models = [_tiny_llama(), None]
     models[0].config.final_logit_softcapping, models[0].config.logit_scale = softcap, logit_scale
     models[1] = copy.deepcopy(models[0])
@@ -1191,14 +1202,14 @@ def test_trl_fused_head_patched_is_exact(softcap, logit_scale):
         torch.testing.assert_close(getattr(outs[1], k), getattr(outs[0], k), msg=k)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name, rtol=1e-5, atol=1e-6)
-    patch_trl()
-    try:
-        m = copy.deepcopy(models[0])
-        add_fused_lm_head(m, outputs=("log_probs", "log_sum_sq_probs"))
-        m(input_ids=ids, labels=labels, fused_lm_head=True)
-    finally:
-        unpatch_trl()
-    assert REPORT["trl: fields ['log_sum_sq_probs'] not computed by tritongrad"] == 1
+    handed = []  # a field of a later TRL: TRL's own function (here a stand-in) computes the call
+    monkeypatch.setitem(trl_integration._state, "original",
+                        types.SimpleNamespace(apply=lambda *args: handed.append(args[-1])))
+    trl_integration.TritongradLogProbFunction.apply(torch.randn(3, 32), models[0].lm_head.weight, None,
+                                                    torch.tensor([2, 3, 4]), 1.0, 64, None, 1.0,
+                                                    ("log_probs", "new_field"))
+    assert handed == [("log_probs", "new_field")]
+    assert REPORT["trl: fields ['new_field'] not computed by tritongrad"] == 1
 
 
 def _tokenizer():
@@ -1254,9 +1265,10 @@ def test_trl_grpo_trainer_step_patched_equals_unpatched(tmp_path, dtype):
 
 
 @pytest.mark.slow
-def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path):
+@pytest.mark.parametrize("use_weighting", [False, True], ids=["dpo", "wpo"])
+def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path, use_weighting):
     # one DPOTrainer step (policy and reference model, the sigmoid loss, every logged metric: the mean logits and
-    # token accuracy come from the same kernel) on a tiny random Llama, patched and not
+    # token accuracy come from the same kernel; WPO's log sum p^2 too) on a tiny random Llama, patched and not
     trl = _trl()
     import datasets
 
@@ -1271,7 +1283,7 @@ def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path):
     for patched in (False, True):
         args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=1,
                              report_to=[], logging_steps=1, learning_rate=0.1, optim="sgd", use_cpu=True,
-                             save_strategy="no", seed=0, bf16=False)
+                             save_strategy="no", seed=0, bf16=False, use_weighting=use_weighting)
         trainer = trl.DPOTrainer(model=path, args=args, train_dataset=ds)
         if patched:
             patch_trl()

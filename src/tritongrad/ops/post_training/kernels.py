@@ -109,7 +109,7 @@ def _token_logprobs_fwd_kernel(
     logp_ptr,  # [N] ACC out
     ent_ptr,  # [N] ACC out; None without HAS_ENTROPY
     parts_ptr,  # [2 or 3, N] ACC out: mx, ls (and H with HAS_ENTROPY)
-    stats_ptr,  # [2, N] ACC out: the mean of z, and 1.0 where the target is the first argmax; None without HAS_STATS
+    stats_ptr,  # [2+, N] ACC out: the mean of z, and 1.0 where the target is the first argmax; None without HAS_STATS
     sq_ptr,  # [N] ACC out: log sum_j p_j^2 (WPO's weights); None without HAS_SQ
     V,
     N,

@@ -151,9 +151,9 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
                              post_scale: float = 1.0,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered op over ``input [N, H]``, ``weight [V, H]``, ``target [N]``: ``(logprobs [N], entropy [N]
-    (``[0]`` without ``return_entropy``), stats [2, N] (``[0]`` without ``return_stats``), parts)`` in float32
+    (``[0]`` without ``return_entropy``), stats [3, N] (``[0]`` without ``return_stats``), parts)`` in float32
     (float64 for float64). stats, without gradient: each row's mean logit and whether its target is the first
-    argmax (1.0 or 0.0), which TRL's DPO trainer logs. parts [2 or 3, N]: each row's max, the log of its
+    argmax (1.0 or 0.0), which TRL's DPO trainer logs, and its ``log sum_j p_j^2`` (WPO's weights). parts [2 or 3, N]: each row's max, the log of its
     shifted sum (and its entropy), for the backward. float32 ``weight`` and ``bias`` with 16-bit ``input`` are
     cast to input's dtype for the products, and their gradients accumulate in float32; ``grad_weight_f32``
     accumulates a 16-bit weight's gradient in float32 too (rounded once, at the end: a float32 buffer of the
@@ -164,7 +164,7 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
     acc = acc_dtype(input)
     lp = torch.empty(N, dtype=acc, device=input.device)
     ent = torch.empty(N if return_entropy else 0, dtype=acc, device=input.device)
-    stats = torch.empty((2, N) if return_stats else (0,), dtype=acc, device=input.device)
+    stats = torch.empty((3, N) if return_stats else (0,), dtype=acc, device=input.device)
     parts = torch.empty((3 if return_entropy else 2, N), dtype=acc, device=input.device)
     if N == 0:
         return lp, ent, stats, parts
@@ -177,11 +177,11 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
         r1 = min(N, r0 + plan.rows)
         logits = _logits_into(buf[: r1 - r0], input[r0:r1], w, b)
         _fwd_kernel[(r1 - r0,)](
-            logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None, None, V, N, r0,
-            logits.stride(0), target.stride(0), ignore_index, *scale, *rt.split_float(cap), *rt.split_float(post),
-            BLOCK_V=plan.BLOCK_V,
+            logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None,
+            stats[2] if return_stats else None, V, N, r0, logits.stride(0), target.stride(0), ignore_index, *scale,
+            *rt.split_float(cap), *rt.split_float(post), BLOCK_V=plan.BLOCK_V,
             HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(acc),
-            HAS_SQ=False, num_warps=plan.num_warps,
+            HAS_SQ=return_stats, num_warps=plan.num_warps,
         )
     return lp, ent, stats, parts
 
@@ -350,15 +350,24 @@ def linear_token_logprobs(
     if input.dim() == 0 or tuple(target.shape) != tuple(input.shape[:-1]):
         raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} must be input's "
                          f"leading shape: input {tuple(input.shape)} ([..., H]) takes target {tuple(input.shape[:-1])}")
+    lp, ent, _ = _token_logprobs(input, weight, target, bias, temperature, bool(return_entropy), ignore_index,
+                                 logit_softcap)
+    return (lp, ent) if return_entropy else lp
+
+
+def _token_logprobs(input, weight, target, bias, temperature, return_entropy, ignore_index, logit_softcap,
+                    return_stats=False) -> tuple:
+    """:func:`linear_token_logprobs`' ``(logprobs, entropy or None, stats [3, ...] or None)``, target's shape; the
+    stats (the registered op's, without gradient) include WPO's ``log sum_j p_j^2``."""
     scale = _scale_of(temperature, "linear_token_logprobs")
     input, weight, bias = _autocast_head(input, weight, bias)
     real = isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
     cap = float(logit_softcap) if real else logit_softcap  # anything else: the op's validation names it
-    lp, ent, _ = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
-                                          ignore_index, scale if cap is None else 1.0, bool(return_entropy), False,
-                                          False, cap, 1.0 if cap is None else scale)
-    lp = lp.reshape(target.shape)
-    return (lp, ent.reshape(target.shape)) if return_entropy else lp
+    lp, ent, st = linear_token_logprobs_op(input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias,
+                                           ignore_index, scale if cap is None else 1.0, return_entropy,
+                                           return_stats, False, cap, 1.0 if cap is None else scale)
+    return (lp.reshape(target.shape), ent.reshape(target.shape) if return_entropy else None,
+            st.reshape(3, *target.shape) if return_stats else None)
 
 
 # ---------------------------------------------------------------- GRPO, DPO
@@ -736,10 +745,15 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
                              "pair")
     check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights,
                       use_weighting)
-    coupled = [n for n, _ in dpo_losses(loss_type, loss_weights) if n in DPO_BATCH_COUPLED]
+    names = [n for n, _ in dpo_losses(loss_type, loss_weights)]
+    coupled = [n for n in names if n in DPO_BATCH_COUPLED]
     if coupled:
         raise ValueError(f"tritongrad.linear_dpo: {coupled} sort the batch's pairs, so no chunk of pairs knows its "
                          "gradient; linear_dpo_loss computes them from the log-probabilities (four products)")
+    if use_weighting and "sft" in names:
+        raise ValueError("tritongrad.linear_dpo: sft with use_weighting (WPO) takes the mean of every pair's weight, "
+                         "so no chunk of pairs knows its gradient; linear_dpo_loss computes it from the "
+                         "log-probabilities (four products)")
     if grads is not None and len(grads) != 3:
         raise ValueError(f"tritongrad.linear_dpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
@@ -932,8 +946,9 @@ def linear_dpo_loss(
             "sft"]``), one weight each (None: 1 each); the loss is their weighted sum, as TRL's.
         use_weighting: WPO, as TRL's DPOConfig: each pair's loss times ``w_c w_r``, with ``w_s = exp(mean over
             the sequence's tokens of (logprob - log sum_j p_j^2))`` under the policy, constants
-            (``reference.wpo_weights``). Not with sft; bfloat16/float32/float64 inputs whose pairs fit
-            ``pair_bytes`` (the fused op's chunks of whole pairs).
+            (``reference.wpo_weights``); sft's term, a batch-wide mean, times the pairs' mean weight (TRL's
+            arithmetic, on which TRL 1.16 itself raises). With sft, float16 inputs or pairs over ``pair_bytes``, from the log-probabilities
+            (four products).
         f_divergence_type (``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence``),
             f_alpha_divergence_coef: as TRL's DPOConfig (``reference.dpo_score``).
         ld_alpha: LD-DPO, as TRL's DPOConfig: each sequence's log-probability sums its pair's shared length of
@@ -981,22 +996,20 @@ def linear_dpo_loss(
                    f_alpha_divergence_coef=f_alpha_divergence_coef, loss_weights=loss_weights)
     x, w, b = _autocast_head(input, weight, bias)
     B, T = target.shape[0] // 2, target.shape[1]
-    coupled = any(n in DPO_BATCH_COUPLED for n, _ in terms)
+    coupled = any(n in DPO_BATCH_COUPLED or n == "sft" and use_weighting for n, _ in terms)
     if not P.pairs_fit(rt.hint(T), rt.hint(w.shape[0]), x.element_size()) or x.dtype == torch.float16 or coupled:
-        if use_weighting:
-            raise ValueError(f"tritongrad.linear_dpo_loss: use_weighting (WPO) is computed by the fused op's chunks of "
-                             f"whole pairs, which take neither float16 inputs nor pairs over pair_bytes; got "
-                             f"{x.dtype}, pairs of 2 x {T} rows of {w.shape[0]} classes")
         # a pair's logits over the budget: its loss needs all its tokens first, so the log-probabilities in chunks
         # of rows, then the formula, whose gradient flows back through them (the logits made twice); float16
         # products too, whose gradients the backward must make with the upstream gradient (AMP's loss scale);
-        # and aot's sort over the batch's pairs, whose loss needs every pair first
-        token_lp = linear_token_logprobs(input, weight, tgt, bias, ignore_index=ignore_index,
-                                         logit_softcap=logit_softcap)
+        # and what needs every pair first: aot's sort over the batch's pairs, sft's mean WPO weight
+        token_lp, _, st = _token_logprobs(input, weight, tgt, bias, 1.0, False, ignore_index, logit_softcap,
+                                          return_stats=use_weighting)
         chosen, rejected = (token_lp * weights).sum(-1).chunk(2)
         plain = (token_lp * mask).sum(-1).chunk(2)[0] if ld_alpha is not None else None  # sft's: every token 1
+        pair_w = wpo_weights(token_lp, st[2], mask) if use_weighting else None
         return dpo_from_logprobs(chosen, rejected, ref_chosen_logps, ref_rejected_logps,
-                                 num_pairs_in_batch=num_pairs_in_batch, sft_chosen_logps=plain, **formula)
+                                 num_pairs_in_batch=num_pairs_in_batch, sft_chosen_logps=plain, pair_weights=pair_w,
+                                 **formula)
     grads = None
     if torch.is_grad_enabled():
         grads = [x.requires_grad, w.requires_grad, isinstance(b, torch.Tensor) and b.requires_grad]

@@ -125,12 +125,13 @@ def linear_token_logprobs_reference(
     logit_softcap: float | None = None,
     post_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logprobs [N], entropy [N] or [0], stats [2, N] or [0])`` of ``post_scale * c tanh(logit_scale *
+    """``(logprobs [N], entropy [N] or [0], stats [3, N] or [0])`` of ``post_scale * c tanh(logit_scale *
     F.linear(input, weight, bias) / c)`` (``c = logit_softcap``; without one, None: ``post_scale * logit_scale *
     F.linear(...)``) for ``input [N, H]``, ``weight [V, H]``, targets ``[N]``: the product rounded to input's dtype as
     F.linear returns it, then everything in float32 (float64 for float64). Rows whose target is
     ``ignore_index`` have logprob 0 (no gradient); the entropy is every row's. ``stats``, without gradient: the
-    mean logit, and 1.0 where the target is the first argmax (0 for ignored rows). float32 parameters with
+    mean logit, 1.0 where the target is the first argmax (0 for ignored rows), and ``log sum_j p_j^2`` (TRL's
+    ``log_sum_sq_probs``, WPO's). float32 parameters with
     16-bit input are cast to input's dtype first (the product F.linear runs under autocast);
     ``grad_weight_f32`` is the registered op's hint (kernels only)."""
     if _readable(target):
@@ -148,7 +149,8 @@ def linear_token_logprobs_reference(
         cols = torch.arange(zd.shape[-1], device=zd.device)
         before = torch.where(cols < target[:, None], zd, float("-inf")).amax(-1)
         top = (z_t >= zd.amax(-1)) & (z_t > before) & valid
-        stats = torch.stack([zd.mean(-1), top.to(zd.dtype)])
+        lsq = torch.logsumexp(2 * torch.log_softmax(zd, -1), -1)
+        stats = torch.stack([zd.mean(-1), top.to(zd.dtype), lsq])
     return lp, ent, stats
 
 
@@ -427,9 +429,6 @@ def check_dpo_formula(loss_type, label_smoothing: float, discopop_tau: float,
     names = [n for n, _ in terms]
     if type(use_weighting) is not bool:
         raise TypeError(f"tritongrad.linear_dpo_loss: use_weighting must be a bool, got {use_weighting!r}")
-    if use_weighting and "sft" in names:
-        raise ValueError("tritongrad.linear_dpo_loss: sft with use_weighting is not computed (WPO weighs sft's "
-                         "batch-wide mean by every pair's weight, so no chunk of pairs knows its gradient)")
     if use_weighting and any(n in DPO_BATCH_COUPLED for n in names):
         raise ValueError("tritongrad.linear_dpo_loss: use_weighting (WPO) with aot or aot_unpaired is refused, as "
                          "TRL's DPOTrainer refuses it: those losses sort the pairs, which misaligns per-pair weights")
@@ -482,14 +481,17 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
     Under another ``f_divergence_type``, the loss types of DPO_SCORED take the scores of lc and lr
     (:func:`dpo_score`) in their place, as TRL does (TRL refuses the others there, and so does
     :func:`check_dpo_formula`). ``pair_weights`` ``[B]`` (WPO, :func:`wpo_weights`; constants) multiply each
-    pair's loss.
+    pair's loss; sft's, a batch-wide mean, takes their mean over the B pairs (TRL multiplies sft's batch loss,
+    broadcast to every pair, by each pair's weight and averages).
     """
-    total = None
+    total, sft = None, None
     for name, w in dpo_losses(loss_type, loss_weights):
         if name == "sft":
             if chosen_logps is None:
                 raise ValueError("tritongrad.linear_dpo_loss: loss_type 'sft' needs the chosen log-probabilities")
-            one = -chosen_logps * (lc.shape[0] / chosen_tokens.to(lc.dtype).sum())
+            sft = -chosen_logps * (lc.shape[0] / chosen_tokens.to(lc.dtype).sum())
+            sft = sft if w == 1.0 else sft * w
+            continue
         elif name in DPO_BATCH_COUPLED:
             if name == "aot":
                 if aot_logps is None:
@@ -505,7 +507,13 @@ def dpo_pair_loss(lc: torch.Tensor, lr: torch.Tensor, chosen_tokens, rejected_to
                                 f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
         one = one if w == 1.0 else one * w
         total = one if total is None else total + one
-    return total if pair_weights is None else total * pair_weights.to(total.dtype)
+    if pair_weights is not None:
+        pw = pair_weights.to(lc.dtype)
+        total = total * pw if total is not None else None
+        sft = sft * pw.mean() if sft is not None else None
+    if sft is not None:
+        total = sft if total is None else total + sft
+    return total
 
 
 @torch.no_grad()

@@ -9,10 +9,11 @@ loss code (``_compute_loss``: the GRPO and DPO formulas, their normalisations an
 receives tritongrad's log-probabilities, entropy and statistics.
 
 The rule. A call is served by tritongrad only where it computes what TRL's function computes, to float32
-rounding: the per-token fields asked for are among ``log_probs``, ``entropy``, ``mean_logits`` and ``is_top1``
-(with a final-logit soft cap too, Gemma 2's, in TRL's order: scale, cap, temperature), the hidden states are
-already in the dtype of the products (autocast's, where it is on), and the head is in that dtype or float32. The products, the logits' dtype, and the float32
-accumulation of the weight's gradient are then TRL's. Any other call goes to TRL's own function, and
+rounding: the per-token fields asked for are among ``log_probs``, ``entropy``, ``log_sum_sq_probs`` (WPO's),
+``mean_logits`` and ``is_top1`` (with a final-logit soft cap too, Gemma 2's, in TRL's order: scale, cap,
+temperature), the hidden states are already in the dtype of the products (autocast's, where it is on), and the
+head is in that dtype or float32. The products, the logits' dtype, and the float32 accumulation of the weight's
+gradient are then TRL's. Any other call goes to TRL's own function, and
 :data:`REPORT` counts it under its reason.
 :func:`patch_trl` itself refuses a TRL whose version is not in :data:`COVERED` or whose function's signature
 is not the one above.
@@ -32,7 +33,7 @@ from .launch import linear_token_logprobs_op
 COVERED = ("1.16",)
 SIGNATURE = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size", "final_logit_softcapping",
              "logit_scale", "outputs")
-SERVED_FIELDS = frozenset(("log_probs", "entropy", "mean_logits", "is_top1"))
+SERVED_FIELDS = frozenset(("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
 
 # Calls served by tritongrad, and calls handed to TRL's own function by reason.
 REPORT: collections.Counter = collections.Counter()
@@ -76,7 +77,7 @@ class TritongradLogProbFunction:
             return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
                                   logit_scale, outputs)
         REPORT["tritongrad"] += 1
-        stats = "mean_logits" in outputs or "is_top1" in outputs
+        stats = bool({"log_sum_sq_probs", "mean_logits", "is_top1"} & set(outputs))
         # A float32 head with 16-bit products is cast per call, as TRL casts it per tile; the weight's gradient
         # accumulates in float32 and rounds once, as TRL's does (grad_weight_f32).
         with torch.autocast(hidden.device.type, enabled=False):
@@ -88,7 +89,8 @@ class TritongradLogProbFunction:
             lp, ent, st = linear_token_logprobs_op(hidden, weight, targets, bias, -100,
                                                    return_entropy="entropy" in outputs, return_stats=stats,
                                                    grad_weight_f32=True, **scales)
-        return (lp, ent if "entropy" in outputs else None, None,
+        return (lp, ent if "entropy" in outputs else None,
+                st[2].detach() if "log_sum_sq_probs" in outputs else None,
                 st[0].detach() if "mean_logits" in outputs else None,
                 st[1].detach() > 0.5 if "is_top1" in outputs else None)
 
