@@ -53,8 +53,10 @@ from .reference import (
     dpo_pair_loss,
     dpo_score,
     dpo_score_slope,
-    ld_token_weights,
     grpo_from_logprobs,
+    grpo_metrics,
+    k3_kl,
+    ld_token_weights,
     linear_distill_reference,
     linear_dpo_reference,
     linear_grpo_reference,
@@ -656,8 +658,11 @@ def linear_grpo_loss(
         GRPO_FORMS[loss_type], _as_float(sapo_temperature_pos), _as_float(sapo_temperature_neg),
     )
     with torch.no_grad():  # the metrics, from the same log-probabilities (O(tokens))
-        _, metrics = grpo_from_logprobs(lp.reshape(B, T), advantages, mask, old_logprobs, ref_logprobs,
-                                        entropy=ent.reshape(B, T), **formula)
+        lp = lp.reshape(B, T)
+        coef_1 = torch.ones_like(lp) if old_logprobs is None else torch.exp(lp - old_logprobs.to(lp.dtype))
+        kl = k3_kl(lp, ref_logprobs) if beta != 0.0 else None
+        metrics = grpo_metrics(coef_1, kl, adv.to(lp.dtype), mask, ent.reshape(B, T), GRPO_FORMS[loss_type],
+                               _as_float(epsilon_low), _as_float(eps_high))
     return loss, metrics
 
 

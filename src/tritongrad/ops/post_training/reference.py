@@ -218,12 +218,17 @@ def _clipped_loss(log_ratio, logprobs, advantages, ref_logprobs, beta: float, ep
     return loss, coef_1, kl
 
 
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """TRL's k3 estimate of the per-token KL to the reference: ``exp(ref - l) - (ref - l) - 1``."""
+    ref = ref_logprobs.to(logprobs.dtype)
+    return torch.exp(ref - logprobs) - (ref - logprobs) - 1
+
+
 def _with_kl(loss, logprobs, ref_logprobs, beta: float):
     """``(loss + beta kl, kl or None)``: TRL's k3 estimate of the KL to the reference, where beta != 0."""
     if beta == 0.0:
         return loss, None
-    ref = ref_logprobs.to(logprobs.dtype)
-    kl = torch.exp(ref - logprobs) - (ref - logprobs) - 1  # TRL's k3 estimator
+    kl = k3_kl(logprobs, ref_logprobs)
     return loss + beta * kl, kl
 
 
@@ -338,7 +343,6 @@ def grpo_from_logprobs(
     mask = mask.to(logprobs.dtype)
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("tritongrad.linear_grpo_loss: beta != 0 needs ref_logprobs (the reference model's)")
-    metrics = {}
     form = (GRPO_FORMS[loss_type], sapo_temperature_pos, sapo_temperature_neg)
     if loss_type == "vespo":  # -phi A l, phi a constant of each sequence's whole ratio
         old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
@@ -352,22 +356,33 @@ def grpo_from_logprobs(
         per_token_loss, coef_1, per_token_kl = _grpo_sequence_loss(logprobs, advantages, mask, old_logprobs,
                                                                    ref_logprobs, beta, epsilon_low, eps_high, delta,
                                                                    *form)
-    if per_token_kl is not None:
-        metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
     loss = _grpo_normalised(per_token_loss * mask, mask, loss_type, max_completion_length, num_items_in_batch,
                             num_sequences_in_batch)
+    return loss, grpo_metrics(coef_1, per_token_kl, advantages, mask, entropy, form[0], epsilon_low, eps_high)
+
+
+@torch.no_grad()
+def grpo_metrics(coef_1: torch.Tensor, per_token_kl: torch.Tensor | None, advantages: torch.Tensor,
+                 mask: torch.Tensor, entropy: torch.Tensor | None, form: str, epsilon_low: float,
+                 epsilon_high: float) -> dict:
+    """What TRL's GRPOTrainer logs (one process) of the importance weights ``coef_1`` (``[B, T]``, or ``[B, 1]``
+    per sequence), the per-token KL (None without beta), the advantages ``[B, 1]`` or ``[B, T]``, the float mask
+    and the entropy (or None), for the surrogate ``form`` (``GRPO_FORMS``): 0-d tensors."""
+    metrics = {}
+    if per_token_kl is not None:
+        metrics["kl"] = _masked_mean(per_token_kl, mask)
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy.detach(), mask)
-    c1 = coef_1.detach()
+        metrics["entropy"] = _masked_mean(entropy, mask)
+    c1, dt = coef_1, mask.dtype
     # what TRL logs for each: the clipped ratios of the clipped surrogate, CISPO's own, VESPO's weights
-    if form[0] == "cispo":
-        metrics["cispo_clip_ratio"] = _masked_mean(((c1 > eps_high) & (advantages > 0)).to(logprobs.dtype), mask)
-    if form[0] == "vespo":
+    if form == "cispo":
+        metrics["cispo_clip_ratio"] = _masked_mean(((c1 > epsilon_high) & (advantages > 0)).to(dt), mask)
+    if form == "vespo":
         metrics["vespo/phi_seq_mean"] = _masked_mean(c1, mask)
-    if form[0] != "clip":
-        return loss, metrics
-    low = ((c1 < 1 - epsilon_low) & (advantages < 0)).to(logprobs.dtype)
-    high = ((c1 > 1 + eps_high) & (advantages > 0)).to(logprobs.dtype)
+    if form != "clip":
+        return metrics
+    low = ((c1 < 1 - epsilon_low) & (advantages < 0)).to(dt)
+    high = ((c1 > 1 + epsilon_high) & (advantages > 0)).to(dt)
     metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
     metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
     metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
@@ -377,7 +392,7 @@ def grpo_from_logprobs(
         low_seq, high_seq = (low * mask).sum(-1) / mask.sum(-1), (high * mask).sum(-1) / mask.sum(-1)
     metrics["clip_ratio/low_min"] = _nan_reduce(low_seq, torch.amin)
     metrics["clip_ratio/high_max"] = _nan_reduce(high_seq, torch.amax)
-    return loss, metrics
+    return metrics
 
 
 def _nan_reduce(x: torch.Tensor, fn) -> torch.Tensor:
