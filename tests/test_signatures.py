@@ -82,3 +82,36 @@ def test_the_public_function_agrees_with_the_registered_op(name):
             assert pub[n].default == want[n].default, f"{name}: the default of {n}"
     positional = [n for n, p in pub.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n in want]
     assert positional == [n for n in want if n in positional], f"{name}: the positional parameters' order"
+
+
+def _documented_signatures():
+    """``(page, name, text)`` of every API table row in README.md and docs/*.md whose first cell is a public
+    function's signature: ``| `name(params)` |``, ``...`` where the row leaves the rest out."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    row = re.compile(r"^\| `(?:tritongrad\.)?([A-Za-z_][A-Za-z_0-9]*)\(([^`]*)\)`")
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in page.read_text().splitlines():
+            m = row.match(line)
+            if m and callable(getattr(tritongrad, m.group(1), None)):
+                yield page.name, m.group(1), m.group(2)
+
+
+@pytest.mark.parametrize("page,name,text", list(_documented_signatures()), ids=lambda v: str(v)[:40])
+def test_documented_signatures_are_the_functions_own(page, name, text):
+    # the API tables of the README and the topic pages list each parameter by its name, in order, with its
+    # default and kind (positional or keyword-only); "..." ends a row that leaves the rest out
+    import ast
+
+    real = inspect.signature(getattr(tritongrad, name)).parameters
+    cut = text.rstrip().endswith("...")
+    args = ast.parse(f"def f({text.rstrip().removesuffix('...').rstrip().rstrip(',')}): pass").body[0].args
+    doc = [(a.arg, "kw" if a in args.kwonlyargs else "pos") for a in args.args + args.kwonlyargs]
+    want = [(n, "kw" if p.kind is p.KEYWORD_ONLY else "pos") for n, p in real.items()]
+    assert doc == (want[:len(doc)] if cut else want), f"{page}: {name}({text}) against {inspect.signature(getattr(tritongrad, name))}"
+    defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults):], args.defaults))
+    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    for n, node in defaults.items():
+        assert ast.literal_eval(node) == real[n].default, f"{page}: {name}'s default of {n}"
