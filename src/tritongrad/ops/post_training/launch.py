@@ -111,16 +111,18 @@ def _low(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 # ---------------------------------------------------------------- linear_token_logprobs
-_NO_CAP = (0.0, 0.0, 1.0, 0.0)  # the kernels' (cap, post) as split floats, unread without HAS_CAP
-
-
-def _head_transform(logit_scale, logit_softcap, post_scale) -> tuple:
-    """The kernels' ``(scale, cap, post, HAS_CAP)``: without a cap (None), one scale (the product of both)."""
+def _head_args(logit_scale, logit_softcap=None, post_scale=1.0) -> dict:
+    """The row kernels' head transform by name: the scale, the cap and the scale after it as split floats
+    (``rt.split_float``), and HAS_CAP; without a cap (None), one scale (the product of both)."""
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be > 0 or None, got {logit_softcap!r}")
     if logit_softcap is None:
-        return float(logit_scale) * float(post_scale), 0.0, 1.0, False
-    return float(logit_scale), float(logit_softcap), float(post_scale), True
+        pre, cap, post = float(logit_scale) * float(post_scale), 0.0, 1.0
+    else:
+        pre, cap, post = float(logit_scale), float(logit_softcap), float(post_scale)
+    (s_hi, s_lo), (c_hi, c_lo), (p_hi, p_lo) = rt.split_float(pre), rt.split_float(cap), rt.split_float(post)
+    return dict(scale_hi=s_hi, scale_lo=s_lo, cap_hi=c_hi, cap_lo=c_lo, post_hi=p_hi, post_lo=p_lo,
+                HAS_CAP=logit_softcap is not None)
 
 
 def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, return_stats,
@@ -172,17 +174,16 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
         return lp, ent, stats, parts
     plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
     buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-    pre, cap, post, has_cap = _head_transform(logit_scale, logit_softcap, post_scale)
-    scale = rt.split_float(pre)
+    head = _head_args(logit_scale, logit_softcap, post_scale)
     w, b = _low(weight, input.dtype), _low(bias, input.dtype)
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
         logits = _logits_into(buf[: r1 - r0], input[r0:r1], w, b)
         _fwd_kernel[(r1 - r0,)](
-            logits, target, lp, ent if return_entropy else None, parts, stats if return_stats else None,
-            stats[2] if return_stats else None, V, N, r0, logits.stride(0), target.stride(0), ignore_index, *scale,
-            *rt.split_float(cap), *rt.split_float(post), BLOCK_V=plan.BLOCK_V,
-            HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(acc),
+            logits, target_ptr=target, logp_ptr=lp, ent_ptr=ent if return_entropy else None, parts_ptr=parts,
+            stats_ptr=stats if return_stats else None, sq_ptr=stats[2] if return_stats else None, V=V, N=N, row0=r0,
+            stride_x_row=logits.stride(0), stride_t=target.stride(0), ignore_index=ignore_index, **head,
+            BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=return_entropy, HAS_STATS=return_stats, ACC=rt.tl_acc_dtype(acc),
             HAS_SQ=return_stats, num_warps=plan.num_warps,
         )
     return lp, ent, stats, parts
@@ -263,8 +264,7 @@ def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_e
     if N:
         plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
         buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-        pre, cap, post, has_cap = _head_transform(logit_scale, logit_softcap, post_scale)
-        scale = rt.split_float(pre)
+        head = _head_args(logit_scale, logit_softcap, post_scale)
         has_dent = grad_entropy is not None
         w, b = _low(weight, input.dtype), _low(bias, input.dtype)
         for r0 in range(0, N, plan.rows):
@@ -272,11 +272,10 @@ def _logprobs_backward(input, weight, target, bias, parts, grad_logprobs, grad_e
             h = input[r0:r1]
             g = _logits_into(buf[: r1 - r0], h, w, b)
             _bwd_kernel[(r1 - r0,)](
-                g, target, parts, grad_logprobs, grad_entropy, V, N, r0, g.stride(0), target.stride(0),
-                grad_logprobs.stride(0), grad_entropy.stride(0) if has_dent else 0, ignore_index, *scale,
-                *rt.split_float(cap), *rt.split_float(post),
-                BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(parts.dtype),
-                num_warps=plan.num_warps,
+                g, target_ptr=target, parts_ptr=parts, dlogp_ptr=grad_logprobs, dent_ptr=grad_entropy, V=V, N=N,
+                row0=r0, stride_x_row=g.stride(0), stride_t=target.stride(0), stride_dlogp=grad_logprobs.stride(0),
+                stride_dent=grad_entropy.stride(0) if has_dent else 0, ignore_index=ignore_index, **head,
+                BLOCK_V=plan.BLOCK_V, HAS_DENT=has_dent, ACC=rt.tl_acc_dtype(parts.dtype), num_warps=plan.num_warps,
             )
             grads.add(g, h, w, r0, r1)
     return grads.result()
@@ -443,7 +442,7 @@ def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, 
     grads = _HeadGrads(input, weight, bias, need)
     plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
     buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-    scale = rt.split_float(float(logit_scale))
+    head = _head_args(logit_scale)
     w, b = _low(weight, input.dtype), _low(bias, input.dtype)
     cast = (lambda t, sl: t[sl].to(acc) if t is not None else None)
     for r0 in range(0, N, plan.rows):
@@ -452,16 +451,18 @@ def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, 
         h = input[r0:r1]
         g = _logits_into(buf[: r1 - r0], h, w, b)
         _fwd_kernel[(r1 - r0,)](
-            g, target, lp, ent, parts, None, None, V, N, r0, g.stride(0), target.stride(0), ignore_index, *scale,
-            *_NO_CAP, BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=ent is not None, HAS_STATS=False, HAS_CAP=False,
-            ACC=rt.tl_acc_dtype(acc), HAS_SQ=False, num_warps=plan.num_warps,
+            g, target_ptr=target, logp_ptr=lp, ent_ptr=ent, parts_ptr=parts, stats_ptr=None, sq_ptr=None, V=V, N=N,
+            row0=r0, stride_x_row=g.stride(0), stride_t=target.stride(0), ignore_index=ignore_index, **head,
+            BLOCK_V=plan.BLOCK_V, HAS_ENTROPY=ent is not None, HAS_STATS=False, ACC=rt.tl_acc_dtype(acc),
+            HAS_SQ=False, num_warps=plan.num_warps,
         )
         rows[sl], dl[sl] = _grpo_terms(lp[sl], cast(advantages, sl), cast(old, sl), cast(ref, sl),
                                        cast(token_weight, sl), beta, eps_low, eps_high, delta, *form)
         if any(grads.need):
             _bwd_kernel[(r1 - r0,)](
-                g, target, parts, dl, None, V, N, r0, g.stride(0), target.stride(0), dl.stride(0), 0, ignore_index,
-                *scale, *_NO_CAP, BLOCK_V=plan.BLOCK_V, HAS_DENT=False, HAS_CAP=False, ACC=rt.tl_acc_dtype(acc),
+                g, target_ptr=target, parts_ptr=parts, dlogp_ptr=dl, dent_ptr=None, V=V, N=N, row0=r0,
+                stride_x_row=g.stride(0), stride_t=target.stride(0), stride_dlogp=dl.stride(0), stride_dent=0,
+                ignore_index=ignore_index, **head, BLOCK_V=plan.BLOCK_V, HAS_DENT=False, ACC=rt.tl_acc_dtype(acc),
                 num_warps=plan.num_warps,
             )
             grads.add(g, h, w, r0, r1)
@@ -793,10 +794,10 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
     if N:
         plan = P.PairPlan.for_shape(rt.hint(B), rt.hint(T), int(V), input.element_size())
         buf = torch.empty((2 * min(plan.pairs, B) * T, V), dtype=input.dtype, device=input.device)
-        pre, cap, post, has_cap = _head_transform(logit_scale, logit_softcap, post_scale)
-        scale, cap, post = rt.split_float(pre), rt.split_float(cap), rt.split_float(post)
         w, b = _low(weight, input.dtype), _low(bias, input.dtype)
-        launch = dict(BLOCK_V=plan.BLOCK_V, HAS_CAP=has_cap, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps)
+        launch = dict(target_ptr=target, parts_ptr=parts, V=V, N=N, stride_t=target.stride(0),
+                      ignore_index=ignore_index, **_head_args(logit_scale, logit_softcap, post_scale),
+                      BLOCK_V=plan.BLOCK_V, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps)
         for p0 in range(0, B, plan.pairs):
             p1 = min(B, p0 + plan.pairs)
             n = (p1 - p0) * T
@@ -805,8 +806,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
             g = _logits_into(buf[: 2 * n], h, w, b)
             for (a, e), rows in zip(spans, (g[:n], g[n:])):
                 _fwd_kernel[(n,)](
-                    rows, target, lp, None, parts, None, sq, V, N, a, rows.stride(0), target.stride(0), ignore_index,
-                    *scale, *cap, *post, HAS_ENTROPY=False, HAS_STATS=False, HAS_SQ=sq is not None, **launch,
+                    rows, logp_ptr=lp, ent_ptr=None, stats_ptr=None, sq_ptr=sq, row0=a, stride_x_row=rows.stride(0),
+                    HAS_ENTROPY=False, HAS_STATS=False, HAS_SQ=sq is not None, **launch,
                 )
             pair = slice(p0, p1), slice(B + p0, B + p1)
             for sl in pair:
@@ -831,8 +832,8 @@ def _dpo_pass(input, weight, target, token_weight, ref_c, ref_r, bias, ignore_in
                     dl[a:e] = rows_d.reshape(-1)
                 for (a, e), rows in zip(spans, (g[:n], g[n:])):
                     _bwd_kernel[(n,)](
-                        rows, target, parts, dl, None, V, N, a, rows.stride(0), target.stride(0), dl.stride(0), 0,
-                        ignore_index, *scale, *cap, *post, HAS_DENT=False, **launch,
+                        rows, dlogp_ptr=dl, dent_ptr=None, row0=a, stride_x_row=rows.stride(0),
+                        stride_dlogp=dl.stride(0), stride_dent=0, HAS_DENT=False, **launch,
                     )
                 grads.add(g, h, w, *spans[0], *spans[1])
     chosen, rejected = logps[:B].clone(), logps[B:].clone()  # outputs of a registered op: no views of each other
@@ -1062,15 +1063,17 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
     sbuf = torch.empty((rows, V), dtype=s_in.dtype, device=s_in.device)
     tbuf = torch.empty((rows, V), dtype=t_in.dtype, device=s_in.device)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    scale, beta_split = rt.split_float(float(logit_scale)), rt.split_float(float(beta))
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
         h = s_in[r0:r1]
         zs = _logits_into(sbuf[: r1 - r0], h, s_w, s_b)
         zt = _logits_into(tbuf[: r1 - r0], t_in[r0:r1], t_w, t_b)
         _distill_kernel[(r1 - r0,)](
-            zs, zt, row_weight, rows_out, V, r0, zs.stride(0), zt.stride(0), row_weight.stride(0),
-            *rt.split_float(float(logit_scale)), *rt.split_float(float(beta)), MODE=mode, STORE_GRAD=want,
-            BLOCK_V=plan.BLOCK_V, ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+            zs, t_ptr=zt, w_ptr=row_weight, loss_ptr=rows_out, V=V, row0=r0, stride_s_row=zs.stride(0),
+            stride_t_row=zt.stride(0), stride_w=row_weight.stride(0), scale_hi=scale[0], scale_lo=scale[1],
+            beta_hi=beta_split[0], beta_lo=beta_split[1], MODE=mode, STORE_GRAD=want, BLOCK_V=plan.BLOCK_V,
+            ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
         )
         if want:
             grads.add(zs, h, s_w, r0, r1)
