@@ -39,8 +39,9 @@ def column_sum(part: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None 
     BLOCK_M, BLOCK_P, num_warps = _plan(rt.hint(P), rt.hint(M))
     scale_hi, scale_lo = rt.split_float(float(scale))
     _kernel[(rt.cdiv(M, BLOCK_M),)](
-        part, out, out2, P, M, M1, part.stride(0), out.stride(0), out2.stride(0) if out2 is not None else 0,
-        scale_hi, scale_lo, BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, HAS_OUT2=out2 is not None, HAS_SCALE=scale != 1.0,
+        part, out_ptr=out, out2_ptr=out2, P=P, M=M, M1=M1, stride_part_row=part.stride(0), stride_out=out.stride(0),
+        stride_out2=out2.stride(0) if out2 is not None else 0, scale_hi=scale_hi, scale_lo=scale_lo,
+        BLOCK_P=BLOCK_P, BLOCK_M=BLOCK_M, HAS_OUT2=out2 is not None, HAS_SCALE=scale != 1.0,
         ACC=rt.tl_acc_dtype(acc or part.dtype), num_warps=num_warps,
     )
     return out
