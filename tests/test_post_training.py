@@ -121,7 +121,15 @@ def grpo_off_policy_kl(dtype, device):
             "epsilon_low": 0.2, "epsilon_high": 0.28, "return_entropy": True, "differentiable_logprobs": True}
 
 
-test_linear_grpo_suite = pytest.mark.slow(OpSuite(linear_grpo_op, [grpo_off_policy_kl], device=DEVICE).pytest())
+def grpo_softcap(dtype, device):
+    # Gemma 2's final soft cap between the logit scale and the scale after it (the temperature)
+    case = grpo_off_policy_kl(dtype, device)
+    case.update(logit_softcap=4.0, post_scale=0.8)
+    return case
+
+
+test_linear_grpo_suite = pytest.mark.slow(OpSuite(linear_grpo_op, [grpo_off_policy_kl, grpo_softcap],
+                                                  device=DEVICE).pytest())
 
 
 def dpo_ipo_bias(dtype, device):

@@ -410,13 +410,15 @@ def _grpo_terms(lp, adv, old, ref, c, beta, eps_low, eps_high, delta, form="clip
 
 def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs, ignore_index,
                    logit_scale, beta, epsilon_low, epsilon_high, delta, return_entropy, grads,
-                   differentiable_logprobs, form, sapo_temperature_pos, sapo_temperature_neg) -> None:
+                   differentiable_logprobs, form, sapo_temperature_pos, sapo_temperature_neg, logit_softcap=None,
+                   post_scale=1.0) -> None:
     if form not in ("clip", "cispo", "sapo"):
         raise ValueError(f"tritongrad.linear_grpo_loss: the surrogate form must be clip, cispo or sapo, got {form!r}")
     if form == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
         raise ValueError("tritongrad.linear_grpo_loss: sapo's temperatures must be > 0, got "
                          f"{sapo_temperature_pos} and {sapo_temperature_neg}")
-    _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, False, False)
+    _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, False, False, logit_softcap,
+                  post_scale)
     N = input.shape[0]
     for name, t in (("advantages", advantages), ("token_weight", token_weight), ("old_logprobs", old_logprobs),
                     ("ref_logprobs", ref_logprobs)):
@@ -429,12 +431,12 @@ def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_lo
         raise ValueError(f"tritongrad.linear_grpo_loss: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
-def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, ignore_index, logit_scale, beta,
+def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, ignore_index, head, beta,
                eps_low, eps_high, delta, form, lp, ent, parts, need):
     """Chunks of rows: the logits, the log-probabilities (and entropy) into ``lp`` (``ent``; the rows' max and
     log-sum into ``parts``), each token's loss and its derivative (PyTorch, O(rows)), then, where a gradient is
     asked for, the logits' gradient in place and that chunk's share of the gradients. Returns
-    ``(loss, (grad_input, grad_weight, grad_bias))``."""
+    ``(loss, (grad_input, grad_weight, grad_bias))``. ``head``: ``(logit_scale, logit_softcap, post_scale)``."""
     N, V = input.shape[0], weight.shape[0]
     acc = lp.dtype
     rows = torch.empty(N, dtype=acc, device=input.device)
@@ -442,7 +444,7 @@ def _grpo_pass(input, weight, target, advantages, token_weight, bias, old, ref, 
     grads = _HeadGrads(input, weight, bias, need)
     plan = P.ChunkPlan.for_shape(rt.hint(N), int(V), input.element_size())
     buf = torch.empty((min(plan.rows, N), V), dtype=input.dtype, device=input.device)
-    head = _head_args(logit_scale)
+    head = _head_args(*head)
     w, b = _low(weight, input.dtype), _low(bias, input.dtype)
     cast = (lambda t, sl: t[sl].to(acc) if t is not None else None)
     for r0 in range(0, N, plan.rows):
@@ -483,6 +485,7 @@ def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tens
                    epsilon_high: float = 0.2, delta: Optional[float] = None, return_entropy: bool = False,
                    grads: Optional[list[bool]] = None, differentiable_logprobs: bool = False, form: str = "clip",
                    sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                   logit_softcap: Optional[float] = None, post_scale: float = 1.0,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:
     """The fused token-level GRPO loss over rows ``[N]``: ``(loss, logprobs, entropy, parts, grad_input,
@@ -492,7 +495,8 @@ def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     for an upstream gradient of 1 of the loss. Without ``differentiable_logprobs`` (the public function's
     case) logprobs and entropy have no gradient and the backward scales what the forward made; with it they
     are differentiable, the forward makes no gradient and the backward takes every upstream gradient (three
-    products). :func:`linear_grpo_loss` is the public function."""
+    products). The logits: :func:`linear_token_logprobs_op`'s (a soft cap between ``logit_scale`` and
+    ``post_scale``). :func:`linear_grpo_loss` is the public function."""
     N = input.shape[0]
     acc = acc_dtype(input)
 
@@ -508,7 +512,8 @@ def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tens
                 for t, n in ((input, need[0]), (weight, need[1]), (bias, need[2]))]
         return (torch.zeros((), dtype=acc, device=input.device), lp, ent, parts, *zero)
     loss, got = _grpo_pass(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs,
-                           ignore_index, logit_scale, beta, epsilon_low, epsilon_high, delta,
+                           ignore_index, (logit_scale, logit_softcap, post_scale), beta, epsilon_low, epsilon_high,
+                           delta,
                            (form, sapo_temperature_pos, sapo_temperature_neg), lp, ent if return_entropy else None,
                            parts, need)
     return loss, lp, ent, parts, *(g if g is not None else empty() for g in got)
@@ -527,7 +532,7 @@ def _linear_grpo_backward(ctx, grad_loss: torch.Tensor, grad_logprobs, grad_entr
         dent = grad_entropy if ctx.return_entropy and grad_entropy.numel() == ctx.input.shape[0] else None
         gi, gw, gb = _logprobs_backward(ctx.input, ctx.weight, ctx.target, ctx.bias, ctx.parts,
                                         grad_loss * dl + grad_logprobs, dent, ctx.ignore_index, ctx.logit_scale,
-                                        need, False)
+                                        need, False, ctx.logit_softcap, ctx.post_scale)
         return gi, gw, None, None, None, gb, None, None
     # logprobs and entropy are the metrics' (the reference detaches them): their gradients are not read
     def recompute():
@@ -535,7 +540,8 @@ def _linear_grpo_backward(ctx, grad_loss: torch.Tensor, grad_logprobs, grad_entr
         lp = torch.empty(N, dtype=acc_dtype(ctx.input), device=ctx.input.device)
         parts = torch.empty((2, N), dtype=lp.dtype, device=ctx.input.device)
         return _grpo_pass(ctx.input, ctx.weight, ctx.target, ctx.advantages, ctx.token_weight, ctx.bias,
-                          ctx.old_logprobs, ctx.ref_logprobs, ctx.ignore_index, ctx.logit_scale, ctx.beta,
+                          ctx.old_logprobs, ctx.ref_logprobs, ctx.ignore_index,
+                          (ctx.logit_scale, ctx.logit_softcap, ctx.post_scale), ctx.beta,
                           ctx.epsilon_low, ctx.epsilon_high, ctx.delta,
                           (ctx.form, ctx.sapo_temperature_pos, ctx.sapo_temperature_neg), lp, None, parts, need)[1]
 
@@ -597,8 +603,7 @@ def linear_grpo_loss(
             Accumulating micro-batches with it gives the gradient of one big step.
         num_sequences_in_batch: for ``grpo``, ``sapo``, ``dr_grpo`` and ``luspo``, the sequences of the whole
             optimizer step; None: B.
-        logit_softcap: Gemma 2's final soft cap, before the temperature (:func:`linear_token_logprobs`); with
-            one, the loss is computed from the log-probabilities (four products instead of the fused three).
+        logit_softcap: Gemma 2's final soft cap, before the temperature (:func:`linear_token_logprobs`).
 
     Returns:
         ``(loss, metrics)``: the 0-d loss (float32; float64 for float64 inputs) and a dict of 0-d detached
@@ -616,12 +621,12 @@ def linear_grpo_loss(
                    sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                    vespo_lambda_neg=vespo_lambda_neg)
-    if (importance_sampling_level != "token" or loss_type in GRPO_SEQUENCE_COUPLED or logit_softcap is not None
+    if (importance_sampling_level != "token" or loss_type in GRPO_SEQUENCE_COUPLED
             or _products_dtype(input) == torch.float16):
         # one importance weight per sequence (or VESPO's weight): each token's loss depends on its whole
-        # sequence, so the log-probabilities first, then the formula, whose gradient flows back through them (the
-        # fused op takes no soft cap: that path too; nor float16 products, whose gradients the backward must make
-        # with the upstream gradient, AMP's loss scale, before their float16 rounding)
+        # sequence, so the log-probabilities first, then the formula, whose gradient flows back through them (nor
+        # does the fused op take float16 products, whose gradients the backward must make with the upstream
+        # gradient, AMP's loss scale, before their float16 rounding)
         logprobs, entropy = linear_token_logprobs(input, weight, completion_ids, bias, temperature,
                                                   return_entropy=True, ignore_index=ignore_index,
                                                   logit_softcap=logit_softcap)
@@ -652,11 +657,14 @@ def linear_grpo_loss(
     if torch.is_grad_enabled():
         grads = [input.requires_grad, weight.requires_grad, isinstance(bias, torch.Tensor) and bias.requires_grad]
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    real = isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
+    cap = float(logit_softcap) if real else logit_softcap  # anything else: the op's validation names it
     loss, lp, ent = linear_grpo_op(
         input.reshape(-1, input.shape[-1]), weight, completion_ids.reshape(-1), flat(adv), flat(c), bias,
-        flat(old_logprobs), flat(ref_logprobs), ignore_index, scale, _as_float(beta), _as_float(epsilon_low),
-        _as_float(eps_high), _as_float(delta) if delta is not None else None, True, grads, False,
-        GRPO_FORMS[loss_type], _as_float(sapo_temperature_pos), _as_float(sapo_temperature_neg),
+        flat(old_logprobs), flat(ref_logprobs), ignore_index, scale if cap is None else 1.0, _as_float(beta),
+        _as_float(epsilon_low), _as_float(eps_high), _as_float(delta) if delta is not None else None, True, grads,
+        False, GRPO_FORMS[loss_type], _as_float(sapo_temperature_pos), _as_float(sapo_temperature_neg), cap,
+        1.0 if cap is None else scale,  # TRL's order: the cap, then the temperature
     )
     with torch.no_grad():  # the metrics, from the same log-probabilities (O(tokens))
         lp = lp.reshape(B, T)

@@ -263,12 +263,15 @@ def linear_grpo_reference(
     form: str = "clip",
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    logit_softcap: float | None = None,
+    post_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused GRPO op over rows ``[N]``: ``(sum_n token_weight[n] loss_tok[n], logprobs, entropy)``, the
     last two without gradient unless ``differentiable_logprobs``; ``token_weight`` carries the mask and the
     loss type's normaliser (launch.py), ``form`` its surrogate (``GRPO_FORMS``). ``grads`` is the registered
     op's hint (kernels only)."""
-    lp, ent, _ = linear_token_logprobs_reference(input, weight, target, bias, ignore_index, logit_scale, return_entropy)
+    lp, ent, _ = linear_token_logprobs_reference(input, weight, target, bias, ignore_index, logit_scale, return_entropy,
+                                                 logit_softcap=logit_softcap, post_scale=post_scale)
     loss, _, _ = grpo_token_loss(lp, advantages.to(lp.dtype), old_logprobs, ref_logprobs, beta, epsilon_low,
                                  epsilon_high, delta, form, sapo_temperature_pos, sapo_temperature_neg)
     if not differentiable_logprobs:
