@@ -53,6 +53,11 @@ def _calls(dtype, V: int, weight_dtype=None) -> None:
     ht, Wt = torch.randn(N, 16).to(dtype), torch.randn(V, 16).to(dtype)
     for beta in (0.0, 1.0, 0.5):
         linear_jsd(h, W, ht, Wt, 1.0, beta).backward()
+    # with soft caps: GRPO's fused op, and distillation with the student's and the teacher's (HAS_CAP_S, _T)
+    loss, _ = linear_grpo_loss(h.reshape(2, 8, H), W, t.reshape(2, 8).clamp(min=0), torch.randn(2),
+                               temperature=0.7, logit_softcap=30.0)
+    loss.backward()
+    linear_jsd(h, W, ht, Wt, 0.7, 0.5, student_logit_softcap=30.0, teacher_logit_softcap=30.0).backward()
 
 
 def main() -> int:

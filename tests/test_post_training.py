@@ -103,8 +103,25 @@ def distill_jsd(dtype, device):
             "grads": [True, True, True]}
 
 
+def distill_caps(dtype, device):
+    # Gemma 2's final soft cap on the student's head and another on the teacher's, between the logit scale and the
+    # scale after it (the temperature)
+    case = distill_jsd(dtype, device)
+    case.update(student_softcap=3.0, teacher_softcap=5.0, post_scale=0.8)
+    return case
+
+
+def distill_student_cap(dtype, device):
+    # a cap on the student's head alone: the teacher's logits take both scales
+    case = distill_jsd(dtype, device)
+    case.update(student_softcap=3.0, post_scale=0.8, beta=1.0)
+    return case
+
+
 # slow: the second op's battery (12 s through the interpreter); its formulas are also checked below, fast
-test_linear_distill_suite = pytest.mark.slow(OpSuite(linear_distill_op, [distill_jsd], device=DEVICE).pytest())
+test_linear_distill_suite = pytest.mark.slow(OpSuite(linear_distill_op, [distill_jsd, distill_caps,
+                                                                         distill_student_cap],
+                                                     device=DEVICE).pytest())
 
 
 def grpo_off_policy_kl(dtype, device):
@@ -860,6 +877,25 @@ def test_jsd_against_trl_formula_in_float64(beta, dtype):
         zs = F.linear(student_input, student_weight, student_bias).to(acc)
         zt = F.linear(teacher_input, teacher_weight).to(acc)
         return _trl_jsd(zs, zt, mask.to(acc), beta, 1.3)
+
+    _check(ours, ref, _distill_inputs, dtype, diff=("student_input", "student_weight", "student_bias"))
+
+
+@pytest.mark.parametrize("caps,dtype", [(c, torch.float32) for c in [(3.0, 5.0), (3.0, None), (None, 5.0)]]
+                         + [((3.0, 5.0), torch.bfloat16)], ids=str)
+def test_jsd_with_gemma2_soft_caps_against_float64(caps, dtype):
+    # each model's final soft cap before the temperature, as each model's forward and TRL's loss apply them
+    def ours(**t):
+        return linear_jsd(t.pop("student_input"), t.pop("student_weight"), t.pop("teacher_input"),
+                          t.pop("teacher_weight"), 1.3, 0.5, student_logit_softcap=caps[0],
+                          teacher_logit_softcap=caps[1], **t)
+
+    def ref(student_input, student_weight, teacher_input, teacher_weight, student_bias, mask):
+        acc = torch.float64 if student_input.dtype == torch.float64 else torch.float32
+        zs = F.linear(student_input, student_weight, student_bias).to(acc)
+        zt = F.linear(teacher_input, teacher_weight).to(acc)
+        zs, zt = (z if c is None else c * torch.tanh(z / c) for z, c in zip((zs, zt), caps))
+        return _trl_jsd(zs, zt, mask.to(acc), 0.5, 1.3)
 
     _check(ours, ref, _distill_inputs, dtype, diff=("student_input", "student_weight", "student_bias"))
 

@@ -36,7 +36,8 @@ keeps mx, ls (and H) for the backward, which needs no pass over the row to find 
 ``_token_logprobs_bwd_kernel`` reads each chunk once and writes dL/dx over it (the launchers then multiply it
 into grad_input and grad_weight).
 
-Distillation. For a student row z^s = k x^s and a teacher row z^t = k x^t (the same k = 1 / temperature), with
+Distillation. For a student row z^s = k x^s and a teacher row z^t = k x^t (the same k = 1 / temperature; a head
+with a soft cap c takes k c tanh(x / c) instead, its own c, and dz/dx as above), with
 q = softmax(z^s) (the student), p = softmax(z^t) (the teacher) and beta in [0, 1], TRL's generalized JSD:
 
     beta = 0:   D = KL(p || q) = \sum p (log p - log q)              dD/dz^s_j = q_j - p_j
@@ -47,8 +48,8 @@ q = softmax(z^s) (the student), p = softmax(z^t) (the teacher) and beta in [0, 1
 
 (the JSD's gradient: with c_k = dD/dq_k = (1 - beta)(log q_k - log m_k) — the terms in 1/m_k cancel — and
 dq_k/dz_j = q_k([k = j] - q_j)). The teacher gets no gradient. Each row carries a weight w_n (the mask and the
-normaliser: launch.py); the kernel writes w_n D_n and, with STORE_GRAD, w_n k dD/dz^s over the student's
-logits. ``_distill_fwd_kernel``: pass 1 the two log-sum-exps (online, as above), pass 2 the divergence (and
+normaliser: launch.py); the kernel writes w_n D_n and, with STORE_GRAD, w_n dD/dz^s dz^s/dx^s over the
+student's logits. ``_distill_fwd_kernel``: pass 1 the two log-sum-exps (online, as above), pass 2 the divergence (and
 K), pass 3 the gradient.
 
 Precision: loads are cast to ACC (float32; float64 for float64 logits) before any arithmetic, sums are taken in
@@ -238,11 +239,11 @@ def _token_logprobs_bwd_kernel(
 
 
 @triton.jit
-def _distill_logs(xs, xt, mask, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC: tl.constexpr):
-    """(log q, log p, log m) on one chunk (module docstring); ``log_a = log(1 - beta)``, ``log_b = log beta``.
+def _distill_logs(zs, zt, mask, mx_s, ls_s, mx_t, ls_t, log_a, log_b):
+    """(log q, log p, log m) of one chunk's z (module docstring); ``log_a = log(1 - beta)``, ``log_b = log beta``.
     The row's max out before ls: nothing large cancels."""
-    lq = (xs.to(ACC) * scale - mx_s) - ls_s
-    lp = (xt.to(ACC) * scale - mx_t) - ls_t
+    lq = (zs - mx_s) - ls_s
+    lp = (zt - mx_t) - ls_t
     lq = tl.where(mask, lq, 0.0)
     lp = tl.where(mask, lp, 0.0)
     u = lq + log_a
@@ -254,7 +255,7 @@ def _distill_logs(xs, xt, mask, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC
 
 @triton.jit
 def _distill_fwd_kernel(
-    s_ptr,  # [R, V] the student's logits for one chunk; with STORE_GRAD, w k dD/dz^s is written over them
+    s_ptr,  # [R, V] the student's logits for one chunk; with STORE_GRAD, w dD/dx^s is written over them
     t_ptr,  # [R, V] the teacher's logits for the same rows
     w_ptr,  # [N] row weights (mask / normaliser)
     loss_ptr,  # [N] ACC out: w_n D_n
@@ -263,20 +264,35 @@ def _distill_fwd_kernel(
     stride_s_row,
     stride_t_row,
     stride_w,
-    scale_hi,  # 1 / temperature, split (rt.split_float)
-    scale_lo,
+    s_scale_hi,  # each head's transform (_head_logit), split (rt.split_float): the scale (1 / temperature) ...
+    s_scale_lo,
+    s_cap_hi,  # ... and, with HAS_CAP_S / HAS_CAP_T, the soft cap and the scale after it
+    s_cap_lo,
+    s_post_hi,
+    s_post_lo,
+    t_scale_hi,
+    t_scale_lo,
+    t_cap_hi,
+    t_cap_lo,
+    t_post_hi,
+    t_post_lo,
     beta_hi,
     beta_lo,
     MODE: tl.constexpr,  # 0: KL(p || q) (beta = 0); 1: KL(q || p) (beta = 1); 2: the generalized JSD
     STORE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
+    HAS_CAP_S: tl.constexpr,
+    HAS_CAP_T: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     n = row0 + pid
     p_s = s_ptr + pid * stride_s_row
     p_t = t_ptr + pid * stride_t_row
-    scale = float_arg(scale_hi, scale_lo, ACC)
+    s_scale, s_cap = float_arg(s_scale_hi, s_scale_lo, ACC), float_arg(s_cap_hi, s_cap_lo, ACC)
+    s_post = float_arg(s_post_hi, s_post_lo, ACC)
+    t_scale, t_cap = float_arg(t_scale_hi, t_scale_lo, ACC), float_arg(t_cap_hi, t_cap_lo, ACC)
+    t_post = float_arg(t_post_hi, t_post_lo, ACC)
     beta = float_arg(beta_hi, beta_lo, ACC)
     log_a = tl.zeros([], dtype=ACC)
     log_b = tl.zeros([], dtype=ACC)
@@ -294,8 +310,10 @@ def _distill_fwd_kernel(
     for k in range(0, V, BLOCK_V):
         o = k + o_v
         m_v = o < V
-        zs = tl.where(m_v, tl.load(p_s + o, mask=m_v, other=0.0).to(ACC) * scale, float("-inf"))
-        zt = tl.where(m_v, tl.load(p_t + o, mask=m_v, other=0.0).to(ACC) * scale, float("-inf"))
+        zs = _head_logit(tl.load(p_s + o, mask=m_v, other=0.0).to(ACC), s_scale, s_cap, s_post, HAS_CAP_S)
+        zt = _head_logit(tl.load(p_t + o, mask=m_v, other=0.0).to(ACC), t_scale, t_cap, t_post, HAS_CAP_T)
+        zs = tl.where(m_v, zs, float("-inf"))
+        zt = tl.where(m_v, zt, float("-inf"))
         m_s, s_s, _, _ = _online_step(zs, m_s, s_s, s_s, s_s, m_v, False, False)
         m_t, s_t, _, _ = _online_step(zt, m_t, s_t, s_t, s_t, m_v, False, False)
     mx_s = tl.where(m_s == float("-inf"), 0.0, m_s)
@@ -309,9 +327,9 @@ def _distill_fwd_kernel(
     for k in range(0, V, BLOCK_V):
         o = k + o_v
         m_v = o < V
-        xs = tl.load(p_s + o, mask=m_v, other=0.0)
-        xt = tl.load(p_t + o, mask=m_v, other=0.0)
-        lq, lp, lm = _distill_logs(xs, xt, m_v, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC)
+        zs = _head_logit(tl.load(p_s + o, mask=m_v, other=0.0).to(ACC), s_scale, s_cap, s_post, HAS_CAP_S)
+        zt = _head_logit(tl.load(p_t + o, mask=m_v, other=0.0).to(ACC), t_scale, t_cap, t_post, HAS_CAP_T)
+        lq, lp, lm = _distill_logs(zs, zt, m_v, mx_s, ls_s, mx_t, ls_t, log_a, log_b)
         q = tl.where(m_v, tl.exp(lq), 0.0)
         p = tl.where(m_v, tl.exp(lp), 0.0)
         if MODE == 0:
@@ -330,13 +348,13 @@ def _distill_fwd_kernel(
 
     # ---- pass 3: the student's gradient over its logits
     if STORE_GRAD:
-        c = w * scale
         for k in range(0, V, BLOCK_V):
             o = k + o_v
             m_v = o < V
-            xs = tl.load(p_s + o, mask=m_v, other=0.0)
-            xt = tl.load(p_t + o, mask=m_v, other=0.0)
-            lq, lp, lm = _distill_logs(xs, xt, m_v, scale, mx_s, ls_s, mx_t, ls_t, log_a, log_b, ACC)
+            xs = tl.load(p_s + o, mask=m_v, other=0.0).to(ACC)
+            zs = _head_logit(xs, s_scale, s_cap, s_post, HAS_CAP_S)
+            zt = _head_logit(tl.load(p_t + o, mask=m_v, other=0.0).to(ACC), t_scale, t_cap, t_post, HAS_CAP_T)
+            lq, lp, lm = _distill_logs(zs, zt, m_v, mx_s, ls_s, mx_t, ls_t, log_a, log_b)
             q = tl.exp(lq)
             if MODE == 0:
                 g = q - tl.exp(lp)
@@ -344,4 +362,5 @@ def _distill_fwd_kernel(
                 g = q * ((lq - lp) - kk)
             else:
                 g = (1.0 - beta) * q * ((lq - lm) - kk)
+            c = w * _head_slope(xs, s_scale, s_cap, s_post, HAS_CAP_S)  # dz/dx: the scale, or the cap's slope
             tl.store(p_s + o, round_to(g * c, s_ptr.dtype.element_ty), mask=m_v)

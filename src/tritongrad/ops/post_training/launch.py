@@ -125,14 +125,16 @@ def _head_args(logit_scale, logit_softcap=None, post_scale=1.0) -> dict:
                 HAS_CAP=logit_softcap is not None)
 
 
+def _check_cap(name: str, what: str, cap) -> None:
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap < math.inf):
+        raise ValueError(f"tritongrad.{name}: {what} must be a finite float > 0 or None, got {cap!r}")
+
+
 def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, return_stats,
                   grad_weight_f32, logit_softcap=None, post_scale=1.0) -> None:
     _check_scale("linear_token_logprobs", logit_scale)
     _check_scale("linear_token_logprobs", post_scale)
-    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real)
-                                      or not 0 < logit_softcap < math.inf):
-        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be a finite float > 0 or None, got "
-                         f"{logit_softcap!r}")
+    _check_cap("linear_token_logprobs", "logit_softcap", logit_softcap)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"tritongrad.linear_token_logprobs: ignore_index must be an int, got {ignore_index!r}")
     _check_head("linear_token_logprobs", input, weight, bias, mixed=True)
@@ -1042,8 +1044,12 @@ def linear_dpo_loss(
 
 # ---------------------------------------------------------------- distillation
 def _distill_validate(student_input, student_weight, teacher_input, teacher_weight, row_weight, student_bias,
-                      teacher_bias, beta, logit_scale, grads) -> None:
+                      teacher_bias, beta, logit_scale, grads, student_softcap=None, teacher_softcap=None,
+                      post_scale=1.0) -> None:
     _check_scale("linear_jsd", logit_scale)
+    _check_scale("linear_jsd", post_scale)
+    _check_cap("linear_jsd", "student_softcap", student_softcap)
+    _check_cap("linear_jsd", "teacher_softcap", teacher_softcap)
     if not isinstance(beta, numbers.Real) or isinstance(beta, bool) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"tritongrad.linear_jsd: beta must be a float in [0, 1], got {beta!r}")
     _check_head("linear_jsd (student)", student_input, student_weight, student_bias)
@@ -1059,9 +1065,10 @@ def _distill_validate(student_input, student_weight, teacher_input, teacher_weig
         raise ValueError(f"tritongrad.linear_jsd: grads must be 3 bools (input, weight, bias), got {grads}")
 
 
-def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale, need, rows_out):
+def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, head, need, rows_out):
     """Chunks of rows: both heads' logits, the divergence kernel (the student's gradient over its logits where
-    any is asked for), then that chunk's share of the gradients asked for. Returns them (None where not)."""
+    any is asked for), then that chunk's share of the gradients asked for. Returns them (None where not).
+    ``head``: ``(logit_scale, student_softcap, teacher_softcap, post_scale)``."""
     N, V = s_in.shape[0], s_w.shape[0]
     acc = acc_dtype(s_in)
     want = any(need)
@@ -1071,7 +1078,11 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
     sbuf = torch.empty((rows, V), dtype=s_in.dtype, device=s_in.device)
     tbuf = torch.empty((rows, V), dtype=t_in.dtype, device=s_in.device)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
-    scale, beta_split = rt.split_float(float(logit_scale)), rt.split_float(float(beta))
+    scale, s_cap, t_cap, post = head
+    heads = {f"{who}_{k}": v for who, cap in (("s", s_cap), ("t", t_cap))
+             for k, v in _head_args(scale, cap, post).items()}  # s_scale_hi, ..., s_HAS_CAP, t_...
+    caps = dict(HAS_CAP_S=heads.pop("s_HAS_CAP"), HAS_CAP_T=heads.pop("t_HAS_CAP"))
+    beta_split = rt.split_float(float(beta))
     for r0 in range(0, N, plan.rows):
         r1 = min(N, r0 + plan.rows)
         h = s_in[r0:r1]
@@ -1079,9 +1090,9 @@ def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, logit_scale,
         zt = _logits_into(tbuf[: r1 - r0], t_in[r0:r1], t_w, t_b)
         _distill_kernel[(r1 - r0,)](
             zs, t_ptr=zt, w_ptr=row_weight, loss_ptr=rows_out, V=V, row0=r0, stride_s_row=zs.stride(0),
-            stride_t_row=zt.stride(0), stride_w=row_weight.stride(0), scale_hi=scale[0], scale_lo=scale[1],
-            beta_hi=beta_split[0], beta_lo=beta_split[1], MODE=mode, STORE_GRAD=want, BLOCK_V=plan.BLOCK_V,
-            ACC=rt.tl_acc_dtype(acc), num_warps=plan.num_warps,
+            stride_t_row=zt.stride(0), stride_w=row_weight.stride(0), **heads, beta_hi=beta_split[0],
+            beta_lo=beta_split[1], MODE=mode, STORE_GRAD=want, BLOCK_V=plan.BLOCK_V, ACC=rt.tl_acc_dtype(acc),
+            **caps, num_warps=plan.num_warps,
         )
         if want:
             grads.add(zs, h, s_w, r0, r1)
@@ -1098,12 +1109,16 @@ def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor,
                       teacher_weight: torch.Tensor, row_weight: torch.Tensor,
                       student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
                       beta: float = 0.5, logit_scale: float = 1.0, grads: Optional[list[bool]] = None,
+                      student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
+                      post_scale: float = 1.0,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered distillation op: ``(loss, grad_input, grad_weight, grad_bias)``, the loss
     ``sum_n row_weight[n] D_n`` (0-d, float32; float64 for float64) of the student's distribution against the
     teacher's (kernels.py). ``grads`` (student input, weight, bias): the gradients the forward computes for an
     upstream gradient of 1 (none for float16 products); the others are empty, and the backward computes what is
-    asked for and missing. :func:`linear_jsd` and :func:`linear_kl_div` are the public functions."""
+    asked for and missing. Each head's logits: ``post_scale * c tanh(logit_scale * x / c)`` with its soft cap
+    ``c`` (``student_softcap``, ``teacher_softcap``), or ``post_scale * logit_scale * x`` without one (None).
+    :func:`linear_jsd` and :func:`linear_kl_div` are the public functions."""
     N = student_input.shape[0]
     acc = acc_dtype(student_input)
 
@@ -1121,7 +1136,8 @@ def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor,
         return (torch.zeros((), dtype=acc, device=student_input.device), *zero)
     rows = torch.empty(N, dtype=acc, device=student_input.device)
     gi, gw, gb = _distill_pass(student_input, student_weight, teacher_input, teacher_weight, row_weight, student_bias,
-                               teacher_bias, beta, logit_scale, need, rows)
+                               teacher_bias, beta, (logit_scale, student_softcap, teacher_softcap, post_scale), need,
+                               rows)
     return rows.sum(), *(g if g is not None else empty() for g in (gi, gw, gb))
 
 
@@ -1137,7 +1153,8 @@ def _linear_distill_backward(ctx, grad_loss: torch.Tensor):
                            device=ctx.student_input.device)
         return _distill_pass(ctx.student_input, ctx.student_weight, ctx.teacher_input, ctx.teacher_weight,
                              ctx.row_weight * scale.to(ctx.row_weight.dtype), ctx.student_bias, ctx.teacher_bias,
-                             ctx.beta, ctx.logit_scale, need, rows)
+                             ctx.beta, (ctx.logit_scale, ctx.student_softcap, ctx.teacher_softcap, ctx.post_scale),
+                             need, rows)
 
     out = _forward_made(ctx, need, grad_loss, (ctx.student_input, ctx.student_weight, ctx.student_bias), recompute,
                         folds=True)
@@ -1156,6 +1173,8 @@ def linear_jsd(
     teacher_bias: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     num_items_in_batch=None,
+    student_logit_softcap: float | None = None,
+    teacher_logit_softcap: float | None = None,
 ):
     """TRL's generalized Jensen-Shannon divergence between a student's and a teacher's next-token
     distributions, from both models' hidden states and LM heads; neither model's ``[N, V]`` logits exist at
@@ -1170,6 +1189,9 @@ def linear_jsd(
         mask: input's leading shape, 1 for tokens in the loss (None: every token).
         num_items_in_batch: the loss is the sum over tokens divided by it (the tokens of the whole optimizer
             step, for gradient accumulation); None: this call's count of tokens in the mask (at least 1).
+        student_logit_softcap, teacher_logit_softcap: each model's final soft cap ``c`` (Gemma 2's
+            ``final_logit_softcapping``): its logits are ``c tanh(logits / c)`` before the temperature divides
+            them, as the model's forward returns them (None: no cap).
 
     Returns:
         The 0-d loss in float32 (float64 for float64 inputs). The forward computes the student's gradients
@@ -1180,6 +1202,11 @@ def linear_jsd(
         raise ValueError(f"tritongrad.linear_jsd: student_input {tuple(student_input.shape)} and teacher_input "
                          f"{tuple(teacher_input.shape)} must share the leading shape")
     scale = _scale_of(temperature, "linear_jsd")
+    caps = []
+    for cap in (student_logit_softcap, teacher_logit_softcap):
+        real = isinstance(cap, numbers.Real) and not isinstance(cap, bool)
+        caps.append(float(cap) if real else cap)  # anything else: the op's validation names it
+    capped = caps != [None, None]
     student_input, student_weight, student_bias = _autocast_head(student_input, student_weight, student_bias)
     teacher_input, teacher_weight, teacher_bias = _autocast_head(teacher_input, teacher_weight, teacher_bias)
     acc = acc_dtype(student_input)
@@ -1193,7 +1220,8 @@ def linear_jsd(
     return linear_distill_op(
         student_input.reshape(-1, student_input.shape[-1]), student_weight,
         teacher_input.detach().reshape(-1, teacher_input.shape[-1]), teacher_weight.detach(), w.detach(),
-        student_bias, teacher_bias.detach() if teacher_bias is not None else None, _as_float(beta), scale, grads,
+        student_bias, teacher_bias.detach() if teacher_bias is not None else None, _as_float(beta),
+        1.0 if capped else scale, grads, *caps, scale if capped else 1.0,  # the cap, then the temperature
     )
 
 
@@ -1209,10 +1237,13 @@ def linear_kl_div(
     teacher_bias: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     num_items_in_batch=None,
+    student_logit_softcap: float | None = None,
+    teacher_logit_softcap: float | None = None,
 ):
     """KL(teacher || student) (``reverse``: KL(student || teacher)) between two heads' next-token
     distributions, per token, summed over the mask and divided by ``num_items_in_batch``: :func:`linear_jsd`
-    with beta 0 (1)."""
+    with beta 0 (1), its arguments otherwise."""
     return linear_jsd(student_input, student_weight, teacher_input, teacher_weight, temperature,
                       1.0 if reverse else 0.0, student_bias=student_bias, teacher_bias=teacher_bias, mask=mask,
-                      num_items_in_batch=num_items_in_batch)
+                      num_items_in_batch=num_items_in_batch, student_logit_softcap=student_logit_softcap,
+                      teacher_logit_softcap=teacher_logit_softcap)

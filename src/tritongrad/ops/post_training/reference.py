@@ -176,13 +176,17 @@ def linear_distill_reference(
     beta: float = 0.5,
     logit_scale: float = 1.0,
     grads: list[bool] | None = None,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    post_scale: float = 1.0,
 ) -> torch.Tensor:
     """``sum_n row_weight[n] D_n`` (0-d, float32; float64 for float64) with D_n TRL's generalized JSD of the
-    student's distribution from the teacher's on row n (kernels.py), both models' logits
-    ``logit_scale * F.linear(...)``. The teacher takes no gradient. ``grads`` is the registered op's hint."""
+    student's distribution from the teacher's on row n (kernels.py), each model's logits :func:`head_logits`
+    with its own soft cap (None: ``post_scale * logit_scale * F.linear(...)``). The teacher takes no gradient.
+    ``grads`` is the registered op's hint."""
     acc = acc_dtype(student_input)
-    zs = F.linear(student_input, student_weight, student_bias).to(acc) * logit_scale
-    zt = F.linear(teacher_input, teacher_weight, teacher_bias).to(acc) * logit_scale
+    zs = head_logits(student_input, student_weight, student_bias, logit_scale, student_softcap, post_scale).to(acc)
+    zt = head_logits(teacher_input, teacher_weight, teacher_bias, logit_scale, teacher_softcap, post_scale).to(acc)
     return (row_weight.to(acc) * _divergence_rows(zs, zt.detach(), beta)).sum()
 
 
