@@ -105,12 +105,13 @@ def test_documented_signatures_are_the_functions_own(page, name, text):
     # default and kind (positional or keyword-only); "..." ends a row that leaves the rest out
     import ast
 
-    real = inspect.signature(getattr(tritongrad, name)).parameters
+    real_fn = getattr(tritongrad, name)
+    real = inspect.signature(real_fn).parameters
     cut = text.rstrip().endswith("...")
     args = ast.parse(f"def f({text.rstrip().removesuffix('...').rstrip().rstrip(',')}): pass").body[0].args
     doc = [(a.arg, "kw" if a in args.kwonlyargs else "pos") for a in args.args + args.kwonlyargs]
     want = [(n, "kw" if p.kind is p.KEYWORD_ONLY else "pos") for n, p in real.items()]
-    assert doc == (want[:len(doc)] if cut else want), f"{page}: {name}({text}) against {inspect.signature(getattr(tritongrad, name))}"
+    assert doc == (want[:len(doc)] if cut else want), f"{page}: {name}({text}), not {name}{inspect.signature(real_fn)}"
     defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults):], args.defaults))
     defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
     for n, node in defaults.items():

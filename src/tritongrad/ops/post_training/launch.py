@@ -159,13 +159,13 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
     """The registered op over ``input [N, H]``, ``weight [V, H]``, ``target [N]``: ``(logprobs [N], entropy [N]
     (``[0]`` without ``return_entropy``), stats [3, N] (``[0]`` without ``return_stats``), parts)`` in float32
     (float64 for float64). stats, without gradient: each row's mean logit and whether its target is the first
-    argmax (1.0 or 0.0), which TRL's DPO trainer logs, and its ``log sum_j p_j^2`` (WPO's weights). parts [2 or 3, N]: each row's max, the log of its
-    shifted sum (and its entropy), for the backward. float32 ``weight`` and ``bias`` with 16-bit ``input`` are
-    cast to input's dtype for the products, and their gradients accumulate in float32; ``grad_weight_f32``
-    accumulates a 16-bit weight's gradient in float32 too (rounded once, at the end: a float32 buffer of the
-    weight's shape, as TRL's fused head keeps). The logits: ``post_scale * c tanh(logit_scale * x / c)`` with
-    ``c = logit_softcap`` (Gemma 2's final soft cap, TRL's order), or ``post_scale * logit_scale * x`` without
-    one (None). :func:`linear_token_logprobs` is the public function."""
+    argmax (1.0 or 0.0), which TRL's DPO trainer logs, and its ``log sum_j p_j^2`` (WPO's weights). parts
+    [2 or 3, N]: each row's max, the log of its shifted sum (and its entropy), for the backward. float32
+    ``weight`` and ``bias`` with 16-bit ``input`` are cast to input's dtype for the products, and their gradients
+    accumulate in float32; ``grad_weight_f32`` accumulates a 16-bit weight's gradient in float32 too (rounded
+    once, at the end: a float32 buffer of the weight's shape, as TRL's fused head keeps). The logits:
+    ``post_scale * c tanh(logit_scale * x / c)`` with ``c = logit_softcap`` (Gemma 2's final soft cap, TRL's
+    order), or ``post_scale * logit_scale * x`` without one (None). :func:`linear_token_logprobs` is the public function."""
     N, V = input.shape[0], weight.shape[0]
     acc = acc_dtype(input)
     lp = torch.empty(N, dtype=acc, device=input.device)
@@ -515,9 +515,8 @@ def linear_grpo_op(input: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         return (torch.zeros((), dtype=acc, device=input.device), lp, ent, parts, *zero)
     loss, got = _grpo_pass(input, weight, target, advantages, token_weight, bias, old_logprobs, ref_logprobs,
                            ignore_index, (logit_scale, logit_softcap, post_scale), beta, epsilon_low, epsilon_high,
-                           delta,
-                           (form, sapo_temperature_pos, sapo_temperature_neg), lp, ent if return_entropy else None,
-                           parts, need)
+                           delta, (form, sapo_temperature_pos, sapo_temperature_neg), lp,
+                           ent if return_entropy else None, parts, need)
     return loss, lp, ent, parts, *(g if g is not None else empty() for g in got)
 
 
@@ -963,8 +962,8 @@ def linear_dpo_loss(
         use_weighting: WPO, as TRL's DPOConfig: each pair's loss times ``w_c w_r``, with ``w_s = exp(mean over
             the sequence's tokens of (logprob - log sum_j p_j^2))`` under the policy, constants
             (``reference.wpo_weights``); sft's term, a batch-wide mean, times the pairs' mean weight (TRL's
-            arithmetic, on which TRL 1.16 itself raises). With sft, float16 inputs or pairs over ``pair_bytes``, from the log-probabilities
-            (four products).
+            arithmetic, on which TRL 1.16 itself raises). With sft, float16 inputs or pairs over
+            ``pair_bytes``, from the log-probabilities (four products).
         f_divergence_type (``reverse_kl``, ``forward_kl``, ``js_divergence``, ``alpha_divergence``),
             f_alpha_divergence_coef: as TRL's DPOConfig (``reference.dpo_score``).
         ld_alpha: LD-DPO, as TRL's DPOConfig: each sequence's log-probability sums its pair's shared length of
