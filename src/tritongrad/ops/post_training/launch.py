@@ -165,7 +165,8 @@ def linear_token_logprobs_op(input: torch.Tensor, weight: torch.Tensor, target: 
     accumulate in float32; ``grad_weight_f32`` accumulates a 16-bit weight's gradient in float32 too (rounded
     once, at the end: a float32 buffer of the weight's shape, as TRL's fused head keeps). The logits:
     ``post_scale * c tanh(logit_scale * x / c)`` with ``c = logit_softcap`` (Gemma 2's final soft cap, TRL's
-    order), or ``post_scale * logit_scale * x`` without one (None). :func:`linear_token_logprobs` is the public function."""
+    order), or ``post_scale * logit_scale * x`` without one (None). :func:`linear_token_logprobs` is the public
+    function."""
     N, V = input.shape[0], weight.shape[0]
     acc = acc_dtype(input)
     lp = torch.empty(N, dtype=acc, device=input.device)
