@@ -107,14 +107,14 @@ def distill_caps(dtype, device):
     # Gemma 2's final soft cap on the student's head and another on the teacher's, between the logit scale and the
     # scale after it (the temperature)
     case = distill_jsd(dtype, device)
-    case.update(student_softcap=3.0, teacher_softcap=5.0, post_scale=0.8)
+    case.update(student_logit_softcap=3.0, teacher_logit_softcap=5.0, post_scale=0.8)
     return case
 
 
 def distill_student_cap(dtype, device):
     # a cap on the student's head alone: the teacher's logits take both scales
     case = distill_jsd(dtype, device)
-    case.update(student_softcap=3.0, post_scale=0.8, beta=1.0)
+    case.update(student_logit_softcap=3.0, post_scale=0.8, beta=1.0)
     return case
 
 

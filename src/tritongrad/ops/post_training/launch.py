@@ -1044,12 +1044,12 @@ def linear_dpo_loss(
 
 # ---------------------------------------------------------------- distillation
 def _distill_validate(student_input, student_weight, teacher_input, teacher_weight, row_weight, student_bias,
-                      teacher_bias, beta, logit_scale, grads, student_softcap=None, teacher_softcap=None,
+                      teacher_bias, beta, logit_scale, grads, student_logit_softcap=None, teacher_logit_softcap=None,
                       post_scale=1.0) -> None:
     _check_scale("linear_jsd", logit_scale)
     _check_scale("linear_jsd", post_scale)
-    _check_cap("linear_jsd", "student_softcap", student_softcap)
-    _check_cap("linear_jsd", "teacher_softcap", teacher_softcap)
+    _check_cap("linear_jsd", "student_logit_softcap", student_logit_softcap)
+    _check_cap("linear_jsd", "teacher_logit_softcap", teacher_logit_softcap)
     if not isinstance(beta, numbers.Real) or isinstance(beta, bool) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"tritongrad.linear_jsd: beta must be a float in [0, 1], got {beta!r}")
     _check_head("linear_jsd (student)", student_input, student_weight, student_bias)
@@ -1068,7 +1068,7 @@ def _distill_validate(student_input, student_weight, teacher_input, teacher_weig
 def _distill_pass(s_in, s_w, t_in, t_w, row_weight, s_b, t_b, beta, head, need, rows_out):
     """Chunks of rows: both heads' logits, the divergence kernel (the student's gradient over its logits where
     any is asked for), then that chunk's share of the gradients asked for. Returns them (None where not).
-    ``head``: ``(logit_scale, student_softcap, teacher_softcap, post_scale)``."""
+    ``head``: ``(logit_scale, student_logit_softcap, teacher_logit_softcap, post_scale)``."""
     N, V = s_in.shape[0], s_w.shape[0]
     acc = acc_dtype(s_in)
     want = any(need)
@@ -1109,7 +1109,7 @@ def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor,
                       teacher_weight: torch.Tensor, row_weight: torch.Tensor,
                       student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
                       beta: float = 0.5, logit_scale: float = 1.0, grads: Optional[list[bool]] = None,
-                      student_softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
+                      student_logit_softcap: Optional[float] = None, teacher_logit_softcap: Optional[float] = None,
                       post_scale: float = 1.0,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered distillation op: ``(loss, grad_input, grad_weight, grad_bias)``, the loss
@@ -1117,7 +1117,8 @@ def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor,
     teacher's (kernels.py). ``grads`` (student input, weight, bias): the gradients the forward computes for an
     upstream gradient of 1 (none for float16 products); the others are empty, and the backward computes what is
     asked for and missing. Each head's logits: ``post_scale * c tanh(logit_scale * x / c)`` with its soft cap
-    ``c`` (``student_softcap``, ``teacher_softcap``), or ``post_scale * logit_scale * x`` without one (None).
+    ``c`` (``student_logit_softcap``, ``teacher_logit_softcap``), or ``post_scale * logit_scale * x`` without
+    one (None).
     :func:`linear_jsd` and :func:`linear_kl_div` are the public functions."""
     N = student_input.shape[0]
     acc = acc_dtype(student_input)
@@ -1136,8 +1137,8 @@ def linear_distill_op(student_input: torch.Tensor, student_weight: torch.Tensor,
         return (torch.zeros((), dtype=acc, device=student_input.device), *zero)
     rows = torch.empty(N, dtype=acc, device=student_input.device)
     gi, gw, gb = _distill_pass(student_input, student_weight, teacher_input, teacher_weight, row_weight, student_bias,
-                               teacher_bias, beta, (logit_scale, student_softcap, teacher_softcap, post_scale), need,
-                               rows)
+                               teacher_bias, beta,
+                               (logit_scale, student_logit_softcap, teacher_logit_softcap, post_scale), need, rows)
     return rows.sum(), *(g if g is not None else empty() for g in (gi, gw, gb))
 
 
@@ -1153,7 +1154,8 @@ def _linear_distill_backward(ctx, grad_loss: torch.Tensor):
                            device=ctx.student_input.device)
         return _distill_pass(ctx.student_input, ctx.student_weight, ctx.teacher_input, ctx.teacher_weight,
                              ctx.row_weight * scale.to(ctx.row_weight.dtype), ctx.student_bias, ctx.teacher_bias,
-                             ctx.beta, (ctx.logit_scale, ctx.student_softcap, ctx.teacher_softcap, ctx.post_scale),
+                             ctx.beta,
+                             (ctx.logit_scale, ctx.student_logit_softcap, ctx.teacher_logit_softcap, ctx.post_scale),
                              need, rows)
 
     out = _forward_made(ctx, need, grad_loss, (ctx.student_input, ctx.student_weight, ctx.student_bias), recompute,

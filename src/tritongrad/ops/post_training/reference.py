@@ -176,8 +176,8 @@ def linear_distill_reference(
     beta: float = 0.5,
     logit_scale: float = 1.0,
     grads: list[bool] | None = None,
-    student_softcap: float | None = None,
-    teacher_softcap: float | None = None,
+    student_logit_softcap: float | None = None,
+    teacher_logit_softcap: float | None = None,
     post_scale: float = 1.0,
 ) -> torch.Tensor:
     """``sum_n row_weight[n] D_n`` (0-d, float32; float64 for float64) with D_n TRL's generalized JSD of the
@@ -185,8 +185,9 @@ def linear_distill_reference(
     with its own soft cap (None: ``post_scale * logit_scale * F.linear(...)``). The teacher takes no gradient.
     ``grads`` is the registered op's hint."""
     acc = acc_dtype(student_input)
-    zs = head_logits(student_input, student_weight, student_bias, logit_scale, student_softcap, post_scale).to(acc)
-    zt = head_logits(teacher_input, teacher_weight, teacher_bias, logit_scale, teacher_softcap, post_scale).to(acc)
+    zs = head_logits(student_input, student_weight, student_bias, logit_scale, student_logit_softcap, post_scale)
+    zt = head_logits(teacher_input, teacher_weight, teacher_bias, logit_scale, teacher_logit_softcap, post_scale)
+    zs, zt = zs.to(acc), zt.to(acc)
     return (row_weight.to(acc) * _divergence_rows(zs, zt.detach(), beta)).sum()
 
 
