@@ -900,6 +900,18 @@ def test_jsd_with_gemma2_soft_caps_against_float64(caps, dtype):
     _check(ours, ref, _distill_inputs, dtype, diff=("student_input", "student_weight", "student_bias"))
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(beta=1.5), r"linear_jsd: beta must be a float in \[0, 1\], got 1.5"),
+    (dict(student_logit_softcap=0.0), r"linear_jsd: student_logit_softcap must be a finite float > 0 or None, got 0.0"),
+    (dict(teacher_logit_softcap=float("inf")), r"teacher_logit_softcap must be a finite float > 0 or None, got inf"),
+    (dict(temperature=0.0), r"linear_jsd: temperature must be a float > 0, got 0.0"),
+], ids=["beta", "student-cap", "teacher-cap", "temperature"])
+def test_jsd_refuses_bad_arguments_by_name(kw, match):
+    t = _distill_inputs(torch.float32)
+    with pytest.raises(ValueError, match=match):
+        linear_jsd(t["student_input"], t["student_weight"], t["teacher_input"], t["teacher_weight"], **kw)
+
+
 def test_kl_div_is_jsd_at_the_ends_and_teacher_takes_no_gradient():
     t = _distill_inputs(torch.float64)
     Wt = t["teacher_weight"].requires_grad_(True)
