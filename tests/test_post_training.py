@@ -443,6 +443,29 @@ def test_grpo_refuses_what_it_does_not_compute(level):
         linear_grpo_loss(**t, **dict(kw, loss_type="gspo"))
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("old_logprobs", lambda t: t.t().contiguous(), r"old_logprobs of shape \(5, 4\) must have completion_ids's shape"),
+    ("ref_logprobs", lambda t: t.reshape(-1), r"ref_logprobs of shape \(20,\) must have completion_ids's shape"),
+    ("completion_mask", lambda t: t[0], r"completion_mask of shape \(5,\) must have completion_ids's shape"),
+    ("advantages", lambda t: t[:3], r"advantages of shape \(3,\) must be \[B\] or \[B, T\] for completion_ids"),
+    ("logit_softcap", lambda t: -1.0, r"linear_grpo_loss: logit_softcap must be a finite float > 0 or None"),
+], ids=["old-transposed", "ref-flat", "mask-broadcast", "advantages", "softcap"])
+def test_grpo_refuses_per_token_tensors_of_another_shape(field, value, match):
+    # a flattened, transposed or broadcast per-token tensor would be read against other tokens: refused, named
+    case = GRPO_CASES["grpo-kl-clipped"]
+    t = _grpo_inputs(torch.float32, case)
+    t[field] = value(t.get(field))
+    with pytest.raises(ValueError, match=match):
+        linear_grpo_loss(**t, **_grpo_kwargs(case))
+
+
+def test_dpo_refuses_a_completion_mask_of_another_shape():
+    t = _dpo_inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"linear_dpo_loss: completion_mask of shape \(5,\) must have target's"):
+        linear_dpo_loss(t["input"], t["weight"], t["target"], ref_chosen_logps=t["ref_chosen_logps"],
+                        ref_rejected_logps=t["ref_rejected_logps"], completion_mask=torch.ones(5))
+
+
 def test_grpo_metrics_are_trls():
     # every metric TRL logs, in float64: KL mean, clip ratios (means, the per-sequence min and max), entropy
     case = GRPO_CASES["grpo-kl-clipped"]

@@ -130,19 +130,25 @@ def _check_cap(name: str, what: str, cap) -> None:
         raise ValueError(f"tritongrad.{name}: {what} must be a finite float > 0 or None, got {cap!r}")
 
 
+def _check_rows(name, input, weight, target, bias, ignore_index, logit_scale, logit_softcap, post_scale) -> None:
+    """The checks every op over rows of one head's logits makes, its errors named ``tritongrad.<name>``."""
+    _check_scale(name, logit_scale)
+    _check_scale(name, post_scale)
+    _check_cap(name, "logit_softcap", logit_softcap)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"tritongrad.{name}: ignore_index must be an int, got {ignore_index!r}")
+    _check_head(name, input, weight, bias, mixed=True)
+    if target.dim() != 1 or target.shape[0] != input.shape[0]:
+        raise ValueError(f"tritongrad.{name}: target of shape {tuple(target.shape)} does not match input "
+                         f"{tuple(input.shape)}: expected [{input.shape[0]}]")
+    if _host_checkable(target):
+        check_targets(target, weight.shape[0], ignore_index, name)
+
+
 def _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, return_stats,
                   grad_weight_f32, logit_softcap=None, post_scale=1.0) -> None:
-    _check_scale("linear_token_logprobs", logit_scale)
-    _check_scale("linear_token_logprobs", post_scale)
-    _check_cap("linear_token_logprobs", "logit_softcap", logit_softcap)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (numbers.Integral, torch.SymInt)):
-        raise TypeError(f"tritongrad.linear_token_logprobs: ignore_index must be an int, got {ignore_index!r}")
-    _check_head("linear_token_logprobs", input, weight, bias, mixed=True)
-    if target.dim() != 1 or target.shape[0] != input.shape[0]:
-        raise ValueError(f"tritongrad.linear_token_logprobs: target of shape {tuple(target.shape)} does not match "
-                         f"input {tuple(input.shape)}: expected [{input.shape[0]}]")
-    if _host_checkable(target):
-        check_targets(target, weight.shape[0], ignore_index)
+    _check_rows("linear_token_logprobs", input, weight, target, bias, ignore_index, logit_scale, logit_softcap,
+                post_scale)
 
 
 # Opaque under torch.compile: the chunk loop writes slices of buffers, which traced code would turn into copies
@@ -375,6 +381,15 @@ def _token_logprobs(input, weight, target, bias, temperature, return_entropy, ig
 
 
 # ---------------------------------------------------------------- GRPO, DPO
+def _check_like(name: str, what_target: str, target: torch.Tensor, **tensors) -> None:
+    """Each tensor given (None: not given) of ``target``'s shape exactly: a flattened, transposed or broadcast one
+    would be read against other tokens."""
+    for what, t in tensors.items():
+        if t is not None and tuple(t.shape) != tuple(target.shape):
+            raise ValueError(f"tritongrad.{name}: {what} of shape {tuple(t.shape)} must have {what_target}'s shape "
+                             f"{tuple(target.shape)}, one per token")
+
+
 def _mask_of(target: torch.Tensor, mask: torch.Tensor | None, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
     valid = (target != ignore_index).to(dtype)
     return valid if mask is None else valid * mask.to(dtype)
@@ -420,8 +435,7 @@ def _grpo_validate(input, weight, target, advantages, token_weight, bias, old_lo
     if form == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
         raise ValueError("tritongrad.linear_grpo_loss: sapo's temperatures must be > 0, got "
                          f"{sapo_temperature_pos} and {sapo_temperature_neg}")
-    _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, return_entropy, False, False, logit_softcap,
-                  post_scale)
+    _check_rows("linear_grpo_loss", input, weight, target, bias, ignore_index, logit_scale, logit_softcap, post_scale)
     N = input.shape[0]
     for name, t in (("advantages", advantages), ("token_weight", token_weight), ("old_logprobs", old_logprobs),
                     ("ref_logprobs", ref_logprobs)):
@@ -617,6 +631,11 @@ def linear_grpo_loss(
     if completion_ids.dim() != 2 or tuple(input.shape[:-1]) != tuple(completion_ids.shape):
         raise ValueError(f"tritongrad.linear_grpo_loss: input [B, T, H] and completion_ids [B, T] must agree, got "
                          f"{tuple(input.shape)} and {tuple(completion_ids.shape)}")
+    _check_like("linear_grpo_loss", "completion_ids", completion_ids, completion_mask=completion_mask, old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs)
+    if tuple(advantages.shape) not in (tuple(completion_ids.shape[:1]), tuple(completion_ids.shape)):
+        raise ValueError(f"tritongrad.linear_grpo_loss: advantages of shape {tuple(advantages.shape)} must be [B] or "
+                         f"[B, T] for completion_ids {tuple(completion_ids.shape)}")
     formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                    importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
                    num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
@@ -749,8 +768,7 @@ def _dpo_validate(input, weight, target, token_weight, ref_chosen_logps, ref_rej
                   logit_scale, logit_softcap, post_scale, beta, loss_type, label_smoothing, grads,
                   differentiable_logps, discopop_tau, f_divergence_type, f_alpha_divergence_coef,
                   ld_alpha, loss_weights=None, use_weighting=False) -> None:
-    _tlp_validate(input, weight, target, bias, ignore_index, logit_scale, False, False, False, logit_softcap,
-                  post_scale)
+    _check_rows("linear_dpo_loss", input, weight, target, bias, ignore_index, logit_scale, logit_softcap, post_scale)
     if token_weight.dim() != 2 or token_weight.shape[0] % 2 or token_weight.numel() != input.shape[0]:
         raise ValueError(f"tritongrad.linear_dpo_loss: token_weight of shape {tuple(token_weight.shape)} must be "
                          f"[2B, T], one per row of input {tuple(input.shape)} (B chosen sequences, then B rejected)")
@@ -988,6 +1006,7 @@ def linear_dpo_loss(
     if target.dim() != 2 or target.shape[0] % 2 or tuple(input.shape[:-1]) != tuple(target.shape):
         raise ValueError(f"tritongrad.linear_dpo_loss: input [2B, T, H] and target [2B, T] must agree (chosen rows "
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
+    _check_like("linear_dpo_loss", "target", target, completion_mask=completion_mask)
     check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights,
                       use_weighting)
     terms = dpo_losses(loss_type, loss_weights)
