@@ -631,8 +631,8 @@ def linear_grpo_loss(
     if completion_ids.dim() != 2 or tuple(input.shape[:-1]) != tuple(completion_ids.shape):
         raise ValueError(f"tritongrad.linear_grpo_loss: input [B, T, H] and completion_ids [B, T] must agree, got "
                          f"{tuple(input.shape)} and {tuple(completion_ids.shape)}")
-    _check_like("linear_grpo_loss", "completion_ids", completion_ids, completion_mask=completion_mask, old_logprobs=old_logprobs,
-                ref_logprobs=ref_logprobs)
+    _check_like("linear_grpo_loss", "completion_ids", completion_ids, completion_mask=completion_mask,
+                old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     if tuple(advantages.shape) not in (tuple(completion_ids.shape[:1]), tuple(completion_ids.shape)):
         raise ValueError(f"tritongrad.linear_grpo_loss: advantages of shape {tuple(advantages.shape)} must be [B] or "
                          f"[B, T] for completion_ids {tuple(completion_ids.shape)}")
