@@ -931,7 +931,9 @@ def test_jsd_with_gemma2_soft_caps_against_float64(caps, dtype):
     (dict(student_logit_softcap=0.0), r"linear_jsd: student_logit_softcap must be a finite float > 0 or None, got 0.0"),
     (dict(teacher_logit_softcap=float("inf")), r"teacher_logit_softcap must be a finite float > 0 or None, got inf"),
     (dict(temperature=0.0), r"linear_jsd: temperature must be a float > 0, got 0.0"),
-], ids=["beta", "student-cap", "teacher-cap", "temperature"])
+    (dict(mask=torch.ones(7, 2)), r"linear_jsd: mask of shape \(7, 2\) must be the inputs' leading shape \(2, 7\)"),
+    (dict(mask=torch.ones(14)), r"linear_jsd: mask of shape \(14,\) must be the inputs' leading shape \(2, 7\)"),
+], ids=["beta", "student-cap", "teacher-cap", "temperature", "mask-transposed", "mask-flat"])
 def test_jsd_refuses_bad_arguments_by_name(kw, match):
     t = _distill_inputs(torch.float32)
     with pytest.raises(ValueError, match=match):

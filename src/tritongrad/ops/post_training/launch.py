@@ -1222,6 +1222,9 @@ def linear_jsd(
     if tuple(teacher_input.shape[:-1]) != lead:
         raise ValueError(f"tritongrad.linear_jsd: student_input {tuple(student_input.shape)} and teacher_input "
                          f"{tuple(teacher_input.shape)} must share the leading shape")
+    if mask is not None and tuple(mask.shape) != lead:
+        raise ValueError(f"tritongrad.linear_jsd: mask of shape {tuple(mask.shape)} must be the inputs' leading shape "
+                         f"{lead}, one per token")
     scale = _scale_of(temperature, "linear_jsd")
     caps = []
     for cap in (student_logit_softcap, teacher_logit_softcap):
