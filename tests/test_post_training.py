@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ATOL, DEVICE, backward_graphs_backend, run_without_interpreter
 
+import tritongrad
 from tritongrad.ops.post_training import (
     dpo_from_logprobs,
     grpo_from_logprobs,
@@ -1349,10 +1350,12 @@ def test_trl_grpo_trainer_step_patched_equals_unpatched(tmp_path, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_weighting", [False, True], ids=["dpo", "wpo"])
-def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path, use_weighting):
+@pytest.mark.parametrize("use_weighting,models", [(False, False), (True, False), (False, True)],
+                         ids=["dpo", "wpo", "models-patched-too"])
+def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path, use_weighting, models):
     # one DPOTrainer step (policy and reference model, the sigmoid loss, every logged metric: the mean logits and
-    # token accuracy come from the same kernel; WPO's log sum p^2 too) on a tiny random Llama, patched and not
+    # token accuracy come from the same kernel; WPO's log sum p^2 too) on a tiny random Llama, patched and not;
+    # with tritongrad.patch on the policy and the reference model as well (norms, rope, swiglu under TRL's head)
     trl = _trl()
     import datasets
 
@@ -1369,12 +1372,18 @@ def test_trl_dpo_trainer_step_patched_equals_unpatched(tmp_path, use_weighting):
                              report_to=[], logging_steps=1, learning_rate=0.1, optim="sgd", use_cpu=True,
                              save_strategy="no", seed=0, bf16=False, use_weighting=use_weighting)
         trainer = trl.DPOTrainer(model=path, args=args, train_dataset=ds)
+        if patched and models:
+            for m in (trainer.model, trainer.ref_model):
+                assert {"rms_norm", "rope", "swiglu"} <= set(tritongrad.patch(m).ops())
         if patched:
             patch_trl()
         try:
             trainer.train()
         finally:
             unpatch_trl()
+            if patched and models:  # rope is patched module-wide: the other tests get Hugging Face's back
+                for m in (trainer.model, trainer.ref_model):
+                    tritongrad.unpatch(m)
         runs.append((trainer.state.log_history[0], [p.detach().clone() for p in trainer.model.parameters()]))
     assert REPORT == {"tritongrad": 2}
     (a, pa), (b, pb) = runs
