@@ -49,8 +49,8 @@ q = softmax(z^s) (the student), p = softmax(z^t) (the teacher) and beta in [0, 1
 (the JSD's gradient: with c_k = dD/dq_k = (1 - beta)(log q_k - log m_k) — the terms in 1/m_k cancel — and
 dq_k/dz_j = q_k([k = j] - q_j)). The teacher gets no gradient. Each row carries a weight w_n (the mask and the
 normaliser: launch.py); the kernel writes w_n D_n and, with STORE_GRAD, w_n dD/dz^s dz^s/dx^s over the
-student's logits. ``_distill_fwd_kernel``: pass 1 the two log-sum-exps (online, as above), pass 2 the divergence (and
-K), pass 3 the gradient.
+student's logits. ``_distill_fwd_kernel``: pass 1 the two log-sum-exps (online, as above), pass 2 the
+divergence (and K), pass 3 the gradient.
 
 Precision: loads are cast to ACC (float32; float64 for float64 logits) before any arithmetic, sums are taken in
 ACC, results rounded once on store (gradients into the logits' dtype).

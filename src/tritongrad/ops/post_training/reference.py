@@ -131,9 +131,8 @@ def linear_token_logprobs_reference(
     F.linear returns it, then everything in float32 (float64 for float64). Rows whose target is
     ``ignore_index`` have logprob 0 (no gradient); the entropy is every row's. ``stats``, without gradient: the
     mean logit, 1.0 where the target is the first argmax (0 for ignored rows), and ``log sum_j p_j^2`` (TRL's
-    ``log_sum_sq_probs``, WPO's). float32 parameters with
-    16-bit input are cast to input's dtype first (the product F.linear runs under autocast);
-    ``grad_weight_f32`` is the registered op's hint (kernels only)."""
+    ``log_sum_sq_probs``, WPO's). float32 parameters with 16-bit input are cast to input's dtype first (the
+    product F.linear runs under autocast); ``grad_weight_f32`` is the registered op's hint (kernels only)."""
     if _readable(target):
         check_targets(target, weight.shape[0], ignore_index)
     z = head_logits(input, weight, bias, logit_scale, logit_softcap, post_scale)
