@@ -738,13 +738,15 @@ def _trl_wpo(per_token_logps, log_sum_sq_probs, shift_completion_mask):
     return (chosen_weights * rejected_weights).detach()
 
 
-# WPO: (loss types, weights, label smoothing, softcap, ld_alpha)
-DPO_WPO_CASES = {"sigmoid-wpo": (["sigmoid"], None, 0.0, None, None),
-                 "ipo+hinge-wpo": (["ipo", "hinge"], [1.0, 0.5], 0.0, None, None),
-                 "sigmoid-wpo-softcap": (["sigmoid"], None, 0.0, 3.0, None),
-                 "sigmoid+sft-wpo": (["sigmoid", "sft"], [1.0, 0.5], 0.0, None, None),
+# WPO: (loss types, weights, label smoothing, softcap, ld_alpha, f-divergence)
+DPO_WPO_CASES = {"sigmoid-wpo": (["sigmoid"], None, 0.0, None, None, "reverse_kl"),
+                 "ipo+hinge-wpo": (["ipo", "hinge"], [1.0, 0.5], 0.0, None, None, "reverse_kl"),
+                 "sigmoid-wpo-softcap": (["sigmoid"], None, 0.0, 3.0, None, "reverse_kl"),
+                 "sigmoid+sft-wpo": (["sigmoid", "sft"], [1.0, 0.5], 0.0, None, None, "reverse_kl"),
                  # LD-DPO's sums, WPO's weights over the plain mask (TRL's)
-                 "sigmoid-wpo-ld": (["sigmoid"], None, 0.0, None, 0.5)}
+                 "sigmoid-wpo-ld": (["sigmoid"], None, 0.0, None, 0.5, "reverse_kl"),
+                 # the scores of an f-divergence, each pair's loss of them times its weight
+                 "sigmoid-wpo-js": (["sigmoid"], None, 0.0, None, None, "js_divergence")}
 
 
 @pytest.mark.parametrize("name,dtype", _grid(DPO_WPO_CASES, ["sigmoid-wpo"]), ids=str)
@@ -752,14 +754,14 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
     # WPO's weights from each row's log sum_j p_j^2 (the forward kernel's HAS_SQ statistic) and log-probability,
     # each pair's loss times its weight, in chunks of whole pairs (float16, and sft's batch-wide term, from the
     # log-probabilities with the same statistic); against TRL's arithmetic in float64
-    types, weights, eps, cap, ld = DPO_WPO_CASES[name]
+    types, weights, eps, cap, ld, fdiv = DPO_WPO_CASES[name]
     beta = 0.5 if "ipo" in types else 0.1
 
     def ours(input, weight, target, ref_chosen_logps, ref_rejected_logps):
         loss, m = linear_dpo_loss(input, weight, target, ref_chosen_logps=ref_chosen_logps,
                                   ref_rejected_logps=ref_rejected_logps, beta=beta, loss_type=types,
                                   loss_weights=weights, label_smoothing=eps, use_weighting=True, logit_softcap=cap,
-                                  ld_alpha=ld)
+                                  ld_alpha=ld, f_divergence_type=fdiv)
         return loss, m["chosen_rewards"], m["rejected_rewards"]
 
     def ref(input, weight, target, ref_chosen_logps, ref_rejected_logps):
@@ -779,7 +781,7 @@ def test_dpo_wpo_against_trl_formula_in_float64(name, dtype):
                 per_seq = (-lp.chunk(2)[0][mask.chunk(2)[0].bool()].mean()).expand(c.shape[0])
             else:
                 per_seq = _trl_dpo(c, r, rc, rr, mask, beta=beta, loss_type=t_, label_smoothing=eps,
-                                   per_sequence=True)
+                                   f_divergence_type=fdiv, per_sequence=True)
             loss = loss + (per_seq * w).mean() * w_
         return loss, beta * (c - rc).detach(), beta * (r - rr).detach()
 
@@ -1190,7 +1192,7 @@ def test_dpo_formula_is_trls_own(name, monkeypatch):
     elif name in DPO_MULTI_CASES:
         (loss_type, weights, eps), fdiv, alpha = DPO_MULTI_CASES[name], "reverse_kl", 1.0
     elif name in DPO_WPO_CASES:
-        (loss_type, weights, eps, _, ld), fdiv, alpha, wpo = DPO_WPO_CASES[name], "reverse_kl", 1.0, True
+        (loss_type, weights, eps, _, ld, fdiv), alpha, wpo = DPO_WPO_CASES[name], 1.0, True
     elif name in DPO_LD_CASES:
         (loss_type, ld), eps, fdiv, alpha = DPO_LD_CASES[name], 0.0, "reverse_kl", 1.0
     else:
