@@ -194,9 +194,10 @@ def _earned(what, got, ref64, base, dtype):
 def _check(ours, ref, make, dtype, diff=("input", "weight")):
     """``ours(**t)`` and ``ref(**t)`` return a 0-d loss (or a tuple of tensors); compare ours in ``dtype``
     against ref in float64 (the same values, upcast), within 2x ref in ``dtype``: values and the gradients of
-    ``diff``. Returns the largest errors against float64, for the record."""
+    ``diff``. The inputs go to the test device (on a GPU machine, the kernels run on it). Returns the largest
+    errors against float64, for the record."""
     torch.manual_seed(0)
-    base_in = make(dtype)
+    base_in = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in make(dtype).items()}
     errs = {}
     runs = {}
     for name, cast in (("got", None), ("ref64", torch.float64), ("base", None)):
@@ -1158,7 +1159,7 @@ def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
     ref_h, ref_W = torch.randn(4, 5, 16, generator=g), torch.randn(40, 16, generator=g) / 4
 
     def ours(input, weight, target, ref_input):
-        loss, m = linear_dpo_loss(input, weight, target, ref_input=ref_input, ref_weight=ref_W.to(input.dtype),
+        loss, m = linear_dpo_loss(input, weight, target, ref_input=ref_input, ref_weight=ref_W.to(input),
                                   beta=beta, loss_type=loss_type, ld_alpha=ld)
         return loss, m["chosen_rewards"], m["rejected_rewards"]
 
@@ -1166,7 +1167,7 @@ def test_dpo_ld_alpha_against_trl_formula_in_float64(name):
         lp = _ref_logprobs(input, weight, target)[0]
         mask = (target != -100).to(lp.dtype)
         c, r = _trl_ld_logps(lp * mask, mask, ld).chunk(2)
-        rc, rr = _trl_ld_logps(_ref_logprobs(ref_input, ref_W.to(lp.dtype), target)[0] * mask, mask, ld).chunk(2)
+        rc, rr = _trl_ld_logps(_ref_logprobs(ref_input, ref_W.to(lp), target)[0] * mask, mask, ld).chunk(2)
         return _trl_dpo_multi(c, r, rc.detach(), rr.detach(), mask, lp * mask, beta=beta, types=names, weights=None,
                               eps=0.0)
 
