@@ -451,13 +451,17 @@ def test_grpo_refuses_what_it_does_not_compute(level):
     ("completion_mask", lambda t: t[0], r"completion_mask of shape \(5,\) must have completion_ids's shape"),
     ("advantages", lambda t: t[:3], r"advantages of shape \(3,\) must be \[B\] or \[B, T\] for completion_ids"),
     ("logit_softcap", lambda t: -1.0, r"linear_grpo_loss: logit_softcap must be a finite float > 0 or None"),
-], ids=["old-transposed", "ref-flat", "mask-broadcast", "advantages", "softcap"])
+    ("advantages", lambda t: (t > 0).long(), r"linear_grpo_loss: advantages of shape \(4,\) is torch.int64; it takes a "
+                                             r"floating-point dtype"),
+    ("completion_ids", lambda t: t.float(), r"completion_ids of shape \(4, 5\) is torch.float32; it takes int64"),
+], ids=["old-transposed", "ref-flat", "mask-broadcast", "advantages", "softcap", "advantages-int", "ids-float"])
 def test_grpo_refuses_per_token_tensors_of_another_shape(field, value, match):
-    # a flattened, transposed or broadcast per-token tensor would be read against other tokens: refused, named
+    # a flattened, transposed or broadcast per-token tensor would be read against other tokens: refused, named;
+    # so are token ids and values of the other kind of dtype
     case = GRPO_CASES["grpo-kl-clipped"]
     t = _grpo_inputs(torch.float32, case)
     t[field] = value(t.get(field))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         linear_grpo_loss(**t, **_grpo_kwargs(case))
 
 

@@ -390,6 +390,20 @@ def _check_like(name: str, what_target: str, target: torch.Tensor, **tensors) ->
                              f"{tuple(target.shape)}, one per token")
 
 
+_INDEX_ARGS = ("completion_ids", "target")
+
+
+def _check_dtypes(name: str, **tensors) -> None:
+    """Token ids (``_INDEX_ARGS``) int64 or int32, the others floating point; None: not given."""
+    for what, t in tensors.items():
+        if t is None:
+            continue
+        ids = what in _INDEX_ARGS
+        if ids and t.dtype not in (torch.int64, torch.int32) or not ids and not t.dtype.is_floating_point:
+            want = "int64 or int32 token ids" if ids else "a floating-point dtype"
+            raise TypeError(f"tritongrad.{name}: {what} of shape {tuple(t.shape)} is {t.dtype}; it takes {want}")
+
+
 def _mask_of(target: torch.Tensor, mask: torch.Tensor | None, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
     valid = (target != ignore_index).to(dtype)
     return valid if mask is None else valid * mask.to(dtype)
@@ -636,6 +650,8 @@ def linear_grpo_loss(
     if tuple(advantages.shape) not in (tuple(completion_ids.shape[:1]), tuple(completion_ids.shape)):
         raise ValueError(f"tritongrad.linear_grpo_loss: advantages of shape {tuple(advantages.shape)} must be [B] or "
                          f"[B, T] for completion_ids {tuple(completion_ids.shape)}")
+    _check_dtypes("linear_grpo_loss", completion_ids=completion_ids, advantages=advantages,
+                  old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     formula = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
                    importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
                    num_items_in_batch=num_items_in_batch, num_sequences_in_batch=num_sequences_in_batch,
@@ -1007,6 +1023,8 @@ def linear_dpo_loss(
         raise ValueError(f"tritongrad.linear_dpo_loss: input [2B, T, H] and target [2B, T] must agree (chosen rows "
                          f"first, then rejected), got {tuple(input.shape)} and {tuple(target.shape)}")
     _check_like("linear_dpo_loss", "target", target, completion_mask=completion_mask)
+    _check_dtypes("linear_dpo_loss", target=target, ref_chosen_logps=ref_chosen_logps,
+                  ref_rejected_logps=ref_rejected_logps)
     check_dpo_formula(loss_type, label_smoothing, discopop_tau, f_divergence_type, ld_alpha, loss_weights,
                       use_weighting)
     terms = dpo_losses(loss_type, loss_weights)
