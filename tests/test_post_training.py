@@ -850,6 +850,7 @@ def test_dpo_chunks_of_pairs_and_of_rows_agree(monkeypatch, loss_type):
     t[5, 2:] = -100
     g = torch.Generator().manual_seed(4)
     ref_c, ref_r = (-10 + torch.randn(3, generator=g, dtype=torch.float64) for _ in range(2))
+    h, W, t, ref_c, ref_r = (x.to(DEVICE) for x in (h, W, t, ref_c, ref_r))  # the kernels on a GPU machine
     kw = dict(beta=0.5 if loss_type == "ipo" else 0.1, loss_type=loss_type.split("-")[0],
               label_smoothing=0.2 if loss_type == "robust" else 0.0, use_weighting=loss_type.endswith("-wpo"))
     pair = P.pair_bytes(5, 40, 8)
