@@ -114,8 +114,8 @@ def _low(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 def _head_args(logit_scale, logit_softcap=None, post_scale=1.0) -> dict:
     """The row kernels' head transform by name: the scale, the cap and the scale after it as split floats
     (``rt.split_float``), and HAS_CAP; without a cap (None), one scale (the product of both)."""
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"tritongrad.linear_token_logprobs: logit_softcap must be > 0 or None, got {logit_softcap!r}")
+    if logit_softcap is not None and not logit_softcap > 0:  # each op's validation names its own argument first
+        raise ValueError(f"tritongrad: a soft cap must be > 0 or None, got {logit_softcap!r}")
     if logit_softcap is None:
         pre, cap, post = float(logit_scale) * float(post_scale), 0.0, 1.0
     else:
