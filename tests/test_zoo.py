@@ -89,7 +89,7 @@ KERNEL_FAMILIES = {
     "cohere": "logits * logit_scale, interleaved rotary over the whole head, LayerNorm",
     "gpt_neox": "partial rotary (rotary_pct 0.25)",
     "glm": "GLM's interleaved partial rotary",
-    "mixtral": "router logits (the aux loss keeps the original forward)",
+    "mixtral": "router logits (the aux loss keeps the original forward); the experts through grouped_experts",
 }
 
 

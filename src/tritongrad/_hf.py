@@ -529,8 +529,74 @@ def _experts_gate(self, gate_up_out):
     return self.act_fn(gate) * up
 
 
+@functools.cache
+def _experts_dispatch_code():
+    """The code of the forward that transformers' ``use_experts_implementation`` gives an experts class (it
+    calls the implementation ``config._experts_implementation`` names), or None."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+
+    class _Probe(torch.nn.Module):
+        def forward(self, *args):
+            return None
+
+    try:
+        return moe.use_experts_implementation(_Probe).forward.__code__
+    except Exception:  # noqa: BLE001  (a transformers whose decorator takes other arguments)
+        return None
+
+
+def experts_lean(base: type) -> bool:
+    """Whether ``base``'s forward is transformers' dispatch over experts implementations through
+    ``ALL_EXPERTS_FUNCTIONS``: then its ``grouped_mm`` one can be served by ``grouped_experts``."""
+    code = _experts_dispatch_code()
+    fn = base.__dict__.get("forward") or getattr(base, "forward", None)
+    if code is None or getattr(fn, "__code__", None) is not code:
+        return False
+    from transformers.integrations import moe
+
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    return cells.get("experts_interface") is moe.ALL_EXPERTS_FUNCTIONS
+
+
+def _experts_lean_why_not(self, x) -> str | None:
+    """Why this call cannot take ``grouped_experts`` (None: it can): it must be the ``grouped_mm``
+    implementation as transformers defines it, without expert parallelism, biases or a post-expert norm, on the
+    concatenated [gate; up] layout with the activation patch established."""
+    from transformers.integrations import moe
+
+    if getattr(self.config, "_experts_implementation", None) != "grouped_mm":
+        return "not grouped_mm"
+    if moe.ALL_EXPERTS_FUNCTIONS.get("grouped_mm") is not moe.grouped_mm_experts_forward:
+        return "grouped_mm re-registered"
+    if getattr(self, "_is_expert_parallel", False) or getattr(self, "has_post_expert_norm", False) \
+            or getattr(self, "has_bias", True) or not getattr(self, "has_gate", False) \
+            or not getattr(self, "is_concatenated", False) or x.dim() != 2 \
+            or getattr(self, "num_experts", None) != self.gate_up_proj.shape[0]:
+        return "layout"
+    if type(self)._apply_gate is not experts_gate[GATE_OPS[self.__dict__[GATE_ATTR]]] or _act_why_not(self) is not None:
+        return "gate"
+    return None
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    kind = self.__dict__.get(GATE_ATTR)
+    if kind is not None and _experts_lean_why_not(self, hidden_states) is None:
+        return tritongrad.grouped_experts(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+            approximate=None if kind == "silu" else kind, is_transposed=bool(self.is_transposed))
+    return original_forward_of(type(self))(self, hidden_states, top_k_index, top_k_weights)
+
+
+experts_forward = {"swiglu": marked(_experts_forward, "swiglu"),
+                   "geglu": marked(functools.wraps(_experts_forward)(
+                       lambda self, *a: _experts_forward(self, *a)), "geglu")}
 experts_gate = {"swiglu": marked(_experts_gate, "swiglu"),
                 "geglu": marked(functools.wraps(_experts_gate)(lambda self, g: _experts_gate(self, g)), "geglu")}
+EXPERTS_LEAN_DETAIL = ("; grouped_mm experts -> tritongrad.grouped_experts (its backward keeps the gate-and-up "
+                       "product alone)")
 EXPERTS_DETAIL = {"silu": "experts' act_fn(gate) * up -> swiglu (grouped_mm and batched_mm experts; eager keeps its loop)",
                   "tanh": "experts' act_fn(gate) * up -> geglu tanh (grouped_mm and batched_mm experts; eager keeps its loop)",
                   "none": "experts' act_fn(gate) * up -> geglu (grouped_mm and batched_mm experts; eager keeps its loop)"}

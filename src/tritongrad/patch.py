@@ -385,6 +385,9 @@ def _gate_attrs(hf, m, cls, base, name, on, report, *, layout: str) -> tuple[dic
         return {}, {}
     m.__dict__[hf.GATE_ATTR], m.__dict__[hf.GATE_ACT_ATTR] = kind, hf.gate_act(m)
     if layout == "experts":
+        if hf.experts_lean(base):  # transformers' dispatch: its grouped_mm experts take grouped_experts
+            return ({"_apply_gate": hf.experts_gate[op], "forward": hf.experts_forward[op]},
+                    {op: hf.EXPERTS_DETAIL[kind] + hf.EXPERTS_LEAN_DETAIL})
         return {"_apply_gate": hf.experts_gate[op]}, {op: hf.EXPERTS_DETAIL[kind]}
     if layout == "fused":
         return ({"forward": hf.fused_swiglu_forward if op == "swiglu" else hf.fused_geglu_forward},

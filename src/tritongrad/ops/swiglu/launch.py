@@ -19,7 +19,7 @@ import torch
 
 from ... import _runtime as rt
 from ..._dtypes import acc_of
-from ..._pattern import kernel, op
+from ..._pattern import _tracing, kernel, op
 from . import kernels
 from . import plans as P
 from .reference import geglu_reference, swiglu_reference
@@ -138,8 +138,10 @@ def _traced_backward(ctx, grad_out: torch.Tensor, approximate: str | None):
     torch.compile and torch.export to trace: Inductor fuses it into one pass and writes dg over the saved up,
     whose buffer the backward donates, and du over grad_out (docs/writing-an-op.md#a-backward-for-tracing).
     ``approximate`` None is SiLU."""
-    gate, up = ctx.gate, ctx.up
-    need_g, need_u = ctx.needs_input_grad[:2]
+    return _traced_grads(ctx.gate, ctx.up, grad_out, approximate, *ctx.needs_input_grad[:2])
+
+
+def _traced_grads(gate, up, grad_out, approximate: str | None, need_g: bool, need_u: bool, layout: bool = True):
     acc = acc_of(gate, up)
     g, d = gate.to(acc), grad_out.to(acc)
     dg = du = None
@@ -152,7 +154,7 @@ def _traced_backward(ctx, grad_out: torch.Tensor, approximate: str | None):
     if need_u:
         a = torch.nn.functional.silu(g) if approximate is None else torch.nn.functional.gelu(g, approximate=approximate)
         du = d * a
-        force_layout = _force_layout() if need_g else None
+        force_layout = _force_layout() if need_g and layout else None
         if force_layout is not None:
             # dg realized, and read by du as an exact zero: dg's pass is then an ancestor of du's, so Inductor
             # also writes du over grad_out, which only they read (docs/writing-an-op.md#a-backward-for-tracing).
@@ -160,6 +162,27 @@ def _traced_backward(ctx, grad_out: torch.Tensor, approximate: str | None):
             du = du - torch.where(dg == dg, 0.0, 0.0)
         du = du.to(up.dtype)
     return dg, du
+
+
+def gate_grads(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, approximate: str | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Both gradients of ``act(gate) * up`` (``approximate`` None: SiLU, else GELU's) side by side, ``[N, 2D]``
+    in ``[dgate, dup]`` order: the layout of a fused ``[gate; up]`` projection's output, whose gradient this is;
+    written into ``out`` where given (the product itself, gate and up its halves, when the caller owns it and
+    nothing reads it again: each element is read before it is written). For callers that own their autograd
+    (the MoE experts); traced, or off Triton, the PyTorch ops of the traced backward (``out`` unused)."""
+    if _tracing() or not rt.uses_triton(gate.device):
+        return torch.cat(_traced_grads(gate, up, grad_out, approximate, True, True, layout=False), dim=-1)
+    N, D = gate.shape
+    if out is None:
+        out = torch.empty((N, 2 * D), dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        act = kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
+        key = None if type(gate) not in rt.PLAIN_TENSORS else (
+            "grads", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, grad_out.stride(), grad_out.dtype,
+            gate.device, act, P.table())
+        _launch(key, functools.partial(_bind_backward, act), (gate, up, grad_out, out[:, :D], out[:, D:]))
+    return out
 
 
 @functools.cache

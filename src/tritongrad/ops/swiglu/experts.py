@@ -1,0 +1,196 @@
+"""The experts of a mixture-of-experts layer whose experts are gated MLPs, as transformers' ``grouped_mm``
+experts implementation computes them, with a backward that keeps one activation where autograd keeps four.
+
+For token t (hidden state x_t) routed to experts e_{t,1..K} with weights w_{t,1..K}, each pair r = (t, k):
+
+    pre_r  = x_t B_gu[e]                 [gate_r; up_r], 2I        (B: a weight as the product reads it,
+    post_r = act(gate_r) * up_r          I                           [in, out]: W^T, or W where is_transposed)
+    y_r    = post_r B_d[e]               H
+    out_t  = sum_k w_{t,k} y_{t,k}
+
+computed as ``transformers.integrations.moe.grouped_mm_experts_forward`` does: the pairs sorted by expert,
+each product one grouped product over them (transformers' own dispatch: ``torch.nn.functional.grouped_mm``, or
+its fallback), ``w * y`` in their promoted dtype, the pairs put back in token order and summed over k. So the
+forward is that function's, rounding for rounding; act(gate) * up is swiglu's or geglu's kernel.
+
+Gradients, for dout_t (d_r = dout_t of r's token, in the dtype of w * y):
+
+    G_r      = d_r B_d[e]^T                          (one grouped product, as for d post in autograd)
+    dpost_r  = w_r G_r                               dw_r = sum_i G_{r,i} post_{r,i}    (= sum_h d_{r,h} y_{r,h})
+    dB_d[e]  = sum_{r in e} post_r^T (w_r d_r)        dpre_r = act'(...) from dpost_r    (swiglu's backward)
+    dB_gu[e] = sum_{r in e} x_t^T dpre_r              dx_t = sum_k dpre_r B_gu[e]^T
+
+dw through G (y_r = post_r B_d) needs neither y nor a product more. What the backward keeps: pre ([S, 2I],
+S = T K pairs), the sort and the weights; post and the gathered x are made again from them (an elementwise
+pass, a gather). Autograd on transformers' function keeps the gathered x [S, H], pre, post [S, I] and y
+[S, H] besides. dx sums each token's K rows in token order in float32 (deterministic; autograd's gather
+backward accumulates them in place). Eager, pre's gradient is written over pre where the graph is not kept.
+docs/swiglu-rope.md#moe-experts.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..._pattern import _tracing
+from .launch import GELU_APPROXIMATIONS, _graph_kept, gate_grads, geglu, swiglu
+
+APPROXIMATIONS = (None, *GELU_APPROXIMATIONS)  # None: SiLU (swiglu); "none", "tanh": GELU's (geglu)
+
+
+def _moe():
+    from transformers.integrations import moe
+
+    return moe
+
+
+def _weights(w: torch.Tensor, is_transposed: bool) -> torch.Tensor:
+    """The product's [E, in, out] operand, as transformers' ``_grouped_linear`` reads the weight."""
+    return w if is_transposed else w.transpose(-2, -1)
+
+
+@torch.library.custom_op("tritongrad::grouped_mm_weight_grad", mutates_args=())
+def _weight_grad_loop(a: torch.Tensor, d: torch.Tensor, offs: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[E, A, D]``: for each group of rows (``offs``: cumulative ends), ``a_e^T d_e``; zeros for an empty one.
+    A custom op (one host read of the offsets), so that torch.compile takes it whole, as transformers' fallback."""
+    out = torch.zeros((experts, a.shape[1], d.shape[1]), dtype=d.dtype, device=d.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end].t(), d[start:end], out=out[e])
+        start = end
+    return out
+
+
+@_weight_grad_loop.register_fake
+def _(a, d, offs, experts):
+    return a.new_empty((experts, a.shape[1], d.shape[1]), dtype=d.dtype)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Strides grouped_mm takes: the unit-stride dim's neighbour a multiple of 16 bytes, the data 16-aligned."""
+    per = 16 // t.element_size()
+    s0, s1 = t.stride()
+    lead = s1 if s0 == 1 else s0
+    return lead % per == 0 and (torch.compiler.is_compiling() or t.data_ptr() % 16 == 0)
+
+
+def _weight_grad(a: torch.Tensor, d: torch.Tensor, offs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[E, A, D]`` in ``weight``'s dtype, group e's ``a_e^T d_e``: the 2-D x 2-D grouped product autograd
+    takes for grouped_mm's weight, where the product takes these operands; else a loop of products."""
+    a, d = a.to(weight.dtype), d.to(weight.dtype)
+    if (d.is_cuda and d.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm")
+            and _aligned(a.t()) and _aligned(d)):
+        return torch.nn.functional.grouped_mm(a.t(), d, offs=offs)
+    return _weight_grad_loop(a, d, offs, weight.shape[0])
+
+
+class _GroupedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed):
+        moe = _moe()
+        T, H = x.shape
+        K = top_k_index.shape[-1]
+        E = gate_up_proj.shape[0]
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+        tokens = perm // K
+        x_g = x[tokens]
+        w_g = sample_weights[perm]
+        histc_input = expert_ids_g.float() if x.device.type in ("cpu", "mps") else expert_ids_g.int()
+        offs = torch.cumsum(torch.histc(histc_input, bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+        pre = moe._grouped_linear(x_g, gate_up_proj, offs, is_transposed=is_transposed)
+        gate, up = pre.chunk(2, dim=-1)
+        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+        y = moe._grouped_linear(post, down_proj, offs, is_transposed=is_transposed)
+        weighted = y * w_g.unsqueeze(-1)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0), device=x.device)
+        out = weighted[inv_perm].view(T, K, H).sum(dim=1).to(x.dtype)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs)
+        # Eager, the backward may write pre's gradient over pre, its own buffer, when it gets that very tensor.
+        ctx.pre = None if torch.compiler.is_compiling() else weakref.ref(pre)
+        ctx.meta = (approximate, is_transposed, K, weighted.dtype, y.dtype, top_k_weights.shape, top_k_weights.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs = ctx.saved_tensors
+        approximate, is_transposed, K, wdtype, ydtype, wshape, w_dtype = ctx.meta
+        need_x, _, need_w, need_gu, need_d = ctx.needs_input_grad[:5]
+        moe = _moe()
+        T, H = x.shape
+        gate, up = pre.chunk(2, dim=-1)
+        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+        d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
+        b_d = _weights(down_proj, is_transposed)  # [E, I, H]
+        G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs)  # [S, I]
+        dx = dw = dgu = dd = None
+        if need_w:
+            acc = torch.promote_types(wdtype, torch.float32)
+            dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
+            dw = torch.empty_like(dw_g)
+            dw[perm] = dw_g
+            dw = dw.view(wshape)
+        if need_d:
+            dy = (d * w_g.unsqueeze(-1)).to(ydtype)
+            # In the weight's own layout: [E, I, H] where transposed, else [E, H, I].
+            dd = _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
+        if need_x or need_gu:
+            dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
+            # Over pre where nothing reads it again: eager, the graph not kept, pre handed back as it was saved.
+            reuse = ctx.pre is not None and ctx.pre() is pre and not _tracing() and not _graph_kept()
+            dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
+            if reuse:  # any other use of pre saved for backward raises rather than reading the gradient
+                torch.autograd.graph.increment_version(pre)
+            b_gu = _weights(gate_up_proj, is_transposed)  # [E, H, 2I]
+            if need_gu:
+                x_g = x[tokens]
+                dgu = (_weight_grad(x_g, dpre, offs, gate_up_proj) if is_transposed
+                       else _weight_grad(dpre, x_g, offs, gate_up_proj))
+            if need_x:
+                dx_g = moe._grouped_mm(dpre, b_gu.transpose(-2, -1), offs)  # [S, H]
+                acc = torch.promote_types(x.dtype, torch.float32)
+                dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
+        return dx, None, dw, dgu, dd, None, None
+
+
+def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, approximate: str | None = None,
+                    is_transposed: bool = False) -> torch.Tensor:
+    """The gated-MLP experts of a MoE layer, ``out_t = sum_k w_{t,k} down(act(gate) * up)`` over each token's
+    experts, as transformers' ``grouped_mm`` experts implementation computes it, keeping for the backward only
+    the gate-and-up product (module docstring).
+
+    Args:
+        x: ``[T, H]`` hidden states.
+        top_k_index: ``[T, K]`` integer expert ids, each in ``[0, E)``.
+        top_k_weights: ``[T, K]`` routing weights (differentiable).
+        gate_up_proj: ``[E, 2I, H]`` ([gate; up] concatenated), or ``[E, H, 2I]`` with ``is_transposed``.
+        down_proj: ``[E, H, I]``, or ``[E, I, H]`` with ``is_transposed``.
+        approximate: None for SiLU (swiglu), ``"none"`` or ``"tanh"`` for GELU (geglu's ``approximate``).
+
+    Returns:
+        ``[T, H]`` in x's dtype.
+    """
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"grouped_experts: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    if x.dim() != 2 or top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape \
+            or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_experts: x [T, H], top_k_index and top_k_weights [T, K]; got x "
+                         f"{tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)}, top_k_weights "
+                         f"{tuple(top_k_weights.shape)}")
+    E = gate_up_proj.shape[0]
+    gu = _weights(gate_up_proj, is_transposed)
+    dn = _weights(down_proj, is_transposed)
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or down_proj.shape[0] != E or gu.shape[-2] != x.shape[1] \
+            or gu.shape[-1] % 2 or dn.shape[-2] != gu.shape[-1] // 2 or dn.shape[-1] != x.shape[1]:
+        raise ValueError(f"grouped_experts: for x {tuple(x.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} and "
+                         f"down_proj {tuple(down_proj.shape)} do not make [E, 2I, H] and [E, H, I] "
+                         f"(is_transposed={is_transposed}: [E, H, 2I] and [E, I, H])")
+    return _GroupedExperts.apply(x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate,
+                                 is_transposed)

@@ -1,0 +1,170 @@
+"""grouped_experts, a MoE layer's gated experts as transformers' ``grouped_mm`` experts implementation computes
+them, with a backward that keeps the gate-and-up product alone: its forward is transformers' function's (with
+the patched gate) bit for bit; its gradients against float64, no further from it than autograd's on
+transformers' function; what it keeps for the backward; every layout and activation; the patch that routes a
+model's experts through it, and the calls it leaves to transformers."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import tritongrad
+from tritongrad import zoo
+from tritongrad.ops.swiglu import experts as X
+from tritongrad.ops.swiglu import grouped_experts, grouped_experts_reference
+
+moe = pytest.importorskip("transformers.integrations.moe")
+
+
+class _Experts(torch.nn.Module):
+    """transformers' experts attributes, the gate as ``patch`` makes it (swiglu or geglu)."""
+
+    def __init__(self, E, H, I, dtype, transposed=False, approximate=None, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        gu, dn = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
+        self.gate_up_proj = torch.nn.Parameter((0.2 * torch.randn(gu, generator=g)).to(dtype).to(DEVICE))
+        self.down_proj = torch.nn.Parameter((0.2 * torch.randn(dn, generator=g)).to(dtype).to(DEVICE))
+        self.num_experts, self.has_gate, self.has_bias, self.is_transposed = E, True, False, transposed
+        self.is_concatenated, self._is_expert_parallel, self.has_post_expert_norm = True, False, False
+        self.approximate = approximate
+
+    def _apply_gate(self, pre):
+        gate, up = pre.chunk(2, dim=-1)
+        if self.approximate is None:
+            return tritongrad.swiglu(gate, up)
+        return tritongrad.geglu(gate, up, approximate=self.approximate)
+
+    def transformers(self, x, idx, w):
+        return moe.grouped_mm_experts_forward(self, x, idx, w)
+
+    def ours(self, x, idx, w):
+        return grouped_experts(x, idx, w, self.gate_up_proj, self.down_proj, approximate=self.approximate,
+                               is_transposed=self.is_transposed)
+
+
+def _routing(T, E, K, dtype, seed=0):
+    """Top-k of random scores over all experts but the last (an expert with no token), the weights in dtype."""
+    g = torch.Generator().manual_seed(seed + 1)
+    scores = torch.rand(T, E - 1, generator=g)
+    w, idx = scores.softmax(-1).topk(K, dim=-1)
+    return idx.to(DEVICE), w.to(dtype).to(DEVICE)
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _grads(fn, x, w, mod, g):
+    out = fn(x, w)
+    return out, torch.autograd.grad(out, (x, w, mod.gate_up_proj, mod.down_proj), g)
+
+
+CASES = [  # (T, H, I, E, K, transposed, approximate)
+    (37, 64, 32, 4, 2, False, None),
+    (37, 64, 32, 4, 2, True, None),
+    (29, 64, 32, 5, 3, False, "tanh"),
+    (29, 64, 32, 5, 1, True, "none"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-E{c[3]}-K{c[4]}-{'t' if c[5] else 'n'}-{c[6]}")
+def test_forward_is_transformers_and_gradients_as_close_to_float64(case, dtype):
+    T, H, I, E, K, transposed, approximate = case
+    mod = _Experts(E, H, I, dtype, transposed, approximate)
+    idx, w = _routing(T, E, K, dtype)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE).requires_grad_()
+    w.requires_grad_()
+    g = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    got, got_g = _grads(lambda x, w: mod.ours(x, idx, w), x, w, mod, g)
+    want, want_g = _grads(lambda x, w: mod.transformers(x, idx, w), x, w, mod, g)
+    assert torch.equal(got, want), "the forward is not transformers' grouped_mm experts forward, bit for bit"
+
+    params = [t.detach().double().requires_grad_() for t in (x, w, mod.gate_up_proj, mod.down_proj)]
+    ref = grouped_experts_reference(params[0], idx, params[1], params[2], params[3], approximate=approximate,
+                                    is_transposed=transposed)
+    ref_g = torch.autograd.grad(ref, params, g.double())
+    assert _rel(want, ref) < (1e-5 if dtype == torch.float32 else 2e-2)  # the reference is the same function
+    for name, a, b, r in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), got_g, want_g, ref_g):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        floor = 1e-6 if dtype == torch.float32 else 4e-3
+        assert _rel(a, r) <= 2 * _rel(b, r) + floor, (name, _rel(a, r), _rel(b, r))
+
+
+def test_backward_keeps_the_gate_and_up_product_alone():
+    """Autograd on transformers' function keeps the gathered inputs, the gate's output and the down product's
+    output as well: S x (H + I + H) elements more."""
+    T, H, I, E, K = 37, 64, 32, 4, 2
+    mod = _Experts(E, H, I, torch.float32)
+    idx, w = _routing(T, E, K, torch.float32)
+    x = torch.randn(T, H, device=DEVICE, requires_grad=True)
+    w.requires_grad_()
+    known = {p.data_ptr() for p in (x, w, mod.gate_up_proj, mod.down_proj)}
+
+    def saved_bytes(fn):
+        seen = {}
+
+        def pack(t):
+            if t.data_ptr() not in known:
+                seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x, idx, w)
+        return sum(seen.values()), sorted(seen)
+
+    S = T * K
+    ours, what = saved_bytes(mod.ours)
+    # pre [S, 2I]; the weights sorted [S]; perm, its inverse and the pairs' tokens [S] int64; offsets [E] int32
+    assert ours == S * 2 * I * 4 + S * 4 + 3 * S * 8 + E * 4, what
+    theirs, _ = saved_bytes(mod.transformers)
+    assert theirs - ours >= S * (H + I + H) * 4
+
+
+def test_second_order_gradients_are_refused():
+    mod = _Experts(4, 64, 32, torch.float32)
+    idx, w = _routing(11, 4, 2, torch.float32)
+    x = torch.randn(11, 64, device=DEVICE, requires_grad=True)
+    (gx,) = torch.autograd.grad(mod.ours(x, idx, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|double backward|twice"):
+        gx.sum().backward()
+
+
+def test_bad_inputs_name_the_shapes():
+    mod = _Experts(4, 64, 32, torch.float32)
+    idx, w = _routing(11, 4, 2, torch.float32)
+    x = torch.randn(11, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x \(11, 64\), top_k_index \(11, 2\), top_k_weights \(11, 1\)"):
+        grouped_experts(x, idx, w[:, :1], mod.gate_up_proj, mod.down_proj)
+    with pytest.raises(ValueError, match=r"gate_up_proj \(4, 64, 64\) and down_proj \(4, 64, 32\)"):
+        grouped_experts(x, idx, w, mod.gate_up_proj, mod.down_proj, is_transposed=True)
+    with pytest.raises(ValueError, match="approximate"):
+        grouped_experts(x, idx, w, mod.gate_up_proj, mod.down_proj, approximate="erf")
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_patched_moe_takes_grouped_experts_for_grouped_mm_alone(implementation, monkeypatch):
+    """The patch routes the experts through grouped_experts where transformers would run its grouped_mm
+    function, and leaves every other implementation to transformers (the gate patched): one step equals the
+    unpatched model's."""
+    calls = []
+    apply = X._GroupedExperts.apply
+    monkeypatch.setattr(X._GroupedExperts, "apply", lambda *a: calls.append(1) or apply(*a))
+    base = zoo.build("qwen3_moe").to(DEVICE)
+    base.config._experts_implementation = implementation
+    model = zoo.build("qwen3_moe").to(DEVICE)
+    model.config._experts_implementation = implementation
+    report = tritongrad.patch(model)
+    assert "grouped_experts" in str(report)
+    batch = {k: v.to(DEVICE) for k, v in zoo._batch(model.config.vocab_size, DEVICE).items()}
+    losses = []
+    for m in (base, model):
+        loss = m(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert bool(calls) == (implementation == "grouped_mm")
+    assert _rel(losses[1], losses[0]) < 1e-5
+    for (n, p), q in zip(base.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            assert _rel(q.grad, p.grad) < 1e-4, n
