@@ -168,3 +168,33 @@ def test_patched_moe_takes_grouped_experts_for_grouped_mm_alone(implementation, 
     for (n, p), q in zip(base.named_parameters(), model.parameters()):
         if p.grad is not None:
             assert _rel(q.grad, p.grad) < 1e-4, n
+
+
+def test_bench_rows_time_the_same_function():
+    """``tritongrad bench grouped_experts`` times transformers' grouped_mm experts (eager, torch.compile),
+    tritongrad's and, where installed, Liger's fused MoE only as one function: on the bench's inputs the same
+    output and gradients (float32; transformers' gate rounds twice, swiglu once)."""
+    from tritongrad.bench.ops import OPS
+
+    op = OPS["grouped_experts"]
+    inputs = op.inputs(24, 96, torch.float32, DEVICE)
+    grads_of = [inputs[0], inputs[2], inputs[3], inputs[4]]
+
+    def run(fn):
+        out = op.bind(fn)(*inputs)
+        return out, torch.autograd.grad(out, grads_of, torch.ones_like(out))
+
+    want, want_g = run(tritongrad.grouped_experts)
+    rows = {"eager": op.torch_fn}
+    if torch.cuda.is_available():  # Liger's kernels need a GPU
+        from tritongrad.bench.providers import PROVIDERS, Unavailable
+
+        try:
+            rows["liger"] = PROVIDERS["liger"].build(op)
+        except Unavailable:  # not installed: its row is not timed either
+            pass
+    for name, fn in rows.items():
+        got, got_g = run(fn)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+        for a, b in zip(got_g, want_g):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

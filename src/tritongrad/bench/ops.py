@@ -239,6 +239,47 @@ def _jsd_torch(student_input, student_weight, teacher_input, teacher_weight, tem
     return _divergence_rows(zs, zt, beta).mean()
 
 
+MOE_EXPERTS, MOE_TOP_K = 8, 2  # experts, and experts a token: the ~350M Qwen3-MoE of the training benchmark
+
+
+def moe_intermediate(D: int) -> int:
+    """The experts' width at hidden size D: 2 D / 3 to a multiple of 16 (1024 at D = 1536, the training
+    benchmark's MoE), so that grouped_mm takes every operand."""
+    return max(16, (2 * D // 3) // 16 * 16)
+
+
+def _experts_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """x [N, D]; each token's top-2 of 8 experts by random scores, their softmax weights; gate_up_proj
+    [E, 2I, D], down_proj [E, D, I] (transformers' layout); all but the expert ids requiring grad."""
+    E, K, I = MOE_EXPERTS, MOE_TOP_K, moe_intermediate(D)
+    x = torch.randn(N, D, device=device).to(dtype).requires_grad_()
+    w, idx = torch.rand(N, E, device=device).softmax(-1).topk(K, dim=-1)
+    gate_up = (torch.randn(E, 2 * I, D, device=device) / D**0.5).to(dtype).requires_grad_()
+    down = (torch.randn(E, D, I, device=device) / I**0.5).to(dtype).requires_grad_()
+    return x, idx, w.to(dtype).requires_grad_(), gate_up, down
+
+
+class _Experts:
+    """What transformers' grouped_mm experts function reads of its module: the weights, the layout flags and
+    the default gate, ``F.silu(gate) * up``."""
+
+    def __init__(self, gate_up_proj, down_proj):
+        self.gate_up_proj, self.down_proj, self.num_experts = gate_up_proj, down_proj, gate_up_proj.shape[0]
+        self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
+        self._is_expert_parallel, self.has_post_expert_norm = False, False
+
+    def _apply_gate(self, gate_up_out):
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _experts_torch(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """transformers' ``grouped_mm`` experts implementation (Hugging Face's default for MoE layers)."""
+    from transformers.integrations import moe
+
+    return moe.grouped_mm_experts_forward(_Experts(gate_up_proj, down_proj), x, top_k_index, top_k_weights)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One op. ``torch_fn`` has the op's public signature (that of ``tritongrad.<name>``) and is the eager
@@ -397,6 +438,22 @@ OPS: dict[str, OpSpec] = {
             bwd_bytes=lambda N, D, s: 5 * N * D * s,
             shapes=((4096, 4096), (16384, 14336), (4096, 14336)),
             size="gate, up [N, D]",
+        ),
+        OpSpec(
+            "grouped_experts",
+            _experts_inputs,
+            _experts_torch,
+            bind=_identity,
+            # read x + the experts' weights (3 E I D) + the routing (ids and weights) + write y: the products
+            # decide the time, these are the bytes no implementation avoids
+            fwd_bytes=lambda N, D, s: 2 * N * D * s + 3 * MOE_EXPERTS * moe_intermediate(D) * D * s
+            + MOE_TOP_K * N * (8 + s),
+            # read g + x + the weights + the routing + write gx + the weights' gradients + the routing weights'
+            bwd_bytes=lambda N, D, s: 3 * N * D * s + 6 * MOE_EXPERTS * moe_intermediate(D) * D * s
+            + MOE_TOP_K * N * (8 + 2 * s),
+            shapes=((8192, 1536), (16384, 2048)),
+            size="x [N, D], each token's top-2 of 8 experts: gate_up_proj [8, 2I, D], down_proj [8, D, I], "
+                 "I = 2D/3 (1024 at D = 1536)",
         ),
         OpSpec(
             "rotary",

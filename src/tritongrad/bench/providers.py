@@ -135,13 +135,19 @@ def _liger_build(op: OpSpec) -> Callable:
 
         return LigerSiLUMulFunction.apply
 
+    def grouped_experts():
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        # Liger's fused MoE (its LigerExperts' function): the same weights' layout, int32 expert ids
+        return lambda x, idx, w, gu, dn: LigerFusedMoEFunction.apply(x, gu, dn, idx.to(torch.int32), w)
+
     def rotary():
         from liger_kernel.ops.rope import LigerRopeFunction
 
         return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
 
     fns = {f.__name__: f for f in (rms_norm, fused_add_rms_norm, layer_norm, cross_entropy, linear_cross_entropy,
-                                   linear_grpo_loss, linear_dpo_loss, linear_jsd, swiglu, rotary)}
+                                   linear_grpo_loss, linear_dpo_loss, linear_jsd, swiglu, grouped_experts, rotary)}
     if op.name not in fns:
         raise Unavailable(f"liger-kernel has no {op.name}")
     try:
