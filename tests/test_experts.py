@@ -198,3 +198,39 @@ def test_bench_rows_time_the_same_function():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
         for a, b in zip(got_g, want_g):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_experts_whose_call_is_not_transformers_dispatch_keep_their_own(monkeypatch):
+    """An experts class with a forward of its own (here one that scales the output) is not transformers'
+    dispatch: the patch leaves its forward alone (the gate still patched), and an instance with a post-expert
+    norm, which grouped_experts does not compute, takes transformers' function at each call."""
+    calls = []
+    apply = X._GroupedExperts.apply
+    monkeypatch.setattr(X._GroupedExperts, "apply", lambda *a: calls.append(1) or apply(*a))
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+    class ScaledExperts(q.Qwen3MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 0.5 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    base, model = zoo.build("qwen3_moe").to(DEVICE), zoo.build("qwen3_moe").to(DEVICE)
+    for m in (base, model):
+        for layer in m.model.layers:
+            layer.mlp.experts.__class__ = ScaledExperts
+    report = tritongrad.patch(model)
+    assert "grouped_experts" not in str(report) and report.ops().get("swiglu"), report
+    batch = {k: v.to(DEVICE) for k, v in zoo._batch(model.config.vocab_size, DEVICE).items()}
+    assert _rel(model(**batch).loss, base(**batch).loss) < 1e-5
+    assert not calls
+
+    plain = zoo.build("qwen3_moe").to(DEVICE)
+    tritongrad.patch(plain)
+    plain(**batch)
+    assert calls, "grouped_experts serves the plain model"
+    calls.clear()
+    served = len(calls)
+    calls.clear()
+    experts = plain.model.layers[0].mlp.experts
+    experts.has_post_expert_norm, experts.post_expert_norm = True, torch.nn.Identity()
+    plain(**batch)
+    assert len(calls) == served - 1, "the layer with a post-expert norm took grouped_experts"
