@@ -233,3 +233,23 @@ def test_experts_whose_call_is_not_transformers_dispatch_keep_their_own(monkeypa
     experts.has_post_expert_norm, experts.post_expert_norm = True, torch.nn.Identity()
     plain(**batch)
     assert len(calls) == served - 1, "the layer with a post-expert norm took grouped_experts"
+
+
+@pytest.mark.parametrize("wanted", [(0,), (1,), (2,), (3,), (0, 3), (1, 2)], ids=str)
+def test_only_the_gradients_asked_for_and_the_same(wanted):
+    """Each subset of x, the routing weights and the two projections, asked alone, gets the gradients the
+    full backward gives (frozen experts, a frozen router, LoRA-style training)."""
+    mod = _Experts(4, 64, 32, torch.float32)
+    idx, w = _routing(19, 4, 2, torch.float32)
+    x = torch.randn(19, 64, device=DEVICE)
+    g = torch.randn(19, 64, device=DEVICE)
+    tensors = [x, w, mod.gate_up_proj.detach(), mod.down_proj.detach()]
+
+    def grads(which):
+        ts = [t.detach().clone().requires_grad_(i in which) for i, t in enumerate(tensors)]
+        out = grouped_experts(ts[0], idx, ts[1], ts[2], ts[3])
+        return torch.autograd.grad(out, [ts[i] for i in which], g)
+
+    full = grads((0, 1, 2, 3))
+    for i, got in zip(wanted, grads(wanted)):
+        assert torch.equal(got, full[i]), i

@@ -128,7 +128,8 @@ class _GroupedExperts(torch.autograd.Function):
         post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
         d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
         b_d = _weights(down_proj, is_transposed)  # [E, I, H]
-        G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs)  # [S, I]
+        # G = d B_d^T feeds dw and dpost; the down weight's gradient needs d alone.
+        G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_x or need_gu else None
         dx = dw = dgu = dd = None
         if need_w:
             acc = torch.promote_types(wdtype, torch.float32)
@@ -140,6 +141,8 @@ class _GroupedExperts(torch.autograd.Function):
             dy = (d * w_g.unsqueeze(-1)).to(ydtype)
             # In the weight's own layout: [E, I, H] where transposed, else [E, H, I].
             dd = _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
+            del dy
+        del d  # the rows' upstream gradient, [S, H]: not read below
         if need_x or need_gu:
             dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
             # Over pre where nothing reads it again: eager, the graph not kept, pre handed back as it was saved.
