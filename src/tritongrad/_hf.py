@@ -576,23 +576,25 @@ def _experts_lean_why_not(self, x) -> str | None:
             or not getattr(self, "is_concatenated", False) or x.dim() != 2 \
             or getattr(self, "num_experts", None) != self.gate_up_proj.shape[0]:
         return "layout"
-    if type(self)._apply_gate is not experts_gate[GATE_OPS[self.__dict__[GATE_ATTR]]] or _act_why_not(self) is not None:
+    if type(self)._apply_gate is not experts_gate[GATE_OPS[self.__dict__[GATE_ATTR]]] \
+            or "_apply_gate" in self.__dict__ or _act_why_not(self) is not None:
         return "gate"
     return None
 
 
-def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def _experts_forward(self, *args, **kwargs):
     kind = self.__dict__.get(GATE_ATTR)
-    if kind is not None and _experts_lean_why_not(self, hidden_states) is None:
+    if kind is not None and len(args) == 3 and not kwargs and _experts_lean_why_not(self, args[0]) is None:
+        hidden_states, top_k_index, top_k_weights = args
         return tritongrad.grouped_experts(
             hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
             approximate=None if kind == "silu" else kind, is_transposed=bool(self.is_transposed))
-    return original_forward_of(type(self))(self, hidden_states, top_k_index, top_k_weights)
+    return original_forward_of(type(self))(self, *args, **kwargs)
 
 
 experts_forward = {"swiglu": marked(_experts_forward, "swiglu"),
                    "geglu": marked(functools.wraps(_experts_forward)(
-                       lambda self, *a: _experts_forward(self, *a)), "geglu")}
+                       lambda self, *a, **k: _experts_forward(self, *a, **k)), "geglu")}
 experts_gate = {"swiglu": marked(_experts_gate, "swiglu"),
                 "geglu": marked(functools.wraps(_experts_gate)(lambda self, g: _experts_gate(self, g)), "geglu")}
 EXPERTS_LEAN_DETAIL = ("; grouped_mm experts -> tritongrad.grouped_experts (its backward keeps the gate-and-up "
