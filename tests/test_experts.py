@@ -255,3 +255,18 @@ def test_only_the_gradients_asked_for_and_the_same(wanted):
     full = grads((0, 1, 2, 3))
     for i, got in zip(wanted, grads(wanted)):
         assert torch.equal(got, full[i]), i
+
+
+def test_torch_func_and_forward_mode_are_refused():
+    """grouped_experts is an autograd.Function with neither a vmap rule nor a jvp: torch.func's transforms and
+    forward-mode AD raise rather than run it wrong."""
+    import torch.autograd.forward_ad as fwAD
+
+    mod = _Experts(4, 64, 32, torch.float32)
+    idx, w = _routing(11, 4, 2, torch.float32)
+    x = torch.randn(11, 64, device=DEVICE)
+    gu, dn = mod.gate_up_proj.detach(), mod.down_proj.detach()
+    with pytest.raises(RuntimeError, match="setup_context|functorch"):
+        torch.func.grad(lambda x: grouped_experts(x, idx, w, gu, dn).sum())(x)
+    with fwAD.dual_level(), pytest.raises((RuntimeError, NotImplementedError), match="jvp|forward"):
+        grouped_experts(fwAD.make_dual(x, torch.ones_like(x)), idx, w, gu, dn)
