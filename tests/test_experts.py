@@ -141,6 +141,11 @@ def test_bad_inputs_name_the_shapes():
         grouped_experts(x, idx, w, mod.gate_up_proj, mod.down_proj, is_transposed=True)
     with pytest.raises(ValueError, match="approximate"):
         grouped_experts(x, idx, w, mod.gate_up_proj, mod.down_proj, approximate="erf")
+    with pytest.raises(ValueError, match=r"top_k_index torch.float32 on"):
+        grouped_experts(x, idx.float(), w, mod.gate_up_proj, mod.down_proj)
+    if DEVICE != "cpu":
+        with pytest.raises(ValueError, match=r"x torch.float32 on cpu"):
+            grouped_experts(x.cpu(), idx, w, mod.gate_up_proj, mod.down_proj)
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])

@@ -187,6 +187,13 @@ def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         raise ValueError(f"grouped_experts: x [T, H], top_k_index and top_k_weights [T, K]; got x "
                          f"{tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)}, top_k_weights "
                          f"{tuple(top_k_weights.shape)}")
+    tensors = {"x": x, "top_k_index": top_k_index, "top_k_weights": top_k_weights, "gate_up_proj": gate_up_proj,
+               "down_proj": down_proj}
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool \
+            or not all(t.is_floating_point() for n, t in tensors.items() if n != "top_k_index") \
+            or len({t.device for t in tensors.values()}) != 1:
+        raise ValueError("grouped_experts: integer top_k_index, floating x, weights and projections, all on one "
+                         "device; got " + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in tensors.items()))
     E = gate_up_proj.shape[0]
     gu = _weights(gate_up_proj, is_transposed)
     dn = _weights(down_proj, is_transposed)
