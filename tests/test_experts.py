@@ -275,3 +275,33 @@ def test_torch_func_and_forward_mode_are_refused():
         torch.func.grad(lambda x: grouped_experts(x, idx, w, gu, dn).sum())(x)
     with fwAD.dual_level(), pytest.raises((RuntimeError, NotImplementedError), match="jvp|forward"):
         grouped_experts(fwAD.make_dual(x, torch.ones_like(x)), idx, w, gu, dn)
+
+
+def test_compiled_experts_import_nothing_while_traced(monkeypatch):
+    """torch.compile traces the patched experts (forward and backward) without an import: Dynamo's import inside
+    a trace breaks the graph where it refuses transformers' lazy modules (torch 2.11: eight breaks in a 12-layer
+    MoE), so transformers' module is resolved at patch time and by eager calls, never while traced."""
+    import builtins
+
+    model = zoo.build("qwen3_moe").to(DEVICE)
+    tritongrad.patch(model)
+    experts = model.model.layers[0].mlp.experts
+    idx, w = _routing(13, experts.num_experts, 2, torch.float32)
+    x = torch.randn(13, model.config.hidden_size, device=DEVICE, requires_grad=True)
+    imported, real = [], builtins.__import__
+
+    def spy(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            imported.append(name)
+        return real(name, *args, **kwargs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    monkeypatch.setattr(builtins, "__import__", spy)
+    out = compiled(x, idx, w.requires_grad_())
+    out.square().sum().backward()
+    monkeypatch.undo()
+    assert not imported, f"imported while traced: {imported}"
+    ref_x = x.detach().requires_grad_()
+    ref = experts(ref_x, idx, w.detach())
+    assert torch.equal(out.detach(), ref.detach())

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import tritongrad
 
 from ._runtime import PLAIN_TENSORS
+from .ops.swiglu.experts import _moe as _experts_moe
 
 # ---------------------------------------------------------------- shared
 # What class-level patches and the module-wide rope replaced: (owner, attribute) -> (original, source), the
@@ -555,8 +556,7 @@ def experts_lean(base: type) -> bool:
     fn = base.__dict__.get("forward") or getattr(base, "forward", None)
     if code is None or getattr(fn, "__code__", None) is not code:
         return False
-    from transformers.integrations import moe
-
+    moe = _experts_moe()
     cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     return cells.get("experts_interface") is moe.ALL_EXPERTS_FUNCTIONS
 
@@ -565,7 +565,7 @@ def _experts_lean_why_not(self, x) -> str | None:
     """Why this call cannot take ``grouped_experts`` (None: it can): it must be the ``grouped_mm``
     implementation as transformers defines it, without expert parallelism, biases or a post-expert norm, on the
     concatenated [gate; up] layout with the activation patch established."""
-    from transformers.integrations import moe
+    moe = _experts_moe()  # resolved at patch time: no import inside a compiled trace
 
     if getattr(self.config, "_experts_implementation", None) != "grouped_mm":
         return "not grouped_mm"

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..ops.swiglu.experts import _moe
 from ..testing import make_rows
 
 EPS = 1e-6
@@ -251,6 +252,7 @@ def moe_intermediate(D: int) -> int:
 def _experts_inputs(N: int, D: int, dtype: torch.dtype, device):
     """x [N, D]; each token's top-2 of 8 experts by random scores, their softmax weights; gate_up_proj
     [E, 2I, D], down_proj [E, D, I] (transformers' layout); all but the expert ids requiring grad."""
+    _moe()  # transformers' module resolved here, not while torch.compile traces the baseline
     E, K, I = MOE_EXPERTS, MOE_TOP_K, moe_intermediate(D)
     x = torch.randn(N, D, device=device).to(dtype).requires_grad_()
     w, idx = torch.rand(N, E, device=device).softmax(-1).topk(K, dim=-1)
@@ -275,9 +277,7 @@ class _Experts:
 
 def _experts_torch(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
     """transformers' ``grouped_mm`` experts implementation (Hugging Face's default for MoE layers)."""
-    from transformers.integrations import moe
-
-    return moe.grouped_mm_experts_forward(_Experts(gate_up_proj, down_proj), x, top_k_index, top_k_weights)
+    return _moe().grouped_mm_experts_forward(_Experts(gate_up_proj, down_proj), x, top_k_index, top_k_weights)
 
 
 @dataclass(frozen=True)

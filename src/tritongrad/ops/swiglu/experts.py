@@ -30,6 +30,7 @@ docs/swiglu-rope.md#moe-experts.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -41,10 +42,17 @@ from .launch import GELU_APPROXIMATIONS, _graph_kept, gate_grads, geglu, swiglu
 APPROXIMATIONS = (None, *GELU_APPROXIMATIONS)  # None: SiLU (swiglu); "none", "tanh": GELU's (geglu)
 
 
-def _moe():
-    from transformers.integrations import moe
+_MOE = [sys.modules.get("transformers.integrations.moe")]
 
-    return moe
+
+def _moe():
+    """``transformers.integrations.moe``, imported once outside any trace (``patch`` and every eager call resolve
+    it): an import inside torch.compile's trace breaks the graph where Dynamo refuses transformers' lazy modules."""
+    if _MOE[0] is None:
+        from transformers.integrations import moe
+
+        _MOE[0] = moe
+    return _MOE[0]
 
 
 def _weights(w: torch.Tensor, is_transposed: bool) -> torch.Tensor:
@@ -202,5 +210,7 @@ def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
         raise ValueError(f"grouped_experts: for x {tuple(x.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} and "
                          f"down_proj {tuple(down_proj.shape)} do not make [E, 2I, H] and [E, H, I] "
                          f"(is_transposed={is_transposed}: [E, H, 2I] and [E, I, H])")
+    if not torch.compiler.is_compiling():
+        _moe()
     return _GroupedExperts.apply(x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate,
                                  is_transposed)
