@@ -628,6 +628,38 @@ def test_a_familys_own_recompilation_is_a_note_not_an_error_compiled(monkeypatch
     assert v.status == "exact" and "second compiled step recompiles too" in v.detail, v.line()
 
 
+def test_a_patched_path_that_breaks_the_graph_is_an_error_compiled(monkeypatch):
+    # The patched experts' per-call check, made to break Dynamo's graph (as an import inside the trace did with
+    # torch 2.11): the values stay exact, the compiled model runs in pieces.
+    why_not = _hf._experts_lean_why_not
+
+    def breaking(self, x):
+        torch._dynamo.graph_break()
+        return why_not(self, x)
+
+    monkeypatch.setattr(_hf, "_experts_lean_why_not", breaking)
+    v = zoo.check("qwen3_moe", "compiled", only=("loss",))
+    assert v.status == "error" and "break the graph" in v.detail and "unpatched model's 0" in v.detail, v.line()
+
+
+def test_a_familys_own_graph_break_is_not_the_patchs_compiled(monkeypatch):
+    # A break in the family's own base model, which patch leaves alone, breaks both models' graphs alike.
+    import functools
+
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaModel.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", forward)
+    v = zoo.check("llama", "compiled", only=("loss",))
+    assert v.status == "exact", v.line()
+
+
 @pytest.mark.parametrize("family, op", [("gpt_neox", "layer_norm"), ("phi", "linear_cross_entropy")])
 def test_an_op_that_drops_its_bias_is_wrong(monkeypatch, family, op):
     # The families initialise biases to zero; zoo.build moves them, else an op that ignores its bias's value

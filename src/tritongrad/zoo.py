@@ -40,6 +40,7 @@ was patched computes differently, and the report says why each op was left alone
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -850,15 +851,18 @@ def _check(family: str, mode: str, device, only, variant) -> Verdict:
     if isinstance(patched, Verdict):
         return patched
     patched, ops = patched
-    with _layouts(patched, layouts[1], not compiled):
+    with _layouts(patched, layouts[1], not compiled), _graph_breaks() as broke:
         got, errors = _checks(patched, fns, only=want)
     recompiled = _own_recompile(model, fns, errors) if compiled else ""
+    added = _added_breaks(model, fns, broke, want) if compiled and not errors else ""
     if recompiled:  # the family's own recompilation, not the patch's: the values are still checked
         lenient = {k: v for k, v in _check_fns(batch, True, recompiles_ok=True).items() if k in fns}
         got, errors = _checks(patched, lenient, only=want)
     tritongrad.unpatch(patched)
     if errors:
         return _error_verdict(family, mode, model, fns, errors, ops)
+    if added:
+        return Verdict(family, mode, "error", added, ops)
     got_low, want_low = ({k: d.pop(k) for k in LOW_PRECISION if k in d} for d in (got, want))
     bad = _compare(got, want)
     earned = ""
@@ -882,6 +886,34 @@ def _check(family: str, mode: str, device, only, variant) -> Verdict:
     if moved:
         notes.append(moved)
     return Verdict(family, mode, "exact", "; ".join(notes), ops)
+
+
+@contextlib.contextmanager
+def _graph_breaks():
+    """Dynamo's graph breaks, by reason, while the block runs (a Counter, filled when it ends)."""
+    from torch._dynamo.utils import counters
+
+    counter = counters["graph_break"]
+    before = collections.Counter(counter)
+    out = collections.Counter()
+    try:
+        yield out
+    finally:
+        out.update(collections.Counter(counter) - before)
+
+
+def _added_breaks(model, fns: dict, patched_breaks, checks) -> str:
+    """Empty unless the patched model's compiled steps break the graph more often than the unpatched model's
+    (compiled only to tell, when the patched ones break): then how often each, and the patch's first reason."""
+    if not patched_breaks:
+        return ""
+    with _graph_breaks() as own:
+        _checks(model, fns, only=checks)
+    if sum(patched_breaks.values()) <= sum(own.values()):
+        return ""
+    reason = next(iter(patched_breaks - own or patched_breaks)).strip().splitlines()[0]
+    return (f"the patched model's compiled steps break the graph {sum(patched_breaks.values())} times, the "
+            f"unpatched model's {sum(own.values())}: {reason}")
 
 
 @contextlib.contextmanager
