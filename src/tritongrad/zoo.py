@@ -23,7 +23,8 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 ``mode="compiled"`` runs the patched model's training step (and the packed one) under ``torch.compile``
 (``backend="aot_eager"`` off the GPU: it traces the backward with fake tensors, with the layouts a compiled
 model's backward really gets), twice: the second step must reuse the first's graphs (no recompilation) and
-give the same loss; against the unpatched model's eager step, both with SDPA attention where the
+give the same loss, and break Dynamo's graph no more often than the unpatched model's compiled step; against
+the unpatched model's eager step, both with SDPA attention where the
 family has it (as models are compiled; the mask decision ``causal_mask`` replaces is made only there); where the
 patched compiled step fails, the unpatched model's compiled step tells whether the family itself does not
 compile.
