@@ -25,18 +25,28 @@ S = T K pairs), the sort and the weights; post and the gathered x are made again
 pass, a gather). Autograd on transformers' function keeps the gathered x [S, H], pre, post [S, I] and y
 [S, H] besides. dx sums each token's K rows in token order in float32 (deterministic; autograd's gather
 backward accumulates them in place). Eager, pre's gradient is written over pre where the graph is not kept.
+
+Eager on Triton's path, the elementwise work between the backward's products is two kernels
+(kernels._experts_bwd_kernel, kernels._rows_sum_kernel): dw, dpost and dpre in one pass over pre and G
+(post made again in registers, rounded as stored), and dx's gather and sum in one; the PyTorch ops take six
+passes and three float32 copies of [S, I] for the same. Traced, the backward is those PyTorch ops, which
+Inductor fuses itself.
 docs/swiglu-rope.md#moe-experts.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..._pattern import _tracing
+from ... import _runtime as rt
+from ..._pattern import _tracing, kernel
+from . import kernels
+from . import plans as P
 from .launch import GELU_APPROXIMATIONS, _graph_kept, gate_grads, geglu, swiglu
 
 APPROXIMATIONS = (None, *GELU_APPROXIMATIONS)  # None: SiLU (swiglu); "none", "tanh": GELU's (geglu)
@@ -96,6 +106,51 @@ def _weight_grad(a: torch.Tensor, d: torch.Tensor, offs: torch.Tensor, weight: t
     return _weight_grad_loop(a, d, offs, weight.shape[0])
 
 
+_bwd_kernel = kernel(kernels._experts_bwd_kernel)
+_rows_sum_kernel = kernel(kernels._rows_sum_kernel)
+
+
+def _acc(*tensors: torch.Tensor):
+    return rt.tl_acc_dtype(functools.reduce(torch.promote_types, (t.dtype for t in tensors)))
+
+
+def _one_pass(device) -> bool:
+    """Whether the backward takes its one-pass kernels: eager, on Triton's path."""
+    return not _tracing() and rt.uses_triton(device)
+
+
+def _fused_grads(pre, G, w_g, approximate, need_dw: bool, need_dpre: bool, out, dw_dtype):
+    """``(dpre [S, 2I] or None, dw [S] or None)`` in one pass over pre and G (kernels._experts_bwd_kernel):
+    what ``G * post`` summed, ``G * w`` and gate_grads take in six passes; dpre written into ``out`` if given."""
+    S, I2 = pre.shape
+    G = G if G.stride(-1) == 1 else G.contiguous()
+    dpre = (out if out is not None else torch.empty_like(pre, memory_format=torch.contiguous_format)) \
+        if need_dpre else None
+    dw = torch.empty(S, dtype=dw_dtype, device=pre.device) if need_dw else None
+    if S:
+        t = P.tile(rt.hint(S), I2 // 2, pre.element_size(), P.table())
+        act = kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
+        _bwd_kernel[(rt.cdiv(S, t.BLOCK_N),)](
+            pre, G, w_g, dpre if need_dpre else pre, dw if need_dw else w_g, S, I2 // 2, pre.stride(0), G.stride(0),
+            (dpre if need_dpre else pre).stride(0), BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DPRE=need_dpre,
+            HAS_DW=need_dw, ACT=act, ACC=_acc(pre, G, w_g), num_warps=t.num_warps)
+    return dpre, dw
+
+
+def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """``src[idx].view(-1, K, D).sum(1)`` in float32 (float64 for float64), k in order, rounded once to dtype,
+    without the gathered copy (kernels._rows_sum_kernel)."""
+    SK, D = src.shape
+    N = SK // K
+    out = torch.empty((N, D), dtype=dtype, device=src.device)
+    if out.numel():
+        t = P.tile(rt.hint(N), D, src.element_size(), P.table())
+        _rows_sum_kernel[(rt.cdiv(N, t.BLOCK_N), rt.cdiv(D, t.BLOCK_D))](
+            src, idx, out, N, D, src.stride(0), K=K, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACC=_acc(src, out),
+            num_warps=t.num_warps)
+    return out
+
+
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed):
@@ -133,29 +188,41 @@ class _GroupedExperts(torch.autograd.Function):
         moe = _moe()
         T, H = x.shape
         gate, up = pre.chunk(2, dim=-1)
-        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+        # Eager on Triton's path, one kernel takes dw, dpost and dpre in a pass over pre and G; traced (Inductor
+        # fuses them itself) or off Triton, PyTorch ops and gate_grads.
+        fused = _one_pass(pre.device)
+        post = None
+        if need_d or not fused:
+            post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
         d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
         b_d = _weights(down_proj, is_transposed)  # [E, I, H]
         # G = d B_d^T feeds dw and dpost; the down weight's gradient needs d alone.
         G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_x or need_gu else None
-        dx = dw = dgu = dd = None
-        if need_w:
-            acc = torch.promote_types(wdtype, torch.float32)
-            dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
-            dw = torch.empty_like(dw_g)
-            dw[perm] = dw_g
-            dw = dw.view(wshape)
+        dx = dw = dgu = dd = dpre = dw_g = None
         if need_d:
             dy = (d * w_g.unsqueeze(-1)).to(ydtype)
             # In the weight's own layout: [E, I, H] where transposed, else [E, H, I].
             dd = _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
             del dy
         del d  # the rows' upstream gradient, [S, H]: not read below
-        if need_x or need_gu:
-            dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
-            # Over pre where nothing reads it again: eager, the graph not kept, pre handed back as it was saved.
-            reuse = ctx.pre is not None and ctx.pre() is pre and not _tracing() and not _graph_kept()
-            dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
+        # Over pre where nothing reads it again: eager, the graph not kept, pre handed back as it was saved.
+        reuse = ctx.pre is not None and ctx.pre() is pre and not _tracing() and not _graph_kept()
+        if fused and (need_w or need_x or need_gu):
+            del post
+            dpre, dw_g = _fused_grads(pre, G, w_g, approximate, need_w, need_x or need_gu,
+                                      out=pre if reuse else None, dw_dtype=w_dtype)
+        else:
+            if need_w:
+                acc = torch.promote_types(wdtype, torch.float32)
+                dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
+            if need_x or need_gu:
+                dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
+                dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
+        if need_w:
+            dw = torch.empty_like(dw_g)
+            dw[perm] = dw_g
+            dw = dw.view(wshape)
+        if dpre is not None:
             if reuse:  # any other use of pre saved for backward raises rather than reading the gradient
                 torch.autograd.graph.increment_version(pre)
             b_gu = _weights(gate_up_proj, is_transposed)  # [E, H, 2I]
@@ -165,8 +232,11 @@ class _GroupedExperts(torch.autograd.Function):
                        else _weight_grad(dpre, x_g, offs, gate_up_proj))
             if need_x:
                 dx_g = moe._grouped_mm(dpre, b_gu.transpose(-2, -1), offs)  # [S, H]
-                acc = torch.promote_types(x.dtype, torch.float32)
-                dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
+                if fused:
+                    dx = _rows_sum(dx_g, inv_perm, K, x.dtype)
+                else:
+                    acc = torch.promote_types(x.dtype, torch.float32)
+                    dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
         return dx, None, dw, dgu, dd, None, None
 
 

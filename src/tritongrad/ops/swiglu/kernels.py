@@ -207,3 +207,75 @@ def _gated_bwd_kernel(
     if HAS_DG:
         b_dg = b_dout * b_u * b_da
         tl.store(dg_ptr + o_n * stride_dg_row + o_d, round_to(b_dg, dg_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _experts_bwd_kernel(
+    pre_ptr,  # [N, 2D]: [gate | up] (the experts' gate-and-up product), unit column stride
+    G_ptr,  # [N, D], unit column stride: d out B_d^T, post's upstream before the routing weight
+    w_ptr,  # [N]: each row's routing weight
+    dpre_ptr,  # [N, 2D]: [dgate | dup], unit column stride (pre itself where written over it); HAS_DPRE
+    dw_ptr,  # [N]: the routing weight's gradient sum_d G * post; HAS_DW
+    N,
+    D,
+    stride_pre_row,
+    stride_G_row,
+    stride_dpre_row,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_DPRE: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    ACT: tl.constexpr,  # SILU, GELU or GELU_TANH
+    ACC: tl.constexpr,
+):
+    """The MoE experts' backward between its products (experts.py): per row r, post = act(gate) * up rounded
+    as it was stored, dw_r = sum_d G post, dpost = G w_r rounded to post's dtype, and the gated product's
+    gradients from dpost; a row's columns in BLOCK_D chunks, the row sum in ACC."""
+    o_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = o_n < N
+    b_w = tl.load(w_ptr + o_n, mask=row, other=0.0).to(ACC)
+    acc = tl.zeros((BLOCK_N,), dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D)
+        mask = row[:, None] & (o_d < D)[None, :]
+        p_pre = pre_ptr + o_n[:, None] * stride_pre_row + o_d[None, :]
+        b_g = tl.load(p_pre, mask=mask, other=0.0).to(ACC)
+        b_u = tl.load(p_pre + D, mask=mask, other=0.0).to(ACC)
+        b_G = tl.load(G_ptr + o_n[:, None] * stride_G_row + o_d[None, :], mask=mask, other=0.0).to(ACC)
+        b_a, b_da = _act_and_grad(b_g, ACT)
+        if HAS_DW:
+            b_post = round_to(b_a * b_u, pre_ptr.dtype.element_ty).to(ACC)
+            acc += tl.sum(b_G * b_post, axis=1)
+        if HAS_DPRE:
+            b_dpost = round_to(b_G * b_w[:, None], pre_ptr.dtype.element_ty).to(ACC)
+            p_dpre = dpre_ptr + o_n[:, None] * stride_dpre_row + o_d[None, :]
+            tl.store(p_dpre, round_to(b_dpost * b_u * b_da, dpre_ptr.dtype.element_ty), mask=mask)
+            tl.store(p_dpre + D, round_to(b_dpost * b_a, dpre_ptr.dtype.element_ty), mask=mask)
+    if HAS_DW:
+        tl.store(dw_ptr + o_n, round_to(acc, dw_ptr.dtype.element_ty), mask=row)
+
+
+@triton.jit
+def _rows_sum_kernel(
+    src_ptr,  # [N K, D], unit column stride
+    idx_ptr,  # [N K]: the row of src each (row, k) sums
+    out_ptr,  # [N, D], contiguous
+    N,
+    D,
+    stride_src_row,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """out_n = sum_k src[idx[n K + k]], k in order, in ACC, rounded once: a gather and a sum in one pass."""
+    pid_d = tl.program_id(1)
+    o_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    row = o_n < N
+    mask = row[:, None] & (o_d < D)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+    for k in tl.static_range(K):
+        r = tl.load(idx_ptr + o_n * K + k, mask=row, other=0).to(tl.int64)
+        acc += tl.load(src_ptr + r[:, None] * stride_src_row + o_d[None, :], mask=mask, other=0.0).to(ACC)
+    tl.store(out_ptr + o_n[:, None] * D + o_d[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask)
