@@ -98,6 +98,8 @@ def _reference_norm_forward(kind: str, eps_name: str):
 def _float64(model: torch.nn.Module) -> torch.nn.Module:
     """The float64 reference: the model in float64, its RMSNorms computing in float64 too."""
     ref = copy.deepcopy(model).double()
+    if getattr(ref.config, "_experts_implementation", None) not in (None, "eager"):
+        ref.config._experts_implementation = "eager"  # grouped GEMMs take no float64
     for m in ref.modules():
         if _hf.looks_like_rms_norm(m):
             kind, eps_name = _hf.norm_kind(type(m))
@@ -892,7 +894,8 @@ def ddp_model(rank, **flags):
 FSDP_OPS = {"llama": {"rms_norm", "fused_add_rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"},
             "gemma2": {"rms_norm", "geglu", "rope", "linear_cross_entropy", "causal_mask"},
             "phi3": {"rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"},
-            "gpt_neox": {"layer_norm", "rope", "linear_cross_entropy", "causal_mask"}}  # LayerNorm, partial rotary
+            "gpt_neox": {"layer_norm", "rope", "linear_cross_entropy", "causal_mask"},  # LayerNorm, partial rotary
+            "qwen3_moe": {"rms_norm", "swiglu", "rope", "linear_cross_entropy", "causal_mask"}}  # grouped_experts
 
 
 def fsdp2_model(rank, head, tied, family="llama", compiled=False):
@@ -910,6 +913,7 @@ def fsdp2_model(rank, head, tied, family="llama", compiled=False):
     mean32, mean64 = mean_over_ranks(grads32), mean_over_ranks(grads64)
     report = tritongrad.patch(model)
     assert FSDP_OPS[family] <= set(report.ops()), (family, report)
+    assert family != "qwen3_moe" or "grouped_experts" in str(report), report
     for layer in model.base_model.layers:
         if compiled:
             layer.compile(backend="aot_eager" if DEVICE == "cpu" else "inductor", fullgraph=True)
@@ -981,6 +985,7 @@ def main(rank, path):
         fsdp2_model(rank, "root", False, "gemma2")
         fsdp2_model(rank, "root", False, "phi3")
         fsdp2_model(rank, "root", False, "gpt_neox")
+        fsdp2_model(rank, "root", False, "qwen3_moe")
         fsdp2_model(rank, "root", False, compiled=True)
         ddp_model(rank)
         ddp_model(rank, cross_entropy=True, linear_cross_entropy=False)
@@ -1000,6 +1005,8 @@ if __name__ == "__main__":
         from transformers.models.gemma2 import modeling_gemma2  # noqa: F401
         from transformers.models.phi3 import modeling_phi3  # noqa: F401
         from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: F401
+        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+        from transformers.integrations import moe  # noqa: F401
         gc.collect()
         gc.freeze()  # what both ranks share stays shared, and their collector does not walk it
     mp.start_processes(main, args=(tempfile.mktemp(),), nprocs=2, start_method="fork" if DEVICE == "cpu" else "spawn")
@@ -1014,8 +1021,8 @@ def test_two_ranks_dtensor_weight_fsdp2_and_ddp(device, tmp_path):
     # (called outside its FSDP unit) is gathered, and its gradient, different on each rank, comes back averaged,
     # as FSDP2 averages. linear_cross_entropy under a sharded LM head (on GPUs at a real size too) gets the
     # unsharded gradients. A tiny Llama patched with every op and fully_shard-ed (the LM head in the root's
-    # unit, in its own unit, and tied to the embedding), Gemma 2, Phi3 and GPT-NeoX (the ops Llama does not
-    # have: FSDP_OPS), and under DDP (the loss from hidden states, and on the logits), gives each rank the
+    # unit, in its own unit, and tied to the embedding), Gemma 2, Phi3, GPT-NeoX and Qwen3-MoE (the ops Llama
+    # does not have, the MoE's experts through grouped_experts: FSDP_OPS), and under DDP (the loss from hidden states, and on the logits), gives each rank the
     # unpatched model's loss and the mean of its gradients over ranks.
     pytest.importorskip("torch.distributed.tensor")
     pytest.importorskip("torch.distributed.fsdp").fully_shard
