@@ -332,3 +332,23 @@ def test_one_pass_backward_equals_the_pytorch_ops(dtype, approximate, K, monkeyp
             assert _rel(a, b) < (1e-6 if dtype == torch.float32 else 8e-3), name
         else:
             assert torch.equal(a, b), (name, _rel(a, b))
+
+
+def test_one_pass_backward_reads_a_strided_pre(monkeypatch):
+    """A saved-tensor hook may hand the backward pre in another layout (here column-major): the one-pass
+    kernel, which reads unit columns, gets gradients equal to those of pre as saved."""
+    mod = _Experts(4, 64, 40, torch.float32)
+    idx, w = _routing(17, 4, 2, torch.float32)
+    x = torch.randn(17, 64, device=DEVICE)
+    g = torch.randn(17, 64, device=DEVICE)
+
+    def grads(unpack):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            out = mod.ours(xs, idx, ws)
+        return torch.autograd.grad(out, (xs, ws, mod.gate_up_proj, mod.down_proj), g)
+
+    want = grads(lambda t: t)
+    got = grads(lambda t: t.t().contiguous().t() if t.dim() == 2 and t.shape[-1] == 80 else t)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

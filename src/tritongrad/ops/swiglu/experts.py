@@ -124,6 +124,8 @@ def _fused_grads(pre, G, w_g, approximate, need_dw: bool, need_dpre: bool, out, 
     what ``G * post`` summed, ``G * w`` and gate_grads take in six passes; dpre written into ``out`` if given."""
     S, I2 = pre.shape
     G = G if G.stride(-1) == 1 else G.contiguous()
+    if pre.stride(-1) != 1:  # the kernel reads unit columns (a saved-tensor hook may hand back another layout)
+        pre, out = pre.contiguous(), None
     dpre = (out if out is not None else torch.empty_like(pre, memory_format=torch.contiguous_format)) \
         if need_dpre else None
     dw = torch.empty(S, dtype=dw_dtype, device=pre.device) if need_dw else None
