@@ -142,6 +142,7 @@ def _fused_grads(pre, G, w_g, approximate, need_dw: bool, need_dpre: bool, out, 
 def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
     """``src[idx].view(-1, K, D).sum(1)`` in float32 (float64 for float64), k in order, rounded once to dtype,
     without the gathered copy (kernels._rows_sum_kernel)."""
+    src = src if src.stride(-1) == 1 else src.contiguous()  # the kernel reads unit columns
     SK, D = src.shape
     N = SK // K
     out = torch.empty((N, D), dtype=dtype, device=src.device)
