@@ -642,6 +642,22 @@ def test_a_patched_path_that_breaks_the_graph_is_an_error_compiled(monkeypatch):
     assert v.status == "error" and "break the graph" in v.detail and "unpatched model's 0" in v.detail, v.line()
 
 
+def test_a_module_wide_patch_that_breaks_the_graph_is_an_error_compiled(monkeypatch):
+    # rope replaces the family module's apply_rotary_pos_emb, which the unpatched model also calls while the
+    # patch is on: its compiled steps are counted after unpatch, else both sides break alike.
+    import tritongrad
+
+    rotary = tritongrad.apply_rotary_pos_emb
+
+    def breaking(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return rotary(*args, **kwargs)
+
+    monkeypatch.setattr(tritongrad, "apply_rotary_pos_emb", breaking)
+    v = zoo.check("llama", "compiled", only=("loss",))
+    assert v.status == "error" and "break the graph" in v.detail and "unpatched model's 0" in v.detail, v.line()
+
+
 def test_a_familys_own_graph_break_is_not_the_patchs_compiled(monkeypatch):
     # A break in the family's own base model, which patch leaves alone, breaks both models' graphs alike.
     import functools
