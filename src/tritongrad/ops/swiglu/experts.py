@@ -36,7 +36,6 @@ docs/swiglu-rope.md#moe-experts.
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 
@@ -110,10 +109,6 @@ _bwd_kernel = kernel(kernels._experts_bwd_kernel)
 _rows_sum_kernel = kernel(kernels._rows_sum_kernel)
 
 
-def _acc(*tensors: torch.Tensor):
-    return rt.tl_acc_dtype(functools.reduce(torch.promote_types, (t.dtype for t in tensors)))
-
-
 def _one_pass(device) -> bool:
     """Whether the backward takes its one-pass kernels: eager, on Triton's path."""
     return not _tracing() and rt.uses_triton(device)
@@ -135,7 +130,7 @@ def _fused_grads(pre, G, w_g, approximate, need_dw: bool, need_dpre: bool, out, 
         _bwd_kernel[(rt.cdiv(S, t.BLOCK_N),)](
             pre, G, w_g, dpre if need_dpre else pre, dw if need_dw else w_g, S, I2 // 2, pre.stride(0), G.stride(0),
             (dpre if need_dpre else pre).stride(0), BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DPRE=need_dpre,
-            HAS_DW=need_dw, ACT=act, ACC=_acc(pre, G, w_g), num_warps=t.num_warps)
+            HAS_DW=need_dw, ACT=act, ACC=rt.tl_acc_dtype(rt.acc_of(pre, G, w_g)), num_warps=t.num_warps)
     return dpre, dw
 
 
@@ -149,7 +144,7 @@ def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) 
     if out.numel():
         t = P.tile(rt.hint(N), D, src.element_size(), P.table())
         _rows_sum_kernel[(rt.cdiv(N, t.BLOCK_N), rt.cdiv(D, t.BLOCK_D))](
-            src, idx, out, N, D, src.stride(0), K=K, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACC=_acc(src, out),
+            src, idx, out, N, D, src.stride(0), K=K, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACC=rt.tl_acc_dtype(rt.acc_of(src, out)),
             num_warps=t.num_warps)
     return out
 
