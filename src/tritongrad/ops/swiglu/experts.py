@@ -170,7 +170,10 @@ class _GroupedExperts(torch.autograd.Function):
         weighted = y * w_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm)
         inv_perm[perm] = torch.arange(perm.size(0), device=x.device)
-        out = weighted[inv_perm].view(T, K, H).sum(dim=1).to(x.dtype)
+        out = weighted[inv_perm].view(T, K, H).sum(dim=1)
+        # No .to that returns its input: Dynamo (2.11) hands the function's intermediates back beside its output,
+        # and an output that aliases one of them gets no gradient (docs/swiglu-rope.md#moe-experts).
+        out = out if out.dtype == x.dtype else out.to(x.dtype)
         ctx.save_for_backward(x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs)
         # Eager, the backward may write pre's gradient over pre, its own buffer, when it gets that very tensor.
         ctx.pre = None if torch.compiler.is_compiling() else weakref.ref(pre)
