@@ -327,6 +327,35 @@ def test_compiled_gradients_are_the_eager_ones(dtype):
         assert b.abs().max() > 0 and _rel(a, b) <= tol, (name, _rel(a, b))
 
 
+def test_compiled_backward_saves_what_eager_saves():
+    """Compiled (Inductor's partitioner), the forward saves for the backward what the function saves: the
+    gate-and-up product [S, 2I], not the gathered rows [S, H] nor the gated product [S, I], which the backward
+    makes again. As PyTorch ops in the graph, they are inputs of grouped products, which the partitioner saves
+    rather than recompute."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    T, H, I, E, K = 29, 40, 24, 4, 2
+    mod = _Experts(E, H, I, torch.float32)
+    idx, w = _routing(T, E, K, torch.float32)
+    x = torch.randn(T, H, device=DEVICE, requires_grad=True)
+    saved = []
+
+    def fw(gm, _):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved.extend(tuple(v.meta["val"].shape) for v in outputs[1:] if isinstance(v, torch.fx.Node)
+                     and isinstance(v.meta.get("val"), torch.Tensor))
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: gm.forward,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(lambda x, w: mod.ours(x, idx, w), backend=backend, fullgraph=True)(x, w.requires_grad_())
+    S = T * K
+    rows = [shape for shape in saved if len(shape) == 2 and shape[0] == S]  # the pairs' [S, features] tensors
+    assert sum(f for _, f in rows) == 2 * I, saved
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("approximate", [None, "tanh", "none"], ids=str)
 @pytest.mark.parametrize("K", [1, 3])

@@ -26,11 +26,12 @@ pass, a gather). Autograd on transformers' function keeps the gathered x [S, H],
 [S, H] besides. dx sums each token's K rows in token order in float32 (deterministic; autograd's gather
 backward accumulates them in place). Eager, pre's gradient is written over pre where the graph is not kept.
 
-Eager on Triton's path, the elementwise work between the backward's products is two kernels
+On Triton's path, the elementwise work between the backward's products is two kernels
 (kernels._experts_bwd_kernel, kernels._rows_sum_kernel): dw, dpost and dpre in one pass over pre and G
 (post made again in registers, rounded as stored), and dx's gather and sum in one; the PyTorch ops take six
-passes and three float32 copies of [S, I] for the same. Traced, the backward is those PyTorch ops, which
-Inductor fuses itself.
+passes and three float32 copies of [S, I] for the same. Traced, the backward is one custom op around the
+same code, so that the partitioner saves what the function saves, not the rows and the gated product it
+makes again.
 docs/swiglu-rope.md#moe-experts.
 """
 
@@ -58,8 +59,9 @@ def _moe():
     """``transformers.integrations.moe``, imported once outside any trace (``patch`` and every eager call resolve
     it): an import inside torch.compile's trace breaks the graph where Dynamo refuses transformers' lazy modules."""
     if _MOE[0] is None:
-        from transformers.integrations import moe
-
+        moe = sys.modules.get("transformers.integrations.moe")  # imported already: no import while traced
+        if moe is None:
+            from transformers.integrations import moe
         _MOE[0] = moe
     return _MOE[0]
 
@@ -110,7 +112,8 @@ _rows_sum_kernel = kernel(kernels._rows_sum_kernel)
 
 
 def _one_pass(device) -> bool:
-    """Whether the backward takes its one-pass kernels: eager, on Triton's path."""
+    """Whether the backward takes its one-pass kernels: run, not traced (eager, or the backward op of a
+    compiled graph), on Triton's path."""
     return not _tracing() and rt.uses_triton(device)
 
 
@@ -149,6 +152,84 @@ def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) 
     return out
 
 
+def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs, approximate, is_transposed,
+           K, wdtype, ydtype, w_dtype, needs, reuse):
+    """``(dx, dw, dgu, dd)``, None where ``needs`` (x, weights, gate_up_proj, down_proj) says no; pre's gradient
+    written over pre where ``reuse``."""
+    need_x, need_w, need_gu, need_d = needs
+    moe = _moe()
+    T, H = x.shape
+    gate, up = pre.chunk(2, dim=-1)
+    # On Triton's path, one kernel takes dw, dpost and dpre in a pass over pre and G; off it, PyTorch ops and
+    # gate_grads.
+    fused = _one_pass(pre.device)
+    post = None
+    if need_d or not fused:
+        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+    d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
+    b_d = _weights(down_proj, is_transposed)  # [E, I, H]
+    # G = d B_d^T feeds dw and dpost; the down weight's gradient needs d alone.
+    G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_x or need_gu else None
+    dx = dw = dgu = dd = dpre = dw_g = None
+    if need_d:
+        dy = (d * w_g.unsqueeze(-1)).to(ydtype)
+        # In the weight's own layout: [E, I, H] where transposed, else [E, H, I].
+        dd = _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
+        del dy
+    del d  # the rows' upstream gradient, [S, H]: not read below
+    if fused and (need_w or need_x or need_gu):
+        del post
+        dpre, dw_g = _fused_grads(pre, G, w_g, approximate, need_w, need_x or need_gu,
+                                  out=pre if reuse else None, dw_dtype=w_dtype)
+    else:
+        if need_w:
+            acc = torch.promote_types(wdtype, torch.float32)
+            dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
+        if need_x or need_gu:
+            dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
+            dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
+    if need_w:
+        dw = torch.empty_like(dw_g)
+        dw[perm] = dw_g
+        dw = dw.view(T, K)
+    if dpre is not None:
+        if reuse:  # any other use of pre saved for backward raises rather than reading the gradient
+            torch.autograd.graph.increment_version(pre)
+        b_gu = _weights(gate_up_proj, is_transposed)  # [E, H, 2I]
+        if need_gu:
+            x_g = x[tokens]
+            dgu = (_weight_grad(x_g, dpre, offs, gate_up_proj) if is_transposed
+                   else _weight_grad(dpre, x_g, offs, gate_up_proj))
+        if need_x:
+            dx_g = moe._grouped_mm(dpre, b_gu.transpose(-2, -1), offs)  # [S, H]
+            if fused:
+                dx = _rows_sum(dx_g, inv_perm, K, x.dtype)
+            else:
+                acc = torch.promote_types(x.dtype, torch.float32)
+                dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
+    return dx, dw, dgu, dd
+
+
+@torch.library.custom_op("tritongrad::grouped_experts_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                 pre: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor, tokens: torch.Tensor,
+                 w_g: torch.Tensor, offs: torch.Tensor, approximate: str | None, is_transposed: bool, K: int,
+                 wdtype: torch.dtype, ydtype: torch.dtype, w_dtype: torch.dtype,
+                 needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward traced: :func:`_grads` (pre not overwritten), an empty tensor for a gradient not needed."""
+    grads = _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs, approximate,
+                   is_transposed, K, wdtype, ydtype, w_dtype, needs, False)
+    return tuple(g.contiguous() if g is not None else x.new_empty(0) for g in grads)
+
+
+@_backward_op.register_fake
+def _(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs, approximate, is_transposed, K,
+      wdtype, ydtype, w_dtype, needs):
+    shapes = ((x.shape, x.dtype), ((x.shape[0], K), w_dtype), (gate_up_proj.shape, gate_up_proj.dtype),
+              (down_proj.shape, down_proj.dtype))
+    return tuple(x.new_empty(shape, dtype=dtype) if n else x.new_empty(0) for (shape, dtype), n in zip(shapes, needs))
+
+
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed):
@@ -177,67 +258,27 @@ class _GroupedExperts(torch.autograd.Function):
         ctx.save_for_backward(x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs)
         # Eager, the backward may write pre's gradient over pre, its own buffer, when it gets that very tensor.
         ctx.pre = None if torch.compiler.is_compiling() else weakref.ref(pre)
-        ctx.meta = (approximate, is_transposed, K, weighted.dtype, y.dtype, top_k_weights.shape, top_k_weights.dtype)
+        ctx.meta = (approximate, is_transposed, K, weighted.dtype, y.dtype, top_k_weights.dtype)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs = ctx.saved_tensors
-        approximate, is_transposed, K, wdtype, ydtype, wshape, w_dtype = ctx.meta
+        approximate, is_transposed, K, wdtype, ydtype, w_dtype = ctx.meta
         need_x, _, need_w, need_gu, need_d = ctx.needs_input_grad[:5]
-        moe = _moe()
-        T, H = x.shape
-        gate, up = pre.chunk(2, dim=-1)
-        # Eager on Triton's path, one kernel takes dw, dpost and dpre in a pass over pre and G; traced (Inductor
-        # fuses them itself) or off Triton, PyTorch ops and gate_grads.
-        fused = _one_pass(pre.device)
-        post = None
-        if need_d or not fused:
-            post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
-        d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
-        b_d = _weights(down_proj, is_transposed)  # [E, I, H]
-        # G = d B_d^T feeds dw and dpost; the down weight's gradient needs d alone.
-        G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_x or need_gu else None
-        dx = dw = dgu = dd = dpre = dw_g = None
-        if need_d:
-            dy = (d * w_g.unsqueeze(-1)).to(ydtype)
-            # In the weight's own layout: [E, I, H] where transposed, else [E, H, I].
-            dd = _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
-            del dy
-        del d  # the rows' upstream gradient, [S, H]: not read below
-        # Over pre where nothing reads it again: eager, the graph not kept, pre handed back as it was saved.
-        reuse = ctx.pre is not None and ctx.pre() is pre and not _tracing() and not _graph_kept()
-        if fused and (need_w or need_x or need_gu):
-            del post
-            dpre, dw_g = _fused_grads(pre, G, w_g, approximate, need_w, need_x or need_gu,
-                                      out=pre if reuse else None, dw_dtype=w_dtype)
+        needs = [need_x, need_w, need_gu, need_d]
+        args = (dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs, approximate, is_transposed,
+                K, wdtype, ydtype, w_dtype, needs)
+        if _tracing():
+            # One op, opaque to the partitioner: the gathered rows and the gated product it makes again would
+            # otherwise be saved from the forward, being inputs of products (docs/swiglu-rope.md#moe-experts).
+            grads = _backward_op(*args)
+            dx, dw, dgu, dd = (g if n else None for g, n in zip(grads, needs))
         else:
-            if need_w:
-                acc = torch.promote_types(wdtype, torch.float32)
-                dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
-            if need_x or need_gu:
-                dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
-                dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
-        if need_w:
-            dw = torch.empty_like(dw_g)
-            dw[perm] = dw_g
-            dw = dw.view(wshape)
-        if dpre is not None:
-            if reuse:  # any other use of pre saved for backward raises rather than reading the gradient
-                torch.autograd.graph.increment_version(pre)
-            b_gu = _weights(gate_up_proj, is_transposed)  # [E, H, 2I]
-            if need_gu:
-                x_g = x[tokens]
-                dgu = (_weight_grad(x_g, dpre, offs, gate_up_proj) if is_transposed
-                       else _weight_grad(dpre, x_g, offs, gate_up_proj))
-            if need_x:
-                dx_g = moe._grouped_mm(dpre, b_gu.transpose(-2, -1), offs)  # [S, H]
-                if fused:
-                    dx = _rows_sum(dx_g, inv_perm, K, x.dtype)
-                else:
-                    acc = torch.promote_types(x.dtype, torch.float32)
-                    dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
+            # Over pre where nothing reads it again: the graph not kept, pre handed back as it was saved.
+            reuse = ctx.pre is not None and ctx.pre() is pre and not _graph_kept()
+            dx, dw, dgu, dd = _grads(*args, reuse)
         return dx, None, dw, dgu, dd, None, None
 
 
