@@ -178,7 +178,7 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
         del dy
     del d  # the rows' upstream gradient, [S, H]: not read below
     if fused and (need_w or need_x or need_gu):
-        del post
+        post = None  # made again in the kernel's registers
         dpre, dw_g = _fused_grads(pre, G, w_g, approximate, need_w, need_x or need_gu,
                                   out=pre if reuse else None, dw_dtype=w_dtype)
     else:
@@ -188,6 +188,8 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
         if need_x or need_gu:
             dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
             dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
+            del dpost
+    del G, post  # [S, I] each: not read below
     if need_w:
         dw = torch.empty_like(dw_g)
         dw[perm] = dw_g
@@ -200,6 +202,7 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
             x_g = x[tokens]
             dgu = (_weight_grad(x_g, dpre, offs, gate_up_proj) if is_transposed
                    else _weight_grad(dpre, x_g, offs, gate_up_proj))
+            del x_g  # [S, H]: not read by dx's product
         if need_x:
             dx_g = moe._grouped_mm(dpre, b_gu.transpose(-2, -1), offs)  # [S, H]
             if fused:
