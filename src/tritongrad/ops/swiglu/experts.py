@@ -147,8 +147,8 @@ def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) 
     if out.numel():
         t = P.tile(rt.hint(N), D, src.element_size(), P.table())
         _rows_sum_kernel[(rt.cdiv(N, t.BLOCK_N), rt.cdiv(D, t.BLOCK_D))](
-            src, idx, out, N, D, src.stride(0), K=K, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, ACC=rt.tl_acc_dtype(rt.acc_of(src, out)),
-            num_warps=t.num_warps)
+            src, idx, out, N, D, src.stride(0), K=K, BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D,
+            ACC=rt.tl_acc_dtype(rt.acc_of(src, out)), num_warps=t.num_warps)
     return out
 
 
