@@ -421,3 +421,54 @@ def test_one_pass_backward_reads_a_strided_pre(monkeypatch):
     got = grads(lambda t: t.t().contiguous().t() if t.dim() == 2 and t.shape[-1] == 80 else t)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_retained_graph_gets_the_same_gradients_twice(dtype):
+    """With the graph kept, pre's gradient is a buffer of its own and the down weight's gradient comes last; the
+    gradients are those of a backward that writes over pre, bit for bit, and again on the second backward."""
+    mod = _Experts(5, 64, 40, dtype, approximate="tanh")
+    idx, w = _routing(31, 5, 2, dtype)
+    x = torch.randn(31, 64, device=DEVICE).to(dtype)
+    g = torch.randn(31, 64, device=DEVICE).to(dtype)
+    params = (mod.gate_up_proj, mod.down_proj)
+
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.autograd.grad(mod.ours(xs, idx, ws), (xs, ws, *params), g)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = mod.ours(xs, idx, ws)
+    for _ in range(2):
+        got = torch.autograd.grad(out, (xs, ws, *params), g, retain_graph=True)
+        for name, a, b in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), got, want):
+            assert torch.equal(a, b), (name, _rel(a, b))
+
+
+def _backward_peak(T, H, I, E, K, reuse):
+    """Bytes the backward allocates above what it starts with, at its peak, and its plan's figure: eager (pre's
+    gradient over pre) ``max(S (H + 2I) + E I H, S H + T H + 3 E I H)`` elements; with pre's gradient a buffer of
+    its own, ``max(2 S I + S H + T H + 2 E I H, S (H + I) + T H + 3 E I H)`` (docs/swiglu-rope.md#moe-experts)."""
+    mod = _Experts(E, H, I, torch.bfloat16)
+    idx, w = _routing(T, E, K, torch.bfloat16)
+    x = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    S, EIH = T * K, E * I * H
+    plan = (max(S * (H + 2 * I) + EIH, S * H + T * H + 3 * EIH) if reuse
+            else max(2 * S * I + S * H + T * H + 2 * EIH, S * (H + I) + T * H + 3 * EIH))
+    for _ in range(2):  # the first call makes the products' workspaces
+        out = mod.ours(x, idx, w.clone().requires_grad_())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(out, (x, mod.gate_up_proj, mod.down_proj), g, retain_graph=not reuse)
+        peak = torch.cuda.max_memory_allocated() - start
+        del out, grads
+    return peak, plan * 2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the caching allocator's peak")
+@pytest.mark.parametrize("reuse", [True, False], ids=["over-pre", "kept-graph"])
+def test_the_backward_peak_is_its_plan(reuse):
+    """The backward's transient buffers follow the plan in _grads: never the rows, their weighted copy, the
+    gated product and the down weight's gradient at once, nor pre's own gradient beside the down weight's."""
+    peak, plan = _backward_peak(8192, 256, 256, 4, 2, reuse)
+    assert peak <= plan + 2**20, (peak / 2**20, plan / 2**20)

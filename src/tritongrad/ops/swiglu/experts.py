@@ -152,40 +152,48 @@ def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) 
     return out
 
 
+def _down_grad(d, w_g, post, pre, approximate, offs, down_proj, is_transposed, ydtype):
+    """B_d's gradient, ``post^T (w d)`` per expert, in the weight's own layout ([E, I, H] where transposed, else
+    [E, H, I]); ``w d`` is written over d (the caller's own gather), post made again from pre if None."""
+    if post is None:
+        gate, up = pre.chunk(2, dim=-1)
+        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+    dy = d.mul_(w_g.unsqueeze(-1)).to(ydtype)  # d's dtype is promote(y, w): the product's rounding, in place
+    return _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
+
+
 def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs, approximate, is_transposed,
            K, wdtype, ydtype, w_dtype, needs, reuse):
     """``(dx, dw, dgu, dd)``, None where ``needs`` (x, weights, gate_up_proj, down_proj) says no; pre's gradient
     written over pre where ``reuse``."""
     need_x, need_w, need_gu, need_d = needs
+    need_dpre = need_x or need_gu
     moe = _moe()
     T, H = x.shape
     gate, up = pre.chunk(2, dim=-1)
     # On Triton's path, one kernel takes dw, dpost and dpre in a pass over pre and G; off it, PyTorch ops and
     # gate_grads.
     fused = _one_pass(pre.device)
-    post = None
-    if need_d or not fused:
-        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+    post = None if fused else (swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate))
+    # Where pre's gradient is a buffer of its own, the down weight's gradient comes after it is freed, so that
+    # their buffers are never alive together (docs/swiglu-rope.md#moe-experts).
+    down_last = need_d and need_dpre and not reuse
     d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
     b_d = _weights(down_proj, is_transposed)  # [E, I, H]
     # G = d B_d^T feeds dw and dpost; the down weight's gradient needs d alone.
-    G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_x or need_gu else None
+    G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_dpre else None
     dx = dw = dgu = dd = dpre = dw_g = None
-    if need_d:
-        dy = (d * w_g.unsqueeze(-1)).to(ydtype)
-        # In the weight's own layout: [E, I, H] where transposed, else [E, H, I].
-        dd = _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
-        del dy
-    del d  # the rows' upstream gradient, [S, H]: not read below
-    if fused and (need_w or need_x or need_gu):
-        post = None  # made again in the kernel's registers
-        dpre, dw_g = _fused_grads(pre, G, w_g, approximate, need_w, need_x or need_gu,
-                                  out=pre if reuse else None, dw_dtype=w_dtype)
+    if need_d and not down_last:
+        dd = _down_grad(d, w_g, post, pre, approximate, offs, down_proj, is_transposed, ydtype)
+    del d  # not read below
+    if fused and (need_w or need_dpre):
+        dpre, dw_g = _fused_grads(pre, G, w_g, approximate, need_w, need_dpre, out=pre if reuse else None,
+                                  dw_dtype=w_dtype)
     else:
         if need_w:
             acc = torch.promote_types(wdtype, torch.float32)
             dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
-        if need_x or need_gu:
+        if need_dpre:
             dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
             dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
             del dpost
@@ -210,6 +218,11 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
             else:
                 acc = torch.promote_types(x.dtype, torch.float32)
                 dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
+            del dx_g
+        del dpre
+    if down_last:  # the rows gathered again: a pass over [S, H] for not holding them across pre's gradient
+        dd = _down_grad(dout.to(wdtype)[tokens], w_g, None, pre, approximate, offs, down_proj, is_transposed,
+                        ydtype)
     return dx, dw, dgu, dd
 
 
