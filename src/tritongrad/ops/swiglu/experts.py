@@ -56,13 +56,13 @@ _MOE = [sys.modules.get("transformers.integrations.moe")]
 
 
 def _moe():
-    """``transformers.integrations.moe``, imported once outside any trace (``patch`` and every eager call resolve
-    it): an import inside torch.compile's trace breaks the graph where Dynamo refuses transformers' lazy modules."""
+    """``transformers.integrations.moe``, imported once (``patch`` and every eager call resolve it). Where the
+    first call is traced, the import names the module itself: Dynamo refuses transformers' lazy packages as an
+    import's result (torch 2.11: a graph break), and a look into sys.modules before the import is a guard that
+    the import then fails (torch 2.13: an internal error)."""
     if _MOE[0] is None:
-        moe = sys.modules.get("transformers.integrations.moe")  # imported already: no import while traced
-        if moe is None:
-            from transformers.integrations import moe
-        _MOE[0] = moe
+        from transformers.integrations.moe import _grouped_mm
+        _MOE[0] = sys.modules[_grouped_mm.__module__]
     return _MOE[0]
 
 
