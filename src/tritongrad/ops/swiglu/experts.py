@@ -175,15 +175,13 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
     # gate_grads.
     fused = _one_pass(pre.device)
     post = None if fused else (swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate))
-    # Where pre's gradient is a buffer of its own, the down weight's gradient comes after it is freed, so that
-    # their buffers are never alive together (docs/swiglu-rope.md#moe-experts).
-    down_last = need_d and need_dpre and not reuse
     d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
     b_d = _weights(down_proj, is_transposed)  # [E, I, H]
-    # G = d B_d^T feeds dw and dpost; the down weight's gradient needs d alone.
+    # G = d B_d^T feeds dw and dpost; then the down weight's gradient, its w d written over d, so that d, w d, G
+    # and post are never alive together (docs/swiglu-rope.md#moe-experts).
     G = moe._grouped_mm(d.to(b_d.dtype), b_d.transpose(-2, -1), offs) if need_w or need_dpre else None
     dx = dw = dgu = dd = dpre = dw_g = None
-    if need_d and not down_last:
+    if need_d:
         dd = _down_grad(d, w_g, post, pre, approximate, offs, down_proj, is_transposed, ydtype)
     del d  # not read below
     if fused and (need_w or need_dpre):
@@ -218,11 +216,6 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
             else:
                 acc = torch.promote_types(x.dtype, torch.float32)
                 dx = dx_g[inv_perm].view(T, K, H).sum(dim=1, dtype=acc).to(x.dtype)
-            del dx_g
-        del dpre
-    if down_last:  # the rows gathered again: a pass over [S, H] for not holding them across pre's gradient
-        dd = _down_grad(dout.to(wdtype)[tokens], w_g, None, pre, approximate, offs, down_proj, is_transposed,
-                        ydtype)
     return dx, dw, dgu, dd
 
 
