@@ -4,10 +4,6 @@ the patched gate) bit for bit; its gradients against float64, no further from it
 transformers' function; what it keeps for the backward; every layout and activation; the patch that routes a
 model's experts through it, and the calls it leaves to transformers."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from conftest import DEVICE
@@ -309,39 +305,6 @@ def test_compiled_experts_import_nothing_while_traced(monkeypatch):
     ref_x = x.detach().requires_grad_()
     ref = experts(ref_x, idx, w.detach())
     assert torch.equal(out.detach(), ref.detach())
-
-
-_COMPILED_FIRST = """
-import sys, torch
-from torch._dynamo.utils import counters
-from tritongrad.ops.swiglu import grouped_experts
-assert "transformers.integrations.moe" not in sys.modules
-dev = sys.argv[1]
-g = torch.Generator().manual_seed(0)
-x, w = torch.randn(13, 64, generator=g).to(dev), torch.rand(13, 2, generator=g).to(dev)
-gu, dn = torch.randn(4, 64, 64, generator=g).to(dev), torch.randn(4, 64, 32, generator=g).to(dev)
-idx = torch.randint(0, 4, (13, 2), generator=g).to(dev)
-ts = [t.requires_grad_() for t in (x, w, gu, dn)]
-f = torch.compile(lambda x, w: grouped_experts(x, idx, w, gu, dn), backend="aot_eager", fullgraph=True)
-got = [f(x, w) for _ in range(2)]
-got = [(o, *torch.autograd.grad(o.square().sum(), ts)) for o in got]
-ref = grouped_experts(x, idx, w, gu, dn)
-ref = (ref, *torch.autograd.grad(ref.square().sum(), ts))
-assert all(torch.equal(a, b) for r in got for a, b in zip(r, ref)), "compiled first: not eager's"
-assert not counters["graph_break"], dict(counters["graph_break"])
-print("ok")
-"""
-
-
-def test_compiled_before_transformers_moe_is_imported():
-    """The first call of grouped_experts compiled (fullgraph), in a process that has not imported transformers'
-    MoE module: no graph break, no error, and eager's values and gradients (torch 2.13 raised an internal error,
-    2.11 broke the graph)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _COMPILED_FIRST, DEVICE], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
