@@ -262,6 +262,17 @@ def test_only_the_gradients_asked_for_and_the_same(wanted):
         assert torch.equal(got, full[i]), i
 
 
+def test_without_transformers_moe_the_error_says_what_it_needs(monkeypatch):
+    """Its grouped products are transformers' own: where that module does not import, the call says so."""
+    import sys
+
+    monkeypatch.setattr(X, "_MOE", [None])
+    monkeypatch.setitem(sys.modules, "transformers.integrations.moe", None)  # an import of it raises
+    x, gu, dn = torch.randn(5, 8), torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    with pytest.raises(ImportError, match=r"grouped_experts: .*transformers.integrations.moe"):
+        grouped_experts(x, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1), gu, dn)
+
+
 def test_torch_func_and_forward_mode_are_refused():
     """grouped_experts is an autograd.Function with neither a vmap rule nor a jvp: torch.func's transforms and
     forward-mode AD raise rather than run it wrong."""

@@ -66,6 +66,15 @@ def _moe():
     return _MOE[0]
 
 
+def _require_moe():
+    """:func:`_moe`, or an ImportError that says what the op needs."""
+    try:
+        return _moe()
+    except ImportError as e:
+        raise ImportError("grouped_experts: its grouped products are transformers' own "
+                          f"(transformers.integrations.moe, transformers 5), which does not import here: {e}") from e
+
+
 def _weights(w: torch.Tensor, is_transposed: bool) -> torch.Tensor:
     """The product's [E, in, out] operand, as transformers' ``_grouped_linear`` reads the weight."""
     return w if is_transposed else w.transpose(-2, -1)
@@ -332,6 +341,6 @@ def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                          f"down_proj {tuple(down_proj.shape)} do not make [E, 2I, H] and [E, H, I] "
                          f"(is_transposed={is_transposed}: [E, H, 2I] and [E, I, H])")
     if not torch.compiler.is_compiling():
-        _moe()
+        _require_moe()
     return _GroupedExperts.apply(x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate,
                                  is_transposed)
