@@ -456,9 +456,9 @@ def test_a_retained_graph_gets_the_same_gradients_twice(dtype):
 
 def _backward_peak(T, H, I, E, K, reuse):
     """Bytes the backward allocates above what it starts with, at its peak, and its plan's figure in elements:
-    ``S (H + 2I) + E I H`` (the rows, G, the gated product, the down weight's gradient), or with pre's gradient a
-    buffer of its own (a kept graph) ``2 S I + S H + T H + 3 E I H`` where that is more (pre's gradient, a
-    product's [S, H] output and the three weight and input gradients; docs/swiglu-rope.md#moe-experts)."""
+    ``max(S (H + 2I) + E I H, P + S H + T H + 3 E I H)``, the rows, G, the gated product and the down weight's
+    gradient, or later pre's gradient (P: 0 over pre, 2 S I a buffer of its own, in a kept graph), a product's
+    [S, H] output and the three weight and input gradients (docs/swiglu-rope.md#moe-experts)."""
     mod = _Experts(E, H, I, torch.bfloat16)
     idx, w = _routing(T, E, K, torch.bfloat16)
     x = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
