@@ -27,7 +27,8 @@ def i(high, *shape):
     return torch.randint(0, high, shape, generator=g).to(dev)
 
 
-t6, idx = i(50, 6), i(4, 13, 2)
+t6, idx, t24 = i(50, 6), i(4, 13, 2), i(50, 2, 3)
+adv, ref = torch.randn(2, generator=g).to(dev), -torch.rand(1, generator=g).to(dev)
 
 
 def cos_sin(T, R):
@@ -50,6 +51,9 @@ CASES = {  # name: (function of the tensors, tensors)
     "cross_entropy": (lambda x: tritongrad.cross_entropy(x, t6), (r(6, 50),)),
     "linear_cross_entropy": (lambda x, w: tritongrad.linear_cross_entropy(x, w, t6), (r(6, 16), r(50, 16))),
     "linear_token_logprobs": (lambda x, w: tritongrad.linear_token_logprobs(x, w, t6), (r(6, 16), r(50, 16))),
+    "linear_grpo_loss": (lambda x, w: tritongrad.linear_grpo_loss(x, w, t24, adv), (r(2, 3, 16), r(50, 16))),
+    "linear_dpo_loss": (lambda x, w: tritongrad.linear_dpo_loss(x, w, t24, ref_chosen_logps=ref,
+                                                                  ref_rejected_logps=ref), (r(2, 3, 16), r(50, 16))),
     "linear_jsd": (lambda x, w, t, tw: tritongrad.linear_jsd(x, w, t, tw), (r(6, 16), r(50, 16), r(6, 16, grad=False), r(50, 16, grad=False))),
     "linear_kl_div": (lambda x, w, t, tw: tritongrad.linear_kl_div(x, w, t, tw),
                       (r(6, 16), r(50, 16), r(6, 16, grad=False), r(50, 16, grad=False))),
