@@ -75,6 +75,12 @@ def _require_moe():
                           f"(transformers.integrations.moe, transformers 5), which does not import here: {e}") from e
 
 
+def _gated(pre: torch.Tensor, approximate: str | None) -> torch.Tensor:
+    """``act(gate) * up`` of pre's two halves: swiglu's kernel, or geglu's with ``approximate``."""
+    gate, up = pre.chunk(2, dim=-1)
+    return swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+
+
 def _weights(w: torch.Tensor, is_transposed: bool) -> torch.Tensor:
     """The product's [E, in, out] operand, as transformers' ``_grouped_linear`` reads the weight."""
     return w if is_transposed else w.transpose(-2, -1)
@@ -164,9 +170,7 @@ def _rows_sum(src: torch.Tensor, idx: torch.Tensor, K: int, dtype: torch.dtype) 
 def _down_grad(d, w_g, post, pre, approximate, offs, down_proj, is_transposed, ydtype):
     """B_d's gradient, ``post^T (w d)`` per expert, in the weight's own layout ([E, I, H] where transposed, else
     [E, H, I]); ``w d`` is written over d (the caller's own gather), post made again from pre if None."""
-    if post is None:
-        gate, up = pre.chunk(2, dim=-1)
-        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+    post = _gated(pre, approximate) if post is None else post
     dy = d.mul_(w_g.unsqueeze(-1)).to(ydtype)  # d's dtype is promote(y, w): the product's rounding, in place
     return _weight_grad(post, dy, offs, down_proj) if is_transposed else _weight_grad(dy, post, offs, down_proj)
 
@@ -179,11 +183,10 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
     need_dpre = need_x or need_gu
     moe = _moe()
     T, H = x.shape
-    gate, up = pre.chunk(2, dim=-1)
     # On Triton's path, one kernel takes dw, dpost and dpre in a pass over pre and G; off it, PyTorch ops and
     # gate_grads.
     fused = _one_pass(pre.device)
-    post = None if fused else (swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate))
+    post = None if fused else _gated(pre, approximate)
     d = dout.to(wdtype)[tokens]  # [S, H]: the pairs' rows, sorted by expert
     b_d = _weights(down_proj, is_transposed)  # [E, I, H]
     # G = d B_d^T feeds dw and dpost; then the down weight's gradient, its w d written over d, so that d, w d, G
@@ -202,7 +205,7 @@ def _grads(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, o
             dw_g = (G.to(acc) * post.to(acc)).sum(-1).to(w_dtype)
         if need_dpre:
             dpost = (G * w_g.unsqueeze(-1)).to(post.dtype)
-            dpre = gate_grads(gate, up, dpost, approximate, out=pre if reuse else None)  # [S, 2I]
+            dpre = gate_grads(*pre.chunk(2, dim=-1), dpost, approximate, out=pre if reuse else None)  # [S, 2I]
             del dpost
     del G, post  # [S, I] each: not read below
     if need_w:
@@ -263,8 +266,7 @@ class _GroupedExperts(torch.autograd.Function):
         histc_input = expert_ids_g.float() if x.device.type in ("cpu", "mps") else expert_ids_g.int()
         offs = torch.cumsum(torch.histc(histc_input, bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
         pre = moe._grouped_linear(x_g, gate_up_proj, offs, is_transposed=is_transposed)
-        gate, up = pre.chunk(2, dim=-1)
-        post = swiglu(gate, up) if approximate is None else geglu(gate, up, approximate=approximate)
+        post = _gated(pre, approximate)
         y = moe._grouped_linear(post, down_proj, offs, is_transposed=is_transposed)
         weighted = y * w_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm)
