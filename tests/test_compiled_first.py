@@ -46,6 +46,7 @@ CASES = {  # name: (function of the tensors, tensors)
     "fused_add_rms_norm": (lambda x, s, w: tritongrad.fused_add_rms_norm(x, s, w, 1e-6), (r(6, 40), r(6, 40), r(40))),
     "swiglu": (lambda a, b: tritongrad.swiglu(a, b), (r(6, 40), r(6, 40))),
     "geglu": (lambda a, b: tritongrad.geglu(a, b, approximate="tanh"), (r(6, 40), r(6, 40))),
+    "gated_linear": (lambda a, b, w: tritongrad.gated_linear(a, b, w), (r(6, 40), r(6, 40), r(24, 40))),
     "apply_rotary_pos_emb": (lambda q, k: tritongrad.apply_rotary_pos_emb(q, k, cos, sin),
                              (r(2, 4, 5, 8), r(2, 2, 5, 8))),
     "cross_entropy": (lambda x: tritongrad.cross_entropy(x, t6), (r(6, 50),)),
@@ -60,6 +61,9 @@ CASES = {  # name: (function of the tensors, tensors)
     "grouped_experts": (lambda x, w, gu, dn: tritongrad.grouped_experts(x, idx, w, gu, dn),
                         (r(13, 32), r(13, 2), r(4, 32, 32, scale=0.2), r(4, 32, 16, scale=0.2))),
 }
+if sys.argv[2:] == ["--names"]:
+    print(" ".join(CASES))
+    sys.exit(0)
 names = sys.argv[2:] or list(CASES)
 failed = []
 for name in names:
@@ -88,11 +92,25 @@ print("\n".join(failed) if failed else "ok")
 '''
 
 
-def test_every_op_compiled_before_its_first_eager_call():
+def _script(*args, timeout=600):
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(tests, "..", "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, DEVICE], env=env, capture_output=True, text=True,
-                         timeout=600)
+    return subprocess.run([sys.executable, "-c", _SCRIPT, DEVICE, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_cases_are_every_public_op():
+    import tritongrad
+
+    not_ops = {"reduce_partials", "partial_rows", "patch_trl", "unpatch_trl"}  # the pattern's helpers, TRL's patch
+    public = {n for n, where in tritongrad._WHERE.items() if where.startswith(".ops.")} - not_ops
+    out = _script("--names", timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert set(out.stdout.split()) == public
+
+
+def test_every_op_compiled_before_its_first_eager_call():
+    out = _script()
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok"), out.stdout[-3000:]

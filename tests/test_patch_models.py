@@ -473,7 +473,7 @@ def test_patch_transformers_gemma_mlp_is_geglu_and_unknown_family():
     model = _model("gemma")
     batch = _batch()
     loss = model(**batch).loss
-    assert "GegluBackward" in _autograd_nodes(loss)
+    assert "GatedLinearBackward" in _autograd_nodes(loss)  # geglu with down_proj after it
     with pytest.raises(ValueError, match="tested families"):
         tritongrad.patch_transformers("no_such_family")
 
@@ -500,7 +500,7 @@ def test_multimodal_wrapper_gets_its_text_stack():
 # ---------------------------------------------------------------- with swiglu, rope and linear_cross_entropy
 @pytest.mark.parametrize("family", FAMILIES)
 def test_all_ops_match_hf(family, spy):
-    calls = spy("swiglu", "geglu", "apply_rotary_pos_emb", "linear_cross_entropy", "fused_add_rms_norm")
+    calls = spy("swiglu", "geglu", "gated_linear", "apply_rotary_pos_emb", "linear_cross_entropy", "fused_add_rms_norm")
     model = _model(family)
     batch = _batch()
     refs = _references(model, batch)
@@ -519,7 +519,8 @@ def test_all_ops_match_hf(family, spy):
                for e in report.skipped) and bool(report.skipped) != fused
     out, grads = _run(model, batch)
     assert out.logits is None  # no logits in training with labels
-    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, gate: 2,
+    # The gate with down_proj after it: gated_linear (a plain Linear without bias in every family here).
+    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, "gated_linear": 2,
                      **({"fused_add_rms_norm": 2} if fused else {})}
     _assert_matches(out, grads, refs)
     # No labels, or eval mode: the logits, as Hugging Face computes them.
@@ -629,8 +630,9 @@ def test_patch_transformers_first_call_compiled_establishes_each_instance(monkey
         want = pair(x)
     assert tritongrad.patch_transformers("clipped_family").ops() == {"swiglu": 1, "causal_mask": 2}
     traced = []
-    swiglu = tritongrad.swiglu
-    monkeypatch.setattr(tritongrad, "swiglu", lambda *a, **k: traced.append(1) or swiglu(*a, **k))
+    for name in ("swiglu", "gated_linear"):  # the gate, with or without the down projection after it
+        fn = getattr(tritongrad, name)
+        monkeypatch.setattr(tritongrad, name, lambda *a, fn=fn, **k: traced.append(1) or fn(*a, **k))
     torch._dynamo.reset()
     with torch.no_grad():
         got = torch.compile(pair, backend="aot_eager", fullgraph=True)(x)
@@ -670,7 +672,7 @@ def test_patch_transformers_exported_before_any_call_computes_the_model(monkeypa
     tritongrad.patch_transformers("clipped_family")
     torch._dynamo.reset()
     program = torch.export.export(pair, (x,), strict=strict)
-    calls = [n for n in program.graph.nodes if "swiglu" in str(n.target)]
+    calls = [n for n in program.graph.nodes if "swiglu" in str(n.target) or "gated_linear" in str(n.target)]
     assert len(calls) == int(strict and _hf._trace_decides()), program.graph
     got = program.module()(x)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)

@@ -36,6 +36,7 @@ _WHERE = {
     "linear_cross_entropy": ".ops.cross_entropy",
     "swiglu": ".ops.swiglu",
     "geglu": ".ops.swiglu",
+    "gated_linear": ".ops.swiglu",
     "grouped_experts": ".ops.swiglu",
     "apply_rotary_pos_emb": ".ops.rope",
     "patch": ".patch",

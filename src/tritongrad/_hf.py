@@ -377,9 +377,11 @@ def gated_mlp_why_not(cls: type, state: tuple = ()) -> str | None:
 
 
 GATE_OPS = {"silu": "swiglu", "tanh": "geglu", "none": "geglu"}
-GATE_DETAIL = {"silu": "down_proj(swiglu(gate_proj(x), up_proj(x)))",
-               "tanh": "down_proj(geglu(gate_proj(x), up_proj(x), approximate='tanh'))",
-               "none": "down_proj(geglu(gate_proj(x), up_proj(x)))"}
+# gated_linear stands for down_proj's call where it is a plain Linear without bias (_down_weight).
+DOWN_DETAIL = ", down_proj through gated_linear where it is a plain Linear without bias"
+GATE_DETAIL = {"silu": "down_proj(swiglu(gate_proj(x), up_proj(x)))" + DOWN_DETAIL,
+               "tanh": "down_proj(geglu(gate_proj(x), up_proj(x), approximate='tanh'))" + DOWN_DETAIL,
+               "none": "down_proj(geglu(gate_proj(x), up_proj(x)))" + DOWN_DETAIL}
 GATE_ATTR = "_tritongrad_gate"
 GATE_ACT_ATTR = "_tritongrad_gate_act"  # the activation patch established the gate with (set by patch)
 
@@ -441,12 +443,35 @@ def _gated_forward(self, x):
         mods = self._modules
         gate_proj, up_proj, down_proj = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
         owned = _owned(gate_proj, up_proj)
-    if kind == "silu":
-        return down_proj(tritongrad.swiglu(gate_proj(x), up_proj(x), inplace_backward=owned))
-    if kind in ("tanh", "none"):
-        return down_proj(tritongrad.geglu(gate_proj(x), up_proj(x), approximate=kind, inplace_backward=owned))
+    if kind in ("silu", "tanh", "none"):
+        return _gated_down(kind, gate_proj(x), up_proj(x), down_proj, owned)
     # A class patched for a gate, built here with another activation.
     return original_forward_of(type(self))(self, x)
+
+
+def _gated_down(kind: str, gate, up, down_proj, owned: bool):
+    """``down_proj(act(gate) * up)``: through gated_linear, which keeps gate and up but not their product for
+    the backward, where down_proj's call is its weight's product alone (:func:`_down_weight`); else the gated
+    op and down_proj's own call (docs/swiglu-rope.md#the-down-projection)."""
+    w = _down_weight(down_proj, gate, up)
+    if w is not None:
+        return tritongrad.gated_linear(gate, up, w, approximate=None if kind == "silu" else kind,
+                                       inplace_backward=owned)
+    if kind == "silu":
+        return down_proj(tritongrad.swiglu(gate, up, inplace_backward=owned))
+    return down_proj(tritongrad.geglu(gate, up, approximate=kind, inplace_backward=owned))
+
+
+def _down_weight(down_proj, gate, up):
+    """down_proj's weight where ``F.linear(h, weight)`` is its whole call: a torch.nn.Linear without bias whose
+    call runs its forward alone (no hooks or wrapper: call_why_not), a plain weight (not a DTensor or a
+    quantized one) in the gated product's dtype, and autocast off (which would cast h and the weight); else
+    None."""
+    w = down_proj._parameters.get("weight") if type(down_proj) is torch.nn.Linear else None
+    if w is None or down_proj._parameters.get("bias") is not None or type(w) not in PLAIN_TENSORS \
+            or w.dtype != torch.promote_types(gate.dtype, up.dtype) or torch.is_autocast_enabled(gate.device.type):
+        return None
+    return w if call_why_not(down_proj, "") is None else None
 
 
 swiglu_forward = marked(_gated_forward, "swiglu")
@@ -474,9 +499,9 @@ def fused_gated_mlp_why_not(cls: type, act_name: str, state: tuple = ()) -> str 
                           f"down_proj({act_name}(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1)", state)
 
 
-FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))",
-                     "tanh": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1), approximate='tanh'))",
-                     "none": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1)))"}
+FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))" + DOWN_DETAIL,
+                     "tanh": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1), approximate='tanh'))" + DOWN_DETAIL,
+                     "none": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1)))" + DOWN_DETAIL}
 
 
 def _fused_gated_forward(self, x):
@@ -485,10 +510,7 @@ def _fused_gated_forward(self, x):
         # Where owned, the projection's output takes its halves' gradients, which the chunk's backward then
         # concatenates.
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        owned = _owned(self.gate_up_proj)
-        y = (tritongrad.swiglu(gate, up, inplace_backward=owned) if kind == "silu"
-             else tritongrad.geglu(gate, up, approximate=kind, inplace_backward=owned))
-        return self.down_proj(y)
+        return _gated_down(kind, gate, up, self.down_proj, _owned(self.gate_up_proj))
     return original_forward_of(type(self))(self, x)
 
 

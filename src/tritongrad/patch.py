@@ -524,7 +524,7 @@ def _patch_class(hf, mod, cls: type, causal: list, on: set, report) -> None:
             report._add("skipped", op, target, why)
         else:
             _set(cls, "forward", hf.swiglu_forward if op == "swiglu" else hf.geglu_forward, op, report,
-                 f"{hf.GATE_DETAIL[kind]} where act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
+                 f"{hf.GATE_DETAIL[kind]}; act_fn is {'SiLU' if kind == 'silu' else 'GELU'}")
     elif name.endswith("DecoderLayer") and {"fused_add_rms_norm", "rms_norm"} <= on:
         forward, norm_name, why = hf.add_norm_forward(cls)
         if forward is not None:

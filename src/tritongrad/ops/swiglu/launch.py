@@ -8,6 +8,13 @@ move the same bytes. The bandwidth floor, gate and up [N, D] of element sizes sg
 At Llama-8B's MLP, 16384 tokens x 14336 in bfloat16: 1.41 GB forward, 2.35 GB backward, 3.76 GB in all.
 Nothing else is read or written: no copies of strided inputs (the halves of
 a fused projection are read in place), no intermediate activation, no residuals. docs/swiglu-rope.md.
+
+gated_linear is the gated product and the down projection after it, out = h W^T with h = act(gate) * up,
+keeping gate, up and W for the backward but not h [N, D], which the backward makes again (one forward pass
+of the kernel):
+    dW = dout^T h        dh = dout W        dgate, dup = the gated product's backward of dh
+The same function and rounding as ``F.linear(swiglu(gate, up), W)``; 2 N D bytes (16-bit) less kept per
+layer, for N D (sg + su + so) bytes more moved in the backward. docs/swiglu-rope.md#the-down-projection.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from ..._dtypes import acc_of
 from ..._pattern import _tracing, kernel, op
 from . import kernels
 from . import plans as P
-from .reference import geglu_reference, swiglu_reference
+from .reference import gated_linear_reference, geglu_reference, swiglu_reference
 
 _fwd_kernel = kernel(kernels._gated_fwd_kernel)
 _bwd_kernel = kernel(kernels._gated_bwd_kernel)
@@ -330,3 +337,59 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = "none",
 @geglu.backward
 def _geglu_backward(ctx, grad_out: torch.Tensor):
     return _backward(ctx, grad_out, GELU_APPROXIMATIONS[ctx.approximate])
+
+
+def _validate_gated_linear(gate, up, weight, approximate, inplace_backward) -> None:
+    if approximate is not None and approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"tritongrad.gated_linear: approximate must be None (SiLU, swiglu's), 'none' or 'tanh' "
+                         f"(GELU, geglu's), got {approximate!r}")
+    _validate_shapes("gated_linear", gate, up)
+    h_dtype = torch.promote_types(gate.dtype, up.dtype)
+    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1] or weight.dtype != h_dtype:
+        raise ValueError(
+            f"tritongrad.gated_linear: weight must be [out_features, {gate.shape[-1]}] in the gated product's dtype "
+            f"{h_dtype} (F.linear's rule), for gate {tuple(gate.shape)} {gate.dtype} and up {up.dtype}; got weight "
+            f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _act(approximate: str | None) -> int:
+    return kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
+
+
+@op("tritongrad::gated_linear", reference=gated_linear_reference, validate=_validate_gated_linear,
+    save=("gate", "up", "weight"))
+def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, approximate: str | None = None,
+                 inplace_backward: bool = False) -> torch.Tensor:
+    """An MLP's gated product and its down projection, ``F.linear(act(gate) * up, weight)``, act SiLU
+    (``approximate`` None: swiglu's) or GELU (``"none"``, ``"tanh"``: geglu's), keeping for the backward
+    gate, up and weight but not the product, which the backward makes again (module docstring).
+
+    Args:
+        gate, up: ``[..., D]`` as swiglu's (any strides; the halves of one projection are read in place).
+        weight: ``[out_features, D]`` in ``torch.promote_types(gate.dtype, up.dtype)``, as ``F.linear`` takes it
+            (no bias).
+        approximate: None for SiLU, ``"none"`` or ``"tanh"`` for GELU.
+        inplace_backward: as swiglu's: gate and up may take their own gradients where nothing reads them again.
+
+    Returns:
+        ``[..., out_features]``, what ``F.linear(swiglu(gate, up), weight)`` returns, rounding for rounding.
+        Autocast does not apply: the inputs' dtypes are used as given.
+    """
+    return torch.nn.functional.linear(_forward(gate, up, _act(approximate), inplace_backward), weight)
+
+
+@gated_linear.backward
+def _gated_linear_backward(ctx, grad_out: torch.Tensor):
+    gate, up, weight = ctx.gate, ctx.up, ctx.weight
+    need_g, need_u, need_w = ctx.needs_input_grad[:3]
+    act = _act(ctx.approximate)
+    d2 = grad_out.reshape(-1, grad_out.shape[-1])
+    dw = h2 = dg = du = None
+    if need_w:
+        h2 = _forward(gate, up, act, False).view(-1, gate.shape[-1])  # made again, not kept
+        dw = torch.mm(d2.t(), h2)
+    if need_g or need_u:
+        # Eager, dh takes h's buffer, whose last reader was dW's product.
+        dh = (torch.mm(d2, weight, out=h2) if h2 is not None and ctx.eager else torch.mm(d2, weight)).view(gate.shape)
+        dg, du = _backward(ctx, dh, act)
+    return dg, du, dw

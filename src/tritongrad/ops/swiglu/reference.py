@@ -28,6 +28,14 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor, *, approximate: str = 
     return (torch.nn.functional.gelu(gate.to(acc), approximate=approximate) * up.to(acc)).to(out_dtype)
 
 
+def gated_linear_reference(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *,
+                           approximate: str | None = None, inplace_backward: bool = False) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight)``: an MLP's gated product and its down projection, the product as
+    :func:`swiglu_reference` (``approximate`` None) or :func:`geglu_reference` rounds it."""
+    h = swiglu_reference(gate, up) if approximate is None else geglu_reference(gate, up, approximate=approximate)
+    return torch.nn.functional.linear(h, weight)
+
+
 def grouped_experts_reference(x, top_k_index, top_k_weights, gate_up_proj, down_proj, *, approximate=None,
                               is_transposed: bool = False) -> torch.Tensor:
     """A MoE layer's gated experts by definition, token by token: ``out_t = sum_k w_{t,k} down_e(act(gate) *
