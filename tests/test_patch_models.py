@@ -18,6 +18,7 @@ The rest need only the norms.
 
 import copy
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -358,6 +359,55 @@ def test_one_gate_up_product_takes_its_halves_gradients(family):
         assert bwd.ptrs and all((p[written] == p[read]) != retain for p in bwd.ptrs), (retain, bwd.ptrs)
 
 
+def _compiled_step(model, batch) -> tuple:
+    """``(output, grads, shapes of the tensors the forward graph saves, graphs)`` of one compiled step."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    saved, graphs = [], []
+
+    def forward_graph(gm, _):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        saved.extend(tuple(a.meta["val"].shape) for a in out.args[0] if isinstance(a, torch.fx.Node)
+                     and isinstance(a.meta.get("val"), torch.Tensor))
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    forward = model.forward
+    model.forward = torch.compile(forward, fullgraph=True, backend=aot_autograd(
+        fw_compiler=forward_graph, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)))
+    try:
+        out, grads = _run(model, batch)
+    finally:
+        model.forward = forward
+    return out, grads, saved, graphs
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_compiled_mlps_keep_no_gated_product(family, monkeypatch):
+    # Compiled, the MLP's down projection goes through gated_linear, whose backward makes the gated product
+    # again: the forward graph saves gate and up (Phi3: the halves of its one projection), not act(gate) * up
+    # beside them, as it does with down_proj's own call. Loss and gradients are the eager model's.
+    model = _model(family)
+    batch = _batch()
+    eager_out, eager_grads = _run(copy.deepcopy(model), batch)
+    tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    out, grads, saved, graphs = _compiled_step(model, batch)
+    B, T = batch["input_ids"].shape
+    products = B * T * model.config.intermediate_size  # elements of act(gate) * up, of gate, of up
+    n_layers = model.config.num_hidden_layers
+    assert any("gated_linear" in g for g in graphs)
+    assert [math.prod(s) for s in saved].count(products) == 2 * n_layers, saved  # gate and up
+    torch.testing.assert_close(out.loss, eager_out.loss, rtol=1e-5, atol=1e-6)
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    # With down_proj's own call, the product is saved too.
+    monkeypatch.setattr(_hf, "_down_weight", lambda *a: None)
+    saved_apart = _compiled_step(model, batch)[2]
+    assert [math.prod(s) for s in saved_apart].count(products) == 3 * n_layers, saved_apart
+
+
 def test_fused_gate_up_mlp_is_swiglu_and_swapped_halves_are_left_alone():
     # Phi3's MLP: gate, up = gate_up_proj(x).chunk(2, -1); the halves in the other order compute another
     # function, which the probe sees.
@@ -473,7 +523,7 @@ def test_patch_transformers_gemma_mlp_is_geglu_and_unknown_family():
     model = _model("gemma")
     batch = _batch()
     loss = model(**batch).loss
-    assert "GatedLinearBackward" in _autograd_nodes(loss)  # geglu with down_proj after it
+    assert "GegluBackward" in _autograd_nodes(loss)
     with pytest.raises(ValueError, match="tested families"):
         tritongrad.patch_transformers("no_such_family")
 
@@ -519,9 +569,8 @@ def test_all_ops_match_hf(family, spy):
                for e in report.skipped) and bool(report.skipped) != fused
     out, grads = _run(model, batch)
     assert out.logits is None  # no logits in training with labels
-    # The gate with down_proj after it: gated_linear (a plain Linear without bias in every family here).
-    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, "gated_linear": 2,
-                     **({"fused_add_rms_norm": 2} if fused else {})}
+    assert calls == {"apply_rotary_pos_emb": 2, "linear_cross_entropy": 1, gate: 2,
+                     **({"fused_add_rms_norm": 2} if fused else {})}  # eager: no gated_linear
     _assert_matches(out, grads, refs)
     # No labels, or eval mode: the logits, as Hugging Face computes them.
     model.eval()

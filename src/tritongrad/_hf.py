@@ -377,8 +377,8 @@ def gated_mlp_why_not(cls: type, state: tuple = ()) -> str | None:
 
 
 GATE_OPS = {"silu": "swiglu", "tanh": "geglu", "none": "geglu"}
-# gated_linear stands for down_proj's call where it is a plain Linear without bias (_down_weight).
-DOWN_DETAIL = ", down_proj through gated_linear where it is a plain Linear without bias"
+# Compiled, gated_linear stands for down_proj's call where it is a plain Linear without bias (_down_weight).
+DOWN_DETAIL = "; compiled, down_proj through gated_linear where it is a plain Linear without bias"
 GATE_DETAIL = {"silu": "down_proj(swiglu(gate_proj(x), up_proj(x)))" + DOWN_DETAIL,
                "tanh": "down_proj(geglu(gate_proj(x), up_proj(x), approximate='tanh'))" + DOWN_DETAIL,
                "none": "down_proj(geglu(gate_proj(x), up_proj(x)))" + DOWN_DETAIL}
@@ -450,9 +450,9 @@ def _gated_forward(self, x):
 
 
 def _gated_down(kind: str, gate, up, down_proj, owned: bool):
-    """``down_proj(act(gate) * up)``: through gated_linear, which keeps gate and up but not their product for
-    the backward, where down_proj's call is its weight's product alone (:func:`_down_weight`); else the gated
-    op and down_proj's own call (docs/swiglu-rope.md#the-down-projection)."""
+    """``down_proj(act(gate) * up)``: compiled, through gated_linear, which keeps gate and up but not their
+    product for the backward, where down_proj's call is its weight's product alone (:func:`_down_weight`);
+    else the gated op and down_proj's own call (docs/swiglu-rope.md#the-down-projection)."""
     w = _down_weight(down_proj, gate, up)
     if w is not None:
         return tritongrad.gated_linear(gate, up, w, approximate=None if kind == "silu" else kind,
@@ -463,10 +463,13 @@ def _gated_down(kind: str, gate, up, down_proj, owned: bool):
 
 
 def _down_weight(down_proj, gate, up):
-    """down_proj's weight where ``F.linear(h, weight)`` is its whole call: a torch.nn.Linear without bias whose
-    call runs its forward alone (no hooks or wrapper: call_why_not), a plain weight (not a DTensor or a
-    quantized one) in the gated product's dtype, and autocast off (which would cast h and the weight); else
-    None."""
+    """down_proj's weight where the call is traced and ``F.linear(h, weight)`` is its whole call: a
+    torch.nn.Linear without bias whose call runs its forward alone (no hooks or wrapper: call_why_not), a plain
+    weight (not a DTensor or a quantized one) in the gated product's dtype, and autocast off (which would cast
+    h and the weight); else None. Eager steps keep down_proj's own call: measured slower through gated_linear
+    on Phi3 (docs/swiglu-rope.md#the-down-projection)."""
+    if not torch.compiler.is_compiling():
+        return None
     w = down_proj._parameters.get("weight") if type(down_proj) is torch.nn.Linear else None
     if w is None or down_proj._parameters.get("bias") is not None or type(w) not in PLAIN_TENSORS \
             or w.dtype != torch.promote_types(gate.dtype, up.dtype) or torch.is_autocast_enabled(gate.device.type):
