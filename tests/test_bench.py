@@ -48,6 +48,8 @@ BYTES_4x64_FP32 = {
     "linear_cross_entropy": {"fwd": 1024 + 131072 + 32, "bwd": 2 * (1024 + 131072) + 32},
     # fwd: gate + up + y; bwd: gate + up + g + d_gate + d_up
     "swiglu": {"fwd": 3 * 1024, "bwd": 5 * 1024},
+    # weight [24, 64] (6144 bytes), y [4, 24] (384); fwd: gate + up + W + y; bwd: gate + up + g + W + d_gate + d_up + dW
+    "gated_linear": {"fwd": 2 * 1024 + 6144 + 384, "bwd": 4 * 1024 + 2 * 6144 + 384},
     # 32 + 8 heads of 64 over 4 positions (40 * 1024 = 40960 bytes each way), cos + sin (2 * 1024)
     "rotary": {"fwd": 2 * 40960 + 2048, "bwd": 2 * 40960 + 2048},
 }
@@ -160,17 +162,18 @@ def test_one_plot_per_op(bench):
 
 
 def test_every_built_in_op_runs(tmp_path):
-    """The ops past the full sweep's (rms_norm, cross_entropy, linear_cross_entropy, swiglu, rotary), by name or
-    alias, each timed on its inputs by tritongrad and eager PyTorch, with its bytes formula."""
+    """The ops past the full sweep's (rms_norm, cross_entropy, linear_cross_entropy, swiglu, gated_linear,
+    rotary), by name or alias, each timed on its inputs by tritongrad and eager PyTorch, with its bytes formula."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["bench", "rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "apply_rotary_pos_emb",
+        code = main(["bench", "rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "gated_linear",
+                     "apply_rotary_pos_emb",
                      "--shapes", "4x64", "--dtype", "fp32", "--mode", "fwdbwd", "--rep", "1", "--warmup", "0",
                      "--provider", "tritongrad", "eager", "--out", str(tmp_path)])
     assert code == 0
     rows = json.loads(_one(tmp_path.glob("*.json")).read_text())["results"]
     assert {(r["op"], r["provider"]) for r in rows} == {
-        (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rotary")
+        (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "gated_linear", "rotary")
         for p in ("tritongrad", "eager")}
     for r in rows:
         assert r["status"] == "ok", r

@@ -112,6 +112,24 @@ def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def down_width(D: int) -> int:
+    """The down projection's outputs for an MLP of intermediate width D: 3D/8 (1536 at 4096, the ~350M
+    training benchmark's MLP)."""
+    return 3 * D // 8
+
+
+def _gated_linear_inputs(N: int, D: int, dtype: torch.dtype, device):
+    """gate, up [N, D] and the down projection's weight [3D/8, D], scaled as a trained layer's, all requiring
+    grad."""
+    gate, up = _rows(2)(N, D, dtype, device)
+    w = (torch.randn(down_width(D), D, device=device) / D**0.5).to(dtype).requires_grad_()
+    return gate, up, w
+
+
+def _gated_linear_torch(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(gate) * up, weight)
+
+
 def _add_norm_inputs(N: int, D: int, dtype: torch.dtype, device):
     """x and residual [N, D], the norm's weight [D]: a decoder layer's stream, all requiring grad."""
     x, residual = _rows(2)(N, D, dtype, device)
@@ -438,6 +456,18 @@ OPS: dict[str, OpSpec] = {
             bwd_bytes=lambda N, D, s: 5 * N * D * s,
             shapes=((4096, 4096), (16384, 14336), (4096, 14336)),
             size="gate, up [N, D]",
+        ),
+        OpSpec(
+            "gated_linear",
+            _gated_linear_inputs,
+            _gated_linear_torch,
+            bind=_identity,
+            # read gate + read up + read W + write y: the product decides the time, these are its bytes
+            fwd_bytes=lambda N, D, s: 2 * N * D * s + down_width(D) * D * s + N * down_width(D) * s,
+            # read gate + up + W + g, write d_gate + d_up + dW (the product made again is the op's choice)
+            bwd_bytes=lambda N, D, s: 4 * N * D * s + 2 * down_width(D) * D * s + N * down_width(D) * s,
+            shapes=((8192, 4096), (16384, 14336)),
+            size="gate, up [N, D], weight [3D/8, D]: an MLP's gated product and down projection",
         ),
         OpSpec(
             "grouped_experts",
