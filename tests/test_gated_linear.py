@@ -120,3 +120,18 @@ def test_unknown_approximations_are_refused():
     t = torch.randn(2, 4, device=DEVICE)
     with pytest.raises(ValueError, match="approximate"):
         gated_linear(t, t, torch.randn(3, 4, device=DEVICE), approximate="sigmoid")
+
+
+def test_autocast_does_not_apply():
+    # The dtypes as given, under autocast too (patch takes the op only with autocast off; a direct call under
+    # autocast must still compute the function of its inputs, forward and backward, not a half-cast mix).
+    gate, up = (randn(5, 16, dtype=torch.float32, device=DEVICE).requires_grad_() for _ in range(2))
+    w = randn(8, 16, dtype=torch.float32, device=DEVICE).requires_grad_()
+    want = gated_linear(gate, up, w)
+    want_grads = torch.autograd.grad(want.sum(), (gate, up, w))
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        got = gated_linear(gate, up, w)
+        got_grads = torch.autograd.grad(got.sum(), (gate, up, w))  # the backward inside the region too
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    for g, w_ in zip(got_grads, want_grads):
+        assert torch.equal(g, w_)

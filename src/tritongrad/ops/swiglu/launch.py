@@ -19,6 +19,7 @@ layer, for N D (sg + su + so) bytes more moved in the backward. docs/swiglu-rope
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -352,6 +353,12 @@ def _validate_gated_linear(gate, up, weight, approximate, inplace_backward) -> N
             f"{tuple(weight.shape)} {weight.dtype}")
 
 
+def _no_autocast(device_type: str):
+    """Autocast off for the products where it is on; else nothing (what patch's traced calls see)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+        else contextlib.nullcontext()
+
+
 def _act(approximate: str | None) -> int:
     return kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
 
@@ -375,7 +382,9 @@ def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, 
         ``[..., out_features]``, what ``F.linear(swiglu(gate, up), weight)`` returns, rounding for rounding.
         Autocast does not apply: the inputs' dtypes are used as given.
     """
-    return torch.nn.functional.linear(_forward(gate, up, _act(approximate), inplace_backward), weight)
+    h = _forward(gate, up, _act(approximate), inplace_backward)
+    with _no_autocast(gate.device.type):  # the dtypes as given, forward and backward alike
+        return torch.nn.functional.linear(h, weight)
 
 
 @gated_linear.backward
@@ -385,11 +394,14 @@ def _gated_linear_backward(ctx, grad_out: torch.Tensor):
     act = _act(ctx.approximate)
     d2 = grad_out.reshape(-1, grad_out.shape[-1])
     dw = h2 = dg = du = None
-    if need_w:
-        h2 = _forward(gate, up, act, False).view(-1, gate.shape[-1])  # made again, not kept
-        dw = torch.mm(d2.t(), h2)
-    if need_g or need_u:
-        # Eager, dh takes h's buffer, whose last reader was dW's product.
-        dh = (torch.mm(d2, weight, out=h2) if h2 is not None and ctx.eager else torch.mm(d2, weight)).view(gate.shape)
-        dg, du = _backward(ctx, dh, act)
+    dh = None
+    with _no_autocast(grad_out.device.type):  # a backward run inside an autocast region
+        if need_w:
+            h2 = _forward(gate, up, act, False).view(-1, gate.shape[-1])  # made again, not kept
+            dw = torch.mm(d2.t(), h2)
+        if need_g or need_u:
+            # Eager, dh takes h's buffer, whose last reader was dW's product.
+            dh = torch.mm(d2, weight, out=h2) if h2 is not None and ctx.eager else torch.mm(d2, weight)
+    if dh is not None:
+        dg, du = _backward(ctx, dh.view(gate.shape), act)
     return dg, du, dw
