@@ -972,7 +972,14 @@ def fsdp2_model(rank, head, tied, family="llama", compiled=False):
     if head == "own":  # the LM head in a unit of its own, which the fused loss never enters
         fully_shard(model.lm_head)
     fully_shard(model)
-    out, grads = T._run(model, mine)
+    traced, gated_linear = [], tritongrad.gated_linear
+    # Compiled, the MLPs' down projection goes through gated_linear: the unsharded weight, a plain tensor.
+    tritongrad.gated_linear = lambda *a, **k: traced.append(1) or gated_linear(*a, **k)
+    try:
+        out, grads = T._run(model, mine)
+    finally:
+        tritongrad.gated_linear = gated_linear
+    assert bool(traced) == compiled, traced
     T._assert_matches(out, grads, ((out32, mean32), (out64, mean64)))
     tritongrad.unpatch_transformers()
     if compiled:
