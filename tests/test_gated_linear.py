@@ -1,6 +1,6 @@
 """gated_linear (``F.linear(act(gate) * up, weight)``): the OpSuite battery, then what is special to it: the
 same values and gradients as the gated product and ``F.linear`` apart, the product not kept for the backward,
-its gradients over a fused projection's halves, and bad inputs."""
+its gradients over a fused projection's halves, a retained graph, autocast, and bad inputs."""
 
 import pytest
 import torch

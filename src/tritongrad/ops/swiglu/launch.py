@@ -393,8 +393,7 @@ def _gated_linear_backward(ctx, grad_out: torch.Tensor):
     need_g, need_u, need_w = ctx.needs_input_grad[:3]
     act = _act(ctx.approximate)
     d2 = grad_out.reshape(-1, grad_out.shape[-1])
-    dw = h2 = dg = du = None
-    dh = None
+    dw = h2 = dh = dg = du = None
     with _no_autocast(grad_out.device.type):  # a backward run inside an autocast region
         if need_w:
             h2 = _forward(gate, up, act, False).view(-1, gate.shape[-1])  # made again, not kept
