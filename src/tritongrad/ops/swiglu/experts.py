@@ -47,7 +47,7 @@ from ... import _runtime as rt
 from ..._pattern import _tracing, kernel
 from . import kernels
 from . import plans as P
-from .launch import GELU_APPROXIMATIONS, _graph_kept, gate_grads, geglu, swiglu
+from .launch import GELU_APPROXIMATIONS, _graph_kept, activation, gate_grads, geglu, swiglu
 
 APPROXIMATIONS = (None, *GELU_APPROXIMATIONS)  # None: SiLU (swiglu); "none", "tanh": GELU's (geglu)
 
@@ -144,7 +144,7 @@ def _fused_grads(pre, G, w_g, approximate, need_dw: bool, need_dpre: bool, out, 
     dw = torch.empty(S, dtype=dw_dtype, device=pre.device) if need_dw else None
     if S:
         t = P.tile(rt.hint(S), I2 // 2, pre.element_size(), P.table())
-        act = kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
+        act = activation(approximate)
         _bwd_kernel[(rt.cdiv(S, t.BLOCK_N),)](
             pre, G, w_g, dpre if need_dpre else pre, dw if need_dw else w_g, S, I2 // 2, pre.stride(0), G.stride(0),
             (dpre if need_dpre else pre).stride(0), BLOCK_N=t.BLOCK_N, BLOCK_D=t.BLOCK_D, HAS_DPRE=need_dpre,

@@ -38,6 +38,11 @@ _bwd_kernel = kernel(kernels._gated_bwd_kernel)
 # geglu's ``approximate`` (F.gelu's) -> the kernels' activation.
 GELU_APPROXIMATIONS = {"none": kernels.GELU, "tanh": kernels.GELU_TANH}
 
+
+def activation(approximate: str | None) -> int:
+    """The kernels' activation for ``approximate``: None is SiLU (swiglu's), else GELU's (geglu's)."""
+    return kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
+
 # Inside a backward: whether the running graph task keeps the graph (retain_graph=True, or
 # torch.autograd.grad's default with create_graph). Outside one it answers True.
 _graph_kept = torch._C._autograd._get_current_graph_task_keep_graph
@@ -185,7 +190,7 @@ def gate_grads(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, app
     if out is None:
         out = torch.empty((N, 2 * D), dtype=gate.dtype, device=gate.device)
     if out.numel():
-        act = kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
+        act = activation(approximate)
         key = None if type(gate) not in rt.PLAIN_TENSORS else (
             "grads", gate.shape, gate.stride(), gate.dtype, up.stride(), up.dtype, grad_out.stride(), grad_out.dtype,
             gate.device, act, P.table())
@@ -359,10 +364,6 @@ def _no_autocast(device_type: str):
         else contextlib.nullcontext()
 
 
-def _act(approximate: str | None) -> int:
-    return kernels.SILU if approximate is None else GELU_APPROXIMATIONS[approximate]
-
-
 @op("tritongrad::gated_linear", reference=gated_linear_reference, validate=_validate_gated_linear,
     save=("gate", "up", "weight"))
 def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, approximate: str | None = None,
@@ -382,7 +383,7 @@ def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, 
         ``[..., out_features]``, what ``F.linear(swiglu(gate, up), weight)`` returns, rounding for rounding.
         Autocast does not apply: the inputs' dtypes are used as given.
     """
-    h = _forward(gate, up, _act(approximate), inplace_backward)
+    h = _forward(gate, up, activation(approximate), inplace_backward)
     with _no_autocast(gate.device.type):  # the dtypes as given, forward and backward alike
         return torch.nn.functional.linear(h, weight)
 
@@ -391,7 +392,7 @@ def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, *, 
 def _gated_linear_backward(ctx, grad_out: torch.Tensor):
     gate, up, weight = ctx.gate, ctx.up, ctx.weight
     need_g, need_u, need_w = ctx.needs_input_grad[:3]
-    act = _act(ctx.approximate)
+    act = activation(ctx.approximate)
     d2 = grad_out.reshape(-1, grad_out.shape[-1])
     dw = h2 = dh = dg = du = None
     with _no_autocast(grad_out.device.type):  # a backward run inside an autocast region
