@@ -89,6 +89,8 @@ KERNEL_FAMILIES = {
     "cohere": "logits * logit_scale, interleaved rotary over the whole head, LayerNorm",
     "gpt_neox": "partial rotary (rotary_pct 0.25)",
     "glm": "GLM's interleaved partial rotary",
+    "gemma4_unified_text": "ill-conditioned: compiled, its float32 gradients land 2.3x the unpatched model's error "
+                           "from float64, and the patched model run in float64 decides (zoo._earned)",
     "mixtral": "router logits (the aux loss keeps the original forward); the experts through grouped_experts",
 }
 
@@ -706,3 +708,57 @@ def test_a_loss_that_ignores_num_items_in_batch_is_wrong(monkeypatch):
                         lambda *args, num_items_in_batch=None, **kwargs: loss(*args, **kwargs))
     v = zoo.check("llama", "eager", only=("loss", "loss, num_items_in_batch"))
     assert v.status == "wrong" and "loss, num_items_in_batch: off by" in v.detail, v.line()
+
+
+def test_the_float64_model_keeps_its_own_upcasts_in_float64():
+    # Llama's RMSNorm computes in float32 whatever its input (`.to(torch.float32)`): a float64 copy alone would
+    # carry float32 roundings into the reference the float32 models are held to.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(64, eps=1e-6).double()
+    x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    exact = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (norm(x) - exact).abs().max() > 1e-9  # float32 inside
+    with zoo._in_float64():
+        out = norm(x)
+        assert torch.empty(1).dtype == torch.float64 and torch.zeros(1, dtype=torch.float32).dtype == torch.float64
+    assert (out - exact).abs().max() < 1e-14
+    assert torch.empty(1).dtype == torch.float32  # restored
+
+
+@pytest.mark.parametrize("ratio, same64, held", [(1.9, None, True), (3.0, 1e-12, True), (3.0, 1e-5, False),
+                                                 (3.0, None, False), (5.0, 1e-12, False)])
+def test_a_rounding_spread_beyond_2x_needs_the_same_function_in_float64(ratio, same64, held):
+    # zoo._earned: the patched model's float32 error against float64 at `ratio` times the unpatched model's.
+    # Past 2x it passes only where the patched model run in float64 is the float64 model (same64: its error;
+    # None: it cannot run), and never past ROUNDING_SPREAD.
+    model = zoo.build("llama")
+    batch = zoo._batch(256, "cpu")
+    fns = {"loss": lambda m: zoo._step(m, batch, False)[0]}
+    with zoo._in_float64():
+        ref64 = fns["loss"](zoo._float64(model))
+    d = 1e-4 * ref64.abs()
+    want, got = {"loss": (ref64 + d).float()}, {"loss": (ref64 + ratio * d).float()}
+    asked = []
+
+    def same(r64, keys):
+        asked.append(keys)
+        assert torch.equal(r64["loss"], ref64)
+        return {} if same64 is None else {"loss": same64}
+
+    kept, note = zoo._earned(model, fns, got, want, ["loss"], same)
+    assert bool(kept) == held, note
+    assert bool(asked) == (2 < ratio <= zoo.ROUNDING_SPREAD)
+
+
+def test_gradient_checkpointing_recomputes_in_float64():
+    # The recomputation runs in the backward, outside the forward's _in_float64 block: without entering it again
+    # it recomputes Llama's norms in float32, and checkpointing raises on the saved tensors' dtypes.
+    model64 = zoo._float64(zoo.build("llama"))
+    batch = zoo._batch(256, "cpu")
+    with zoo._in_float64():
+        plain = zoo._step(model64, batch, False)[1]
+        recomputed = zoo._checkpointed(model64, batch)
+    assert plain.keys() == recomputed.keys()
+    for n, g in plain.items():
+        torch.testing.assert_close(recomputed[n], g, rtol=1e-12, atol=1e-14, msg=n)
