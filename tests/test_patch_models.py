@@ -359,6 +359,37 @@ def test_one_gate_up_product_takes_its_halves_gradients(family):
         assert bwd.ptrs and all((p[written] == p[read]) != retain for p in bwd.ptrs), (retain, bwd.ptrs)
 
 
+def test_one_gate_up_product_gets_its_halves_gradients_without_a_copy():
+    # Eager, the halves' gradients written over Phi3's gate_up_proj output are that output's gradient as they
+    # lie: no concatenation (chunk's backward made one, a [tokens, 2 intermediate] copy per layer); a retained
+    # graph (gradients allocated apart) still concatenates. The gradients are the unpatched model's.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.cat.default
+            return func(*args, **(kwargs or {}))
+
+    model = _model("phi3")
+    ref = copy.deepcopy(model)
+    tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), device=DEVICE)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    layers = model.config.num_hidden_layers
+    for retain, cats in ((True, layers), (False, 0)):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        with Cats() as seen:
+            loss.backward(retain_graph=retain)
+        assert seen.n == cats, (retain, seen.n)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _compiled_step(model, batch) -> tuple:
     """``(output, grads, shapes of the tensors the forward graph saves, graphs)`` of one compiled step."""
     from functorch.compile import make_boxed_func

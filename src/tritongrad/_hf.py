@@ -507,13 +507,48 @@ FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))" 
                      "none": "down_proj(geglu(*gate_up_proj(x).chunk(2, -1)))" + DOWN_DETAIL}
 
 
+class _Halves(torch.autograd.Function):
+    """``x.chunk(2, -1)`` whose backward hands on, without a copy, the gradient the gated op's in-place
+    backward wrote over x's halves; chunk's backward would concatenate the two into a new ``[..., 2D]``
+    tensor (docs/swiglu-rope.md#the-down-projection). Other gradients are concatenated as chunk's are."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.chunk(2, dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dg, du):
+        D, whole = dg.shape[-1], _contiguous_strides(ctx.shape)
+        if dg.stride() == du.stride() == whole and dg.shape == du.shape and dg.dtype == du.dtype \
+                and dg.untyped_storage().data_ptr() == du.untyped_storage().data_ptr() \
+                and du.storage_offset() == dg.storage_offset() + D:
+            return dg.as_strided(ctx.shape, whole, dg.storage_offset())  # the two halves: the whole, in place
+        return torch.cat([dg, du], dim=-1)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
 def _fused_gated_forward(self, x):
     kind = getattr(self, GATE_ATTR, None)  # set by patch on each instance it replaced
     if kind in ("silu", "tanh", "none") and _act_why_not(self) is None:
-        # Where owned, the projection's output takes its halves' gradients, which the chunk's backward then
-        # concatenates.
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return _gated_down(kind, gate, up, self.down_proj, _owned(self.gate_up_proj))
+        # Where owned, the projection's output takes its halves' gradients: eager, _Halves hands them on as
+        # that output's gradient, as they lie; traced, chunk's backward concatenates them, which Inductor
+        # writes in place.
+        owned = _owned(self.gate_up_proj)
+        gate_up = self.gate_up_proj(x)
+        if owned and gate_up.requires_grad and not torch.compiler.is_compiling():
+            gate, up = _Halves.apply(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return _gated_down(kind, gate, up, self.down_proj, owned)
     return original_forward_of(type(self))(self, x)
 
 
