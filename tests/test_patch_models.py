@@ -424,11 +424,14 @@ def test_compiled_mlps_keep_no_gated_product(family, monkeypatch):
     batch = _batch()
     eager_out, eager_grads = _run(copy.deepcopy(model), batch)
     tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
-    out, grads, saved, graphs = _compiled_step(model, batch)
+    traced, gated_linear = [], tritongrad.gated_linear
+    # Traced, a Triton op is its kernels, not its name, in the graph (on a GPU): its calls are counted instead.
+    monkeypatch.setattr(tritongrad, "gated_linear", lambda *a, **k: traced.append(1) or gated_linear(*a, **k))
+    out, grads, saved, _ = _compiled_step(model, batch)
     B, T = batch["input_ids"].shape
     products = B * T * model.config.intermediate_size  # elements of act(gate) * up, of gate, of up
     n_layers = model.config.num_hidden_layers
-    assert any("gated_linear" in g for g in graphs)
+    assert traced
     assert [math.prod(s) for s in saved].count(products) == 2 * n_layers, saved  # gate and up
     torch.testing.assert_close(out.loss, eager_out.loss, rtol=1e-5, atol=1e-6)
     for name, g in eager_grads.items():
