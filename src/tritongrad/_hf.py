@@ -510,7 +510,7 @@ FUSED_GATE_DETAIL = {"silu": "down_proj(swiglu(*gate_up_proj(x).chunk(2, -1)))" 
 class _Halves(torch.autograd.Function):
     """``x.chunk(2, -1)`` whose backward hands on, without a copy, the gradient the gated op's in-place
     backward wrote over x's halves; chunk's backward would concatenate the two into a new ``[..., 2D]``
-    tensor (docs/swiglu-rope.md#the-down-projection). Other gradients are concatenated as chunk's are."""
+    tensor (docs/swiglu-rope.md#semantics). Other gradients are concatenated as chunk's are."""
 
     @staticmethod
     def forward(ctx, x):
