@@ -31,7 +31,7 @@ from conftest import DEVICE, clipped_mlp_class
 
 import tritongrad
 from tritongrad import _hf, zoo
-from tritongrad.ops.norm.reference import llama_rms_norm_reference, rms_norm_reference
+from tritongrad.ops.norm.reference import llama_rms_norm_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,27 +87,6 @@ def _batch(ignore: bool = True) -> dict:
     return dict(input_ids=ids.to(DEVICE), labels=labels.to(DEVICE))
 
 
-def _reference_norm_forward(kind: str, eps_name: str):
-    def forward(self, x):
-        eps, w = getattr(self, eps_name), self.weight
-        if kind == "llama":
-            return llama_rms_norm_reference(x, w, eps)
-        return rms_norm_reference(x, [x.shape[-1]], 1.0 + w if kind == "gemma" else w, eps)
-    return forward
-
-
-def _float64(model: torch.nn.Module) -> torch.nn.Module:
-    """The float64 reference: the model in float64, its RMSNorms computing in float64 too."""
-    ref = copy.deepcopy(model).double()
-    if getattr(ref.config, "_experts_implementation", None) not in (None, "eager"):
-        ref.config._experts_implementation = "eager"  # grouped GEMMs take no float64
-    for m in ref.modules():
-        if _hf.looks_like_rms_norm(m):
-            kind, eps_name = _hf.norm_kind(type(m))
-            m.__class__ = type(type(m).__name__, (type(m),), {"forward": _reference_norm_forward(kind, eps_name)})
-    return ref
-
-
 def _run(model, batch, **kwargs):
     model.zero_grad(set_to_none=True)
     out = model(**batch, **kwargs)
@@ -121,9 +100,12 @@ def _full(t):
 
 
 def _references(model, batch, **kwargs):
-    """(float32 output and grads, float64 output and grads) of the unpatched model; run before patching (rope is
+    """(float32 output and grads, float64 output and grads) of the unpatched model, the float64 model float64
+    throughout (zoo._in_float64: its norms' and softmax's float32 upcasts too); run before patching (rope is
     patched module-wide)."""
-    return _run(copy.deepcopy(model), batch, **kwargs), _run(_float64(model), batch, **kwargs)
+    ref32 = _run(copy.deepcopy(model), batch, **kwargs)
+    with zoo._in_float64():
+        return ref32, _run(zoo._float64(model), batch, **kwargs)
 
 
 def _assert_earned(got, ref32, ref64, what: str) -> None:
@@ -307,7 +289,8 @@ def test_head_that_casts_its_input_keeps_the_cast():
     want = zoo._low_step(mamba, batch, autocast=False)
     assert "linear_cross_entropy" in tritongrad.patch(mamba).ops()
     got = zoo._low_step(mamba, batch, autocast=False)
-    ref = zoo._low_step(zoo._float64(zoo.build("mamba").to(DEVICE)), batch, autocast=False)
+    with zoo._in_float64():
+        ref = zoo._low_step(zoo._float64(zoo.build("mamba").to(DEVICE)), batch, autocast=False)
     assert zoo._error(zoo.BFLOAT16, got, ref)[0] <= 1.5 * zoo._error(zoo.BFLOAT16, want, ref)[0]
 
 
