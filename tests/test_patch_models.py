@@ -373,6 +373,29 @@ def test_one_gate_up_product_gets_its_halves_gradients_without_a_copy():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_one_gate_up_product_under_torch_func_and_forward_ad():
+    # The halves' split that hands their gradients on (eager autograd only) leaves torch.func's transforms and
+    # forward-mode AD to the gated op's reference, as chunk does: grad, jvp and vmap give the unpatched MLP's.
+    model = _model("phi3")
+    mlp, ref = model.model.layers[0].mlp, copy.deepcopy(model.model.layers[0].mlp)
+    tritongrad.patch(model, rms_norm=False, rope=False, linear_cross_entropy=False, causal_mask=False)
+    assert _hf.GATE_ATTR in vars(mlp) or getattr(mlp, _hf.GATE_ATTR, None), "the MLP was not patched"
+    x = torch.randn(2, 5, model.config.hidden_size, device=DEVICE)
+    t = torch.randn_like(x)
+    params = {k: v.detach() for k, v in mlp.named_parameters()}
+
+    def loss(m, p, x):
+        return torch.func.functional_call(m, p, (x,)).square().sum()
+
+    got, want = (torch.func.grad(lambda p: loss(m, p, x))(params) for m in (mlp, ref))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    (y, dy), (y0, dy0) = (torch.func.jvp(m, (x,), (t,)) for m in (mlp, ref))
+    torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dy, dy0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.func.vmap(mlp)(x), torch.func.vmap(ref)(x), rtol=1e-5, atol=1e-6)
+
+
 def _compiled_step(model, batch) -> tuple:
     """``(output, grads, shapes of the tensors the forward graph saves, graphs)`` of one compiled step."""
     from functorch.compile import make_boxed_func

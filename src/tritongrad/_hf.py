@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import tritongrad
 
+from ._pattern import eager_autograd
 from ._runtime import PLAIN_TENSORS
 from .ops.swiglu.experts import _moe as _experts_moe
 
@@ -544,7 +545,7 @@ def _fused_gated_forward(self, x):
         # writes in place.
         owned = _owned(self.gate_up_proj)
         gate_up = self.gate_up_proj(x)
-        if owned and gate_up.requires_grad and not torch.compiler.is_compiling():
+        if owned and eager_autograd(gate_up):  # where the gated op's in-place backward can run
             gate, up = _Halves.apply(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -110,6 +110,15 @@ def _tracing() -> bool:
     backward (where torch.compiler.is_compiling() answers False on some versions)."""
     return _is_compiling() or torch._C._get_dispatch_mode(_PROXY) is not None
 
+def eager_autograd(t: torch.Tensor) -> bool:
+    """Whether an op called now on ``t`` runs its eager torch.autograd.Function (:meth:`Op._checked_call`): a
+    plain tensor that requires grad, with gradients on, on a device whose kernels run, outside tracing,
+    dispatch modes, torch.func transforms and forward-mode AD on ``t``."""
+    return (type(t) in _PLAIN and t.requires_grad and _grad_enabled() and rt.uses_triton(t.device)
+            and not (_is_compiling() or _dispatch_depth() or _functorch_active()
+                     or (_fwad._current_level >= 0 and _fwad.unpack_dual(t).tangent is not None)))
+
+
 # Every op declared in this process, by qualified name: a re-declaration updates the entry in place.
 _OPS: dict[str, "Op"] = {}
 
