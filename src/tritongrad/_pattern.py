@@ -114,9 +114,10 @@ def eager_autograd(t: torch.Tensor) -> bool:
     """Whether an op called now on ``t`` runs its eager torch.autograd.Function (:meth:`Op._checked_call`): a
     plain tensor that requires grad, with gradients on, on a device whose kernels run, outside tracing,
     dispatch modes, torch.func transforms and forward-mode AD on ``t``."""
-    return (type(t) in _PLAIN and t.requires_grad and _grad_enabled() and rt.uses_triton(t.device)
-            and not (_is_compiling() or _dispatch_depth() or _functorch_active()
-                     or (_fwad._current_level >= 0 and _fwad.unpack_dual(t).tangent is not None)))
+    if _is_compiling() or type(t) not in _PLAIN or not t.requires_grad or not _grad_enabled():
+        return False  # tracing first: nothing past it is traced
+    return rt.uses_triton(t.device) and not (_dispatch_depth() or _functorch_active() or (
+        _fwad._current_level >= 0 and _fwad.unpack_dual(t).tangent is not None))
 
 
 # Every op declared in this process, by qualified name: a re-declaration updates the entry in place.
