@@ -110,6 +110,7 @@ def _tracing() -> bool:
     backward (where torch.compiler.is_compiling() answers False on some versions)."""
     return _is_compiling() or torch._C._get_dispatch_mode(_PROXY) is not None
 
+
 def eager_autograd(t: torch.Tensor) -> bool:
     """Whether an op called now on ``t`` runs its eager torch.autograd.Function (:meth:`Op._checked_call`): a
     plain tensor that requires grad, with gradients on, on a device whose kernels run, outside tracing,
