@@ -273,19 +273,32 @@ def test_without_transformers_moe_the_error_says_what_it_needs(monkeypatch):
         grouped_experts(x, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1), gu, dn)
 
 
-def test_torch_func_and_forward_mode_are_refused():
-    """grouped_experts is an autograd.Function with neither a vmap rule nor a jvp: torch.func's transforms and
-    forward-mode AD raise rather than run it wrong."""
+def test_torch_func_and_forward_mode_as_transformers():
+    """grouped_experts' autograd.Function gives no tangents and no batching rule: under torch.func's transforms and
+    forward-mode AD the op runs the same forward in PyTorch's ops (the gated op on its reference), which PyTorch
+    differentiates as transformers' own function: the same gradients, and forward-mode AD refused where torch's
+    grouped_mm refuses it for both."""
     import torch.autograd.forward_ad as fwAD
 
-    mod = _Experts(4, 64, 32, torch.float32)
+    mod = _Experts(4, 64, 32, torch.float32, approximate="tanh")
     idx, w = _routing(11, 4, 2, torch.float32)
     x = torch.randn(11, 64, device=DEVICE)
-    gu, dn = mod.gate_up_proj.detach(), mod.down_proj.detach()
-    with pytest.raises(RuntimeError, match="setup_context|functorch"):
-        torch.func.grad(lambda x: grouped_experts(x, idx, w, gu, dn).sum())(x)
-    with fwAD.dual_level(), pytest.raises((RuntimeError, NotImplementedError), match="jvp|forward"):
-        grouped_experts(fwAD.make_dual(x, torch.ones_like(x)), idx, w, gu, dn)
+    params = (mod.gate_up_proj.detach(), mod.down_proj.detach())
+
+    def ours(x, w, gu, dn):
+        return grouped_experts(x, idx, w, gu, dn, approximate="tanh")
+
+    def theirs(x, w, gu, dn):
+        with torch.nn.utils.stateless._reparametrize_module(mod, {"gate_up_proj": gu, "down_proj": dn}):
+            return mod.transformers(x, idx, w)
+
+    got, want = (torch.func.grad(lambda *a, f=f: f(*a).square().sum(), argnums=(0, 1, 2, 3))(x, w, *params)
+                 for f in (ours, theirs))
+    for name, a, b in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    for f in (ours, theirs):
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward AD"):
+            f(fwAD.make_dual(x, torch.ones_like(x)), w, *params)
 
 
 def test_compiled_experts_import_nothing_while_traced(monkeypatch):

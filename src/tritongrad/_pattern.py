@@ -117,8 +117,14 @@ def eager_autograd(t: torch.Tensor) -> bool:
     dispatch modes, torch.func transforms and forward-mode AD on ``t``."""
     if _is_compiling() or type(t) not in _PLAIN or not t.requires_grad or not _grad_enabled():
         return False  # tracing first: nothing past it is traced
-    return rt.uses_triton(t.device) and not (_dispatch_depth() or _functorch_active() or (
-        _fwad._current_level >= 0 and _fwad.unpack_dual(t).tangent is not None))
+    return rt.uses_triton(t.device) and not (_dispatch_depth() or under_transform(t))
+
+
+def under_transform(*tensors) -> bool:
+    """Whether a torch.func transform is active, or forward-mode AD gives one of ``tensors`` a tangent: where
+    an op runs its reference (module docstring)."""
+    return _functorch_active() or (_fwad._current_level >= 0 and any(
+        t is not None and _fwad.unpack_dual(t).tangent is not None for t in tensors))
 
 
 # Every op declared in this process, by qualified name: a re-declaration updates the entry in place.

@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ... import _runtime as rt
-from ..._pattern import _tracing, kernel
+from ..._pattern import _tracing, kernel, under_transform
 from . import kernels
 from . import plans as P
 from .launch import GELU_APPROXIMATIONS, _graph_kept, activation, gate_grads, geglu, swiglu
@@ -251,34 +251,42 @@ def _(dout, x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs, 
     return tuple(x.new_empty(shape, dtype=dtype) if n else x.new_empty(0) for (shape, dtype), n in zip(shapes, needs))
 
 
+def _forward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed):
+    """``(out, what the backward keeps)``: transformers' grouped_mm experts forward, step for step."""
+    moe = _moe()
+    T, H = x.shape
+    K = top_k_index.shape[-1]
+    E = gate_up_proj.shape[0]
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    tokens = perm // K
+    x_g = x[tokens]
+    w_g = sample_weights[perm]
+    histc_input = expert_ids_g.float() if x.device.type in ("cpu", "mps") else expert_ids_g.int()
+    offs = torch.cumsum(torch.histc(histc_input, bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+    pre = moe._grouped_linear(x_g, gate_up_proj, offs, is_transposed=is_transposed)
+    post = _gated(pre, approximate)
+    y = moe._grouped_linear(post, down_proj, offs, is_transposed=is_transposed)
+    weighted = y * w_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=x.device)
+    out = weighted[inv_perm].view(T, K, H).sum(dim=1)
+    # No .to that returns its input: Dynamo (2.11) hands the function's intermediates back beside its output,
+    # and an output that aliases one of them gets no gradient (docs/swiglu-rope.md#moe-experts).
+    out = out if out.dtype == x.dtype else out.to(x.dtype)
+    return out, (pre, perm, inv_perm, tokens, w_g, offs, weighted.dtype, y.dtype)
+
+
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed):
-        moe = _moe()
-        T, H = x.shape
+        out, (pre, perm, inv_perm, tokens, w_g, offs, wdtype, ydtype) = _forward(
+            x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed)
         K = top_k_index.shape[-1]
-        E = gate_up_proj.shape[0]
-        sample_weights = top_k_weights.reshape(-1)
-        expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
-        tokens = perm // K
-        x_g = x[tokens]
-        w_g = sample_weights[perm]
-        histc_input = expert_ids_g.float() if x.device.type in ("cpu", "mps") else expert_ids_g.int()
-        offs = torch.cumsum(torch.histc(histc_input, bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
-        pre = moe._grouped_linear(x_g, gate_up_proj, offs, is_transposed=is_transposed)
-        post = _gated(pre, approximate)
-        y = moe._grouped_linear(post, down_proj, offs, is_transposed=is_transposed)
-        weighted = y * w_g.unsqueeze(-1)
-        inv_perm = torch.empty_like(perm)
-        inv_perm[perm] = torch.arange(perm.size(0), device=x.device)
-        out = weighted[inv_perm].view(T, K, H).sum(dim=1)
-        # No .to that returns its input: Dynamo (2.11) hands the function's intermediates back beside its output,
-        # and an output that aliases one of them gets no gradient (docs/swiglu-rope.md#moe-experts).
-        out = out if out.dtype == x.dtype else out.to(x.dtype)
         ctx.save_for_backward(x, gate_up_proj, down_proj, pre, perm, inv_perm, tokens, w_g, offs)
         # Eager, the backward may write pre's gradient over pre, its own buffer, when it gets that very tensor.
         ctx.pre = None if torch.compiler.is_compiling() else weakref.ref(pre)
-        ctx.meta = (approximate, is_transposed, K, weighted.dtype, y.dtype, top_k_weights.dtype)
+        ctx.meta = (approximate, is_transposed, K, wdtype, ydtype, top_k_weights.dtype)
         return out
 
     @staticmethod
@@ -344,5 +352,9 @@ def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: t
                          f"(is_transposed={is_transposed}: [E, H, 2I] and [E, I, H])")
     if not torch.compiler.is_compiling():
         _require_moe()
+        if under_transform(x, top_k_weights, gate_up_proj, down_proj):
+            # The Function gives no tangents and no batching rule: the same forward in PyTorch's ops (the gated
+            # op on its reference), which the transform differentiates or batches, as transformers' own.
+            return _forward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate, is_transposed)[0]
     return _GroupedExperts.apply(x, top_k_index, top_k_weights, gate_up_proj, down_proj, approximate,
                                  is_transposed)
