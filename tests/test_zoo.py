@@ -127,12 +127,13 @@ CHUNKS = 1
 
 # The quick tier: loss and every gradient, what patch substitutes into each family, also with two sequences
 # packed in a row, the loss with a hook on every module (a module call that a patched path bypasses must still
-# count: docs/models.md#module-calls), the loss over Trainer's num_items_in_batch, and a bfloat16 copy's step
-# against the float64 model (the family's own casts: docs/models.md#the-family-matrix); the extended tier adds
-# logits, gradient checkpointing, a second backward and bfloat16 autocast (the kernel families check those in
-# the quick tier).
+# count: docs/models.md#module-calls), the loss over Trainer's num_items_in_batch, the gradients through
+# torch.func.grad (a patched path must run under the transform), and a bfloat16 copy's step against the
+# float64 model (the family's own casts: docs/models.md#the-family-matrix); the extended tier adds logits,
+# gradient checkpointing, a second backward and bfloat16 autocast (the kernel families check those in the
+# quick tier).
 CHECKS = [pytest.param(("loss", "grads", *zoo.PACKED, "loss, module hooks", "loss, num_items_in_batch",
-                        zoo.BFLOAT16), id="quick-checks"),
+                        zoo.FUNC_GRAD, zoo.BFLOAT16), id="quick-checks"),
           pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
 
 

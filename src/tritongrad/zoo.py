@@ -13,6 +13,8 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
 - the loss and gradients with two sequences packed in each row (``position_ids`` restarting);
 - ``generate`` of 3 tokens (greedy): the same tokens;
 - gradient checkpointing; a second backward through the retained graph (twice the gradients);
+- every gradient through ``torch.func.grad`` over ``functional_call`` (a patched path must run under the
+  transform, where tritongrad's ops run their references);
 - the loss with a forward hook on every module that scales its output: a hook on a module that a patched
   path bypasses (the LM head under the fused loss, a gate's activation) must count;
 - a training step of a bfloat16 copy, and one under bfloat16 autocast: the median error of the loss and
@@ -608,6 +610,23 @@ def _low_step(model, batch, autocast: bool):
     return {"loss": loss.double(), **{n: g.double() for n, g in grads.items()}}
 
 
+def _func_grad(model, batch):
+    """Every parameter's gradient of the training loss through ``torch.func.grad`` over ``functional_call``
+    (as functorch-based trainers take it): a patched path must run under the transform as the module does."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def loss(p):
+        torch.manual_seed(0)
+        return torch.func.functional_call(model, (p, buffers), (), {**batch, **_no_cache(model)}).loss
+
+    return {n: g for n, g in torch.func.grad(loss)(params).items() if n in _needs_grad(model)}
+
+
+def _needs_grad(model) -> set:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
 def _generate(model, batch):
     model.eval()
     try:
@@ -662,6 +681,7 @@ def _check_fns(batch, compiled: bool, recompiles_ok: bool = False) -> dict:
         "generate": lambda m: _generate(m, batch),
         "gradient checkpointing": lambda m: _checkpointed(m, batch),
         "second backward": lambda m: _second_backward(m, batch),
+        FUNC_GRAD: lambda m: _func_grad(m, batch),
         "loss, module hooks": lambda m: _hooked(m, batch),
         BFLOAT16: lambda m: [_low_step(m, b, autocast=False) for b in lows],
         AUTOCAST: lambda m: [_low_step(m, b, autocast=True) for b in lows],
@@ -855,9 +875,10 @@ AUTOCAST = "loss and grads, bfloat16 autocast"  # float32 weights, as Trainer's 
 LOW_PRECISION = (BFLOAT16, AUTOCAST)
 LOW_PRECISION_SHUFFLES = (1, 2)  # the seeds of the bfloat16 steps' batches beyond the first (_check_fns)
 PACKED = ("loss, packed sequences", "grads, packed sequences")
+FUNC_GRAD = "grads, torch.func.grad"
 
 # The checks that exercise the kernels (the others differ only in what the model computes around them).
-TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", *LOW_PRECISION)
+TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", FUNC_GRAD, *LOW_PRECISION)
 
 
 # Families whose tiny model leaves out an experts class on purpose: the other configuration of the family is
