@@ -128,12 +128,12 @@ CHUNKS = 1
 # The quick tier: loss and every gradient, what patch substitutes into each family, also with two sequences
 # packed in a row, the loss with a hook on every module (a module call that a patched path bypasses must still
 # count: docs/models.md#module-calls), the loss over Trainer's num_items_in_batch, the gradients through
-# torch.func.grad (a patched path must run under the transform), and a bfloat16 copy's step against the
-# float64 model (the family's own casts: docs/models.md#the-family-matrix); the extended tier adds logits,
-# gradient checkpointing, a second backward and bfloat16 autocast (the kernel families check those in the
-# quick tier).
+# torch.func.grad and a derivative through torch.func.jvp (a patched path must run under the transforms), and
+# a bfloat16 copy's step against the float64 model (the family's own casts: docs/models.md#the-family-matrix);
+# the extended tier adds logits, gradient checkpointing, a second backward and bfloat16 autocast (the kernel
+# families check those in the quick tier).
 CHECKS = [pytest.param(("loss", "grads", *zoo.PACKED, "loss, module hooks", "loss, num_items_in_batch",
-                        zoo.FUNC_GRAD, zoo.BFLOAT16), id="quick-checks"),
+                        zoo.FUNC_GRAD, zoo.FUNC_JVP, zoo.BFLOAT16), id="quick-checks"),
           pytest.param(zoo.TRAINING_CHECKS, id="training", marks=pytest.mark.extended)]
 
 
@@ -727,18 +727,20 @@ def test_the_float64_model_keeps_its_own_upcasts_in_float64():
     assert torch.empty(1).dtype == torch.float32  # restored
 
 
-@pytest.mark.parametrize("ratio, same64, held", [(1.9, None, True), (3.0, 1e-12, True), (3.0, 1e-5, False),
-                                                 (3.0, None, False), (5.0, 1e-12, False)])
-def test_a_rounding_spread_beyond_2x_needs_the_same_function_in_float64(ratio, same64, held):
+@pytest.mark.parametrize("ratio, same64, held, unpatched", [
+    (1.9, None, True, 3e-5), (3.0, 1e-12, True, 3e-5), (3.0, 1e-5, False, 3e-5), (3.0, None, False, 3e-5),
+    (5.0, 1e-12, False, 3e-5), (1.5, None, False, 2e-4), (3.0, 1e-12, False, 2e-4)])
+def test_a_rounding_spread_beyond_2x_needs_the_same_function_in_float64(ratio, same64, held, unpatched):
     # zoo._earned: the patched model's float32 error against float64 at `ratio` times the unpatched model's.
     # Past 2x it passes only where the patched model run in float64 is the float64 model (same64: its error;
-    # None: it cannot run), and never past ROUNDING_SPREAD.
+    # None: it cannot run), and never past ROUNDING_SPREAD; and nothing passes where the unpatched model itself
+    # is further than REFERENCE_SPREAD tolerances (here 1e-5 each) from the float64 run.
     model = zoo.build("llama")
     batch = zoo._batch(256, "cpu")
     fns = {"loss": lambda m: zoo._step(m, batch, False)[0]}
     with zoo._in_float64():
         ref64 = fns["loss"](zoo._float64(model))
-    d = 1e-4 * ref64.abs()
+    d = unpatched * ref64.abs()
     want, got = {"loss": (ref64 + d).float()}, {"loss": (ref64 + ratio * d).float()}
     asked = []
 
@@ -749,7 +751,7 @@ def test_a_rounding_spread_beyond_2x_needs_the_same_function_in_float64(ratio, s
 
     kept, note = zoo._earned(model, fns, got, want, ["loss"], same)
     assert bool(kept) == held, note
-    assert bool(asked) == (2 < ratio <= zoo.ROUNDING_SPREAD)
+    assert bool(asked) == (2 < ratio <= zoo.ROUNDING_SPREAD and unpatched <= zoo.REFERENCE_SPREAD * zoo.LOSS_RTOL)
 
 
 def test_gradient_checkpointing_recomputes_in_float64():
@@ -763,3 +765,18 @@ def test_gradient_checkpointing_recomputes_in_float64():
     assert plain.keys() == recomputed.keys()
     for n, g in plain.items():
         torch.testing.assert_close(recomputed[n], g, rtol=1e-12, atol=1e-14, msg=n)
+
+
+@pytest.mark.parametrize("check", [zoo.FUNC_GRAD, zoo.FUNC_JVP])
+def test_an_op_that_drops_its_derivative_under_torch_func_is_wrong(monkeypatch, check):
+    # Under torch.func's transforms an op runs its reference: one that returned it detached there (the tangents
+    # and gradients through it zero, as forward-mode AD once gave) is wrong, in eager mode nothing else changes.
+    from tritongrad import _pattern
+
+    def detached(self, args):
+        out = self.reference(*args)
+        return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+
+    monkeypatch.setattr(_pattern.Op, "_under_transform", detached)
+    v = zoo.check("llama", "eager", only=("loss", "grads", check))
+    assert v.status == "wrong" and f"{check}: " in v.detail and "grads:" not in v.detail, v.line()
