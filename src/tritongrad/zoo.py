@@ -614,38 +614,36 @@ def _low_step(model, batch, autocast: bool):
     return {"loss": loss.double(), **{n: g.double() for n, g in grads.items()}}
 
 
-def _func_grad(model, batch):
-    """Every parameter's gradient of the training loss through ``torch.func.grad`` over ``functional_call``
-    (as functorch-based trainers take it): a patched path must run under the transform as the module does."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
+def _functional_loss(model, batch):
+    """``(the parameters that take gradients, detached; the training loss as a function of them)``, through
+    ``functional_call``, as functorch-based trainers take it."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
 
     def loss(p):
         torch.manual_seed(0)
-        return torch.func.functional_call(model, (p, buffers), (), {**batch, **_no_cache(model)}).loss
+        return torch.func.functional_call(model, (p, buffers), (), {**batch, **_no_cache(model)},
+                                          strict=False).loss
 
-    return {n: g for n, g in torch.func.grad(loss)(params).items() if n in _needs_grad(model)}
+    return params, loss
+
+
+def _func_grad(model, batch):
+    """Every parameter's gradient of the training loss through ``torch.func.grad``: a patched path must run
+    under the transform as the module does."""
+    params, loss = _functional_loss(model, batch)
+    return torch.func.grad(loss)(params)
 
 
 def _func_jvp(model, batch):
-    """The training loss's derivative along a fixed direction of every parameter, through
-    ``torch.func.jvp`` over ``functional_call`` (forward-mode AD: tritongrad's ops run their references)."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    buffers = dict(model.named_buffers())
+    """The training loss's derivative along a fixed direction of every parameter, through ``torch.func.jvp``
+    (forward-mode AD: tritongrad's ops run their references)."""
+    params, loss = _functional_loss(model, batch)
     # A fixed direction made by arithmetic, not drawn: the float64 reference (_in_float64) draws other numbers.
     tangents = {n: torch.cos(torch.arange(p.numel(), device=p.device) * 1.7 + k).view(p.shape).to(p)
                 for k, (n, p) in enumerate(params.items())}
-
-    def loss(p):
-        torch.manual_seed(0)
-        return torch.func.functional_call(model, (p, buffers), (), {**batch, **_no_cache(model)}).loss
-
     # A dict: held to the gradients' tolerance, as the gradients' sum along the direction.
     return {"d loss": torch.func.jvp(loss, (params,), (tangents,))[1]}
-
-
-def _needs_grad(model) -> set:
-    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _generate(model, batch):
