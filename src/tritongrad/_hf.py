@@ -515,26 +515,18 @@ class _Halves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        ctx.shape = x.shape
+        ctx.shape, ctx.stride = x.shape, x.stride()
         return x.chunk(2, dim=-1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dg, du):
-        D, whole = dg.shape[-1], _contiguous_strides(ctx.shape)
-        if dg.stride() == du.stride() == whole and dg.shape == du.shape and dg.dtype == du.dtype \
+        # The halves of one buffer laid out as x: side by side, as x's halves are.
+        if dg.stride() == du.stride() == ctx.stride and dg.shape == du.shape and dg.dtype == du.dtype \
                 and dg.untyped_storage().data_ptr() == du.untyped_storage().data_ptr() \
-                and du.storage_offset() == dg.storage_offset() + D:
-            return dg.as_strided(ctx.shape, whole, dg.storage_offset())  # the two halves: the whole, in place
+                and du.storage_offset() == dg.storage_offset() + dg.shape[-1] * ctx.stride[-1]:
+            return dg.as_strided(ctx.shape, ctx.stride, dg.storage_offset())
         return torch.cat([dg, du], dim=-1)
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.append(n)
-        n *= size
-    return tuple(reversed(strides))
 
 
 def _fused_gated_forward(self, x):
