@@ -533,9 +533,11 @@ def test_any_layout_of_inputs_and_upstream_gradient(layout, upstream):
 
     want, want_g = run([t.clone() for t in tensors], g.contiguous())
     got, got_g = run([_layout(t, layout) for t in tensors], g)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for name, a, b in zip(("x", "top_k_weights", "gate_up_proj", "down_proj"), got_g, want_g):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    # Another layout may take another product kernel (cuBLAS), so another summation order: float32 rounding of
+    # the largest terms, not of each element, separates the two.
+    for name, a, b in zip(("out", "x", "top_k_weights", "gate_up_proj", "down_proj"), (got, *got_g), (want, *want_g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_gradcheck_in_float64(monkeypatch):
