@@ -3,8 +3,9 @@
     python benchmarks/families.py OUT.json IN.json [IN.json ...]
 
 Each input is a ``train_llama.py`` result (``<stem>.json``) or a merged file of this script's own format, so
-a family measured again replaces its earlier entry (the last input wins). Written: ``OUT.json`` (per family:
-the commit, versions, parameters and every run's status, tokens/s, peak memory, graph breaks, loss
+a family measured again replaces its earlier entry (the last input wins). A family's runs come from one
+process tree on one GPU; families may come from different GPUs and commits, which the table names per row.
+Written: ``OUT.json`` (per family: the GPU, commit, versions, parameters and every run's status, tokens/s, peak memory, graph breaks, loss
 differences to Hugging Face eager and losses), ``OUT.png`` (tokens/s over Hugging Face eager's, and peak
 memory, per family and run), and the markdown table on stdout.
 """
@@ -29,12 +30,13 @@ def families(paths: list[str]) -> dict[str, dict]:
         if "families" in data:
             for name, entry in data["families"].items():
                 out[name] = {"git": data.get("git"), "versions": data.get("versions"),
-                             "command": data.get("command"), **entry}
+                             "command": data.get("command"), "device": data.get("gpu"), **entry}
             continue
         s = data["settings"]
         extra = f" --experts {s['experts']} --top-k {s['top_k']}" if "moe" in s["family"] else ""
         out[s["family"]] = {
-            "git": data["git"], "versions": data["versions"], "parameters": data["parameters"],
+            "device": data["device"], "git": data["git"], "versions": data["versions"],
+            "parameters": data["parameters"],
             "command": (f"python3 benchmarks/train_llama.py --family {s['family']}{extra} --size {s['size']} "
                         f"--seq {s['seq']} --batch {s['batch']} --steps {s['steps']} --warmup {s['warmup']} "
                         f"--runs {s['runs']} --time-limit {s['time_limit']:g}"),
@@ -46,8 +48,8 @@ def families(paths: list[str]) -> dict[str, dict]:
 def table(fams: dict[str, dict]) -> str:
     """Markdown: tokens/s (x HF eager) and peak memory per run; '-' where a run did not finish."""
     head = ("| family | " + " | ".join(r.replace("-", " ") for r in RUNS)
-            + " | tritongrad / HF, compiled | loss vs HF eager, first step / mean (rel., largest run) |")
-    lines = [head, "|" + "---|" * (len(RUNS) + 3)]
+            + " | tritongrad / HF, compiled | loss vs HF eager, first step / mean (rel., largest run) | GPU, commit |")
+    lines = [head, "|" + "---|" * (len(RUNS) + 4)]
     for name, entry in fams.items():
         runs = {r["run"]: r for r in entry["runs"]}
         base = (runs.get("hf-eager") or {}).get("tokens_per_s")
@@ -64,7 +66,8 @@ def table(fams: dict[str, dict]) -> str:
         hc, tc = (runs.get(k, {}).get("tokens_per_s") for k in ("hf-compile", "tritongrad-compile"))
         compiled = f"{tc / hc:.2f}x" if hc and tc else "-"
         loss = " / ".join(f"{max(v):.1e}" if v else "-" for v in (first, mean))
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {compiled} | {loss} |")
+        gpu = (entry.get("device") or "-").replace("NVIDIA ", "").split(" ")[0]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {compiled} | {loss} | {gpu}, {entry.get('git')} |")
     return "\n".join(lines)
 
 
@@ -93,7 +96,9 @@ def plot(fams: dict[str, dict], path: str) -> None:
     ax2.set_ylabel("peak memory (GiB)")
     ax2.set_xticks(range(len(names)), names, rotation=30)
     ax1.legend(ncol=len(RUNS), fontsize=7, loc="upper left")
-    ax1.set_title("one H200, bf16, ~350M, seq 2048, batch 4 (a missing bar: the run did not finish)")
+    gpus = ", ".join(sorted({(fams[n].get("device") or "?").replace("NVIDIA ", "") for n in names}))
+    ax1.set_title(f"bf16, ~350M, seq 2048, batch 4; {gpus} (a family's runs on one GPU; a missing bar: the run "
+                  "did not finish)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -104,8 +109,8 @@ def main(argv: list[str]) -> None:
     out, paths = argv[0], argv[1:]
     fams = families(paths)
     with open(out, "w") as f:
-        json.dump({"what": "benchmarks/train_llama.py per family, merged by benchmarks/families.py",
-                   "gpu": "NVIDIA H200", "families": fams}, f, indent=1)
+        json.dump({"what": "benchmarks/train_llama.py per family, merged by benchmarks/families.py; each "
+                   "family's GPU and commit in its entry", "families": fams}, f, indent=1)
     plot(fams, os.path.splitext(out)[0] + ".png")
     print(table(fams))
 
