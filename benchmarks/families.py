@@ -4,10 +4,10 @@
 
 Each input is a ``train_llama.py`` result (``<stem>.json``) or a merged file of this script's own format, so
 a family measured again replaces its earlier entry (the last input wins). A family's runs come from one
-process tree on one GPU; families may come from different GPUs and commits, which the table names per row.
-Written: ``OUT.json`` (per family: the GPU, commit, versions, parameters and every run's status, tokens/s, peak memory, graph breaks, loss
-differences to Hugging Face eager and losses), ``OUT.png`` (tokens/s over Hugging Face eager's, and peak
-memory, per family and run), and the markdown table on stdout.
+process tree on one GPU; families may come from different GPUs (the table names each row's) and commits (in
+the json). Written: ``OUT.json`` (per family: the GPU, commit, versions, parameters and every run's status,
+tokens/s, peak memory, graph breaks, loss differences to Hugging Face eager and losses), ``OUT.png`` (tokens/s
+over Hugging Face eager's, and peak memory, per family and run), and the markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def families(paths: list[str]) -> dict[str, dict]:
 def table(fams: dict[str, dict]) -> str:
     """Markdown: tokens/s (x HF eager) and peak memory per run; '-' where a run did not finish."""
     head = ("| family | " + " | ".join(r.replace("-", " ") for r in RUNS)
-            + " | tritongrad / HF, compiled | loss vs HF eager, first step / mean (rel., largest run) | GPU, commit |")
+            + " | tritongrad / HF, compiled | loss vs HF eager, first step / mean (rel., largest run) | GPU |")
     lines = [head, "|" + "---|" * (len(RUNS) + 4)]
     for name, entry in fams.items():
         runs = {r["run"]: r for r in entry["runs"]}
@@ -67,7 +67,7 @@ def table(fams: dict[str, dict]) -> str:
         compiled = f"{tc / hc:.2f}x" if hc and tc else "-"
         loss = " / ".join(f"{max(v):.1e}" if v else "-" for v in (first, mean))
         gpu = (entry.get("device") or "-").replace("NVIDIA ", "").split(" ")[0]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {compiled} | {loss} | {gpu}, {entry.get('git')} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {compiled} | {loss} | {gpu} |")
     return "\n".join(lines)
 
 
