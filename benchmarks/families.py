@@ -60,7 +60,8 @@ def table(fams: dict[str, dict]) -> str:
                 cells.append("-" if r is None else r.get("status", "-"))
                 continue
             ratio = f" ({r['tokens_per_s'] / base:.2f}x)" if base and key != "hf-eager" else ""
-            cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k{ratio}, {r['peak_mem_gib']:.1f} GiB")
+            peak = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") is not None else "- GiB"  # CPU: none
+            cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k{ratio}, {peak}")
             first += [r["first_loss_rel_diff_vs_hf_eager"]] if r.get("first_loss_rel_diff_vs_hf_eager") is not None else []
             mean += [r["mean_rel_loss_diff_vs_hf_eager"]] if r.get("mean_rel_loss_diff_vs_hf_eager") is not None else []
         hc, tc = (runs.get(k, {}).get("tokens_per_s") for k in ("hf-compile", "tritongrad-compile"))

@@ -3,6 +3,7 @@ each with the report's comparison to the one-process run."""
 
 import csv
 import glob
+import json
 import os
 import re
 import subprocess
@@ -124,3 +125,47 @@ def test_profile_splits_a_step_into_products_attention_optimizer_and_the_rest(tm
     for kind in ("products", "attention", "optimizer", "rest"):
         assert kinds[kind] > 0, kinds
     assert sum(v for k, v in kinds.items() if k != "step") == pytest.approx(kinds["step"]), kinds
+
+
+def _families_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("families", os.path.join(ROOT, "benchmarks", "families.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _result(family, device, git, speeds):
+    """A train_llama.py result as families.py reads it: tokens/s per run (None: the run did not finish)."""
+    runs = [{"run": run, "status": "ok" if tps else "time limit", "tokens_per_s": tps,
+             "peak_mem_gib": None if device == "cpu" else 6.0 + i, "first_loss_rel_diff_vs_hf_eager": 1e-5 * i,
+             "mean_rel_loss_diff_vs_hf_eager": 2e-5 * i} for i, (run, tps) in enumerate(speeds.items())]
+    settings = {"family": family, "size": "300m", "seq": 2048, "batch": 4, "steps": 12, "warmup": 4,
+                "runs": ",".join(speeds), "time_limit": 150.0}
+    return {"settings": settings, "device": device, "git": git, "versions": {}, "parameters": 1, "runs": runs}
+
+
+def test_families_merge_a_later_run_replaces_and_rows_name_their_gpu(tmp_path):
+    fam = _families_module()
+    old = _result("llama", "NVIDIA H200", "aaaaaaa", {"hf-eager": 100e3, "tritongrad-compile": 150e3})
+    new = _result("llama", "NVIDIA H100 80GB HBM3", "bbbbbbb",
+                  {"hf-eager": 100e3, "tritongrad-eager": 130e3, "hf-compile": 120e3, "tritongrad-compile": 144e3})
+    cpu = _result("qwen3", "cpu", "ccccccc", {"hf-eager": 10e3, "tritongrad-eager": None})
+    paths = []
+    for i, record in enumerate((old, cpu, new)):
+        paths.append(str(tmp_path / f"{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(record, f)
+    merged = fam.families(paths)
+    assert list(merged) == ["llama", "qwen3"] and merged["llama"]["git"] == "bbbbbbb", merged
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in fam.table(merged).splitlines()[2:]}
+    llama, qwen3 = rows["llama"], rows["qwen3"]
+    assert llama[2] == "130.0k (1.30x), 7.0 GiB" and llama[3] == "-" and llama[6] == "1.20x", llama
+    assert llama[-1] == "H100 |", llama
+    assert qwen3[1] == "10.0k, - GiB" and qwen3[2] == "time limit" and qwen3[6] == "-", qwen3
+    # a merged record read back gives the same families: a family measured again replaces only its own entry
+    out = tmp_path / "merged.json"
+    with open(out, "w") as f:
+        json.dump({"families": merged}, f)
+    assert fam.families([str(out)]) == {k: {"git": None, "versions": None, "command": None, "device": None, **v}
+                                        for k, v in merged.items()}
