@@ -38,7 +38,7 @@ for family in $TRAIN_FAMILIES; do
   # shellcheck disable=SC2086
   python3 benchmarks/train_llama.py --out "$OUT/$family" --family "$family" $extra \
     --time-limit "${TRAIN_TIME_LIMIT:-150}" --total-time-limit "${TRAIN_BUDGET:-660}" ${TRAIN_ARGS:-} 2>&1 \
-    | tee -a "$OUT/train.log" "$OUT/$family/train.log" | grep -E "^(=== |written|\S+-(eager|compile) )" || true
+    | tee -a "$OUT/train.log" "$OUT/$family/train.log" | grep -E "^(written|\S+-(eager|compile) )" || true
 done
 # shellcheck disable=SC2046
 python3 benchmarks/families.py "$OUT/families.json" $(ls "$OUT"/*/train-*.json) | tee "$OUT/families.md"

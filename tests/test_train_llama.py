@@ -163,7 +163,7 @@ def test_families_merge_a_later_run_replaces_and_rows_name_their_gpu(tmp_path):
     assert llama[2] == "130.0k (1.30x), 7.0 GiB" and llama[3] == "-" and llama[6] == "1.20x", llama
     assert llama[-1] == "H100 |", llama
     assert qwen3[1] == "10.0k, - GiB" and qwen3[2] == "time limit" and qwen3[6] == "-", qwen3
-    # a merged record read back gives the same families: a family measured again replaces only its own entry
+    # the merged record is an input too: read back, it gives the same families
     out = tmp_path / "merged.json"
     with open(out, "w") as f:
         json.dump({"families": merged}, f)
