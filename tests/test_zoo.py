@@ -780,3 +780,22 @@ def test_an_op_that_drops_its_derivative_under_torch_func_is_wrong(monkeypatch, 
     monkeypatch.setattr(_pattern.Op, "_under_transform", detached)
     v = zoo.check("llama", "eager", only=("loss", "grads", check))
     assert v.status == "wrong" and f"{check}: " in v.detail and "grads:" not in v.detail, v.line()
+
+
+def test_the_checks_after_gradient_checkpointing_run_on_the_model_as_it_was():
+    # transformers' gradient_checkpointing_enable hooks the embeddings to make their output require grad, and its
+    # disable removes the hook only under PEFT: left on, the torch.func checks after it raised on the unpatched
+    # model too, and were noted as not checked, the verdict still exact.
+    v = zoo.check("llama", "eager", only=("loss", "grads", "gradient checkpointing", zoo.FUNC_GRAD, zoo.FUNC_JVP))
+    assert v.status == "exact" and "not checked" not in v.detail, v.line()
+
+
+def test_a_check_that_leaves_the_model_changed_is_an_error(monkeypatch):
+    def leaves_a_hook(model, batch):
+        model.model.embed_tokens.register_forward_hook(lambda m, a, out: None)
+        return zoo._step(model, batch, False)[1]
+
+    monkeypatch.setattr(zoo, "_checkpointed", leaves_a_hook)
+    [row] = zoo.run(["llama"], ("eager",), only=("loss", "grads", "gradient checkpointing", zoo.FUNC_GRAD))
+    assert row["eager"].startswith("error: RuntimeError: zoo: the check 'gradient checkpointing' left the model "
+                                   "changed: model.embed_tokens's _forward_hooks"), row

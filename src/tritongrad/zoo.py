@@ -576,11 +576,16 @@ def _checkpointed(model, batch):
     kwargs = {"use_reentrant": False}
     if _FLOAT64_DEPTH[0]:  # the backward's recomputation runs outside the forward's mode: in it again
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _in_float64())
+    hooked = bool(getattr(model, "_require_grads_hooks", None) or hasattr(model, "_require_grads_hook"))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     try:
         return _step(model, batch, False)[1]
     finally:
         model.gradient_checkpointing_disable()
+        # transformers' enable makes the embeddings' output require grad (a hook) and its disable removes that
+        # hook only under PEFT: left on, the hook raises under torch.func in every later check.
+        if not hooked:
+            model.disable_input_require_grads()
 
 
 def _hooked(model, batch):
@@ -708,16 +713,39 @@ def _check_fns(batch, compiled: bool, recompiles_ok: bool = False) -> dict:
     }
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _state(model) -> dict:
+    """What a check must leave as it found it, for the checks after it: the training flag, every module's hooks
+    and checkpointing flag, which parameters take gradients, grad mode and the default dtype."""
+    state = {"training": model.training, "grad mode": torch.is_grad_enabled(), "dtype": torch.get_default_dtype(),
+             "requires_grad": tuple(n for n, p in model.named_parameters() if p.requires_grad)}
+    for name, m in model.named_modules():
+        for d in _HOOK_DICTS:
+            if getattr(m, d, None):
+                state[f"{name or 'the model'}'s {d}"] = tuple(getattr(m, d))
+        if getattr(m, "gradient_checkpointing", False):
+            state[f"{name or 'the model'}'s gradient_checkpointing"] = True
+    return state
+
+
 def _checks(model, fns: dict, only=None) -> tuple[dict, dict]:
-    """``(results, failures)``: each check's tensors, or the exception it raised."""
+    """``(results, failures)``: each check's tensors, or the exception it raised. A check that leaves the model
+    changed raises: the checks after it would run on another model (or fail, and be noted as not checked)."""
     out, failed = {}, {}
     for name, fn in fns.items():
         if only is not None and name not in only:
             continue
+        before = _state(model)
         try:
             out[name] = fn(model)
         except Exception as e:  # noqa: BLE001 - reported by the caller
             failed[name] = e
+        after = _state(model)
+        if after != before:
+            changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+            raise RuntimeError(f"zoo: the check {name!r} left the model changed: {', '.join(changed)}")
     return out, failed
 
 
