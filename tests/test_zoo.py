@@ -93,6 +93,10 @@ KERNEL_FAMILIES = {
                            "from float64, and the patched model run in float64 decides (zoo._earned)",
     "mixtral": "router logits (the aux loss keeps the original forward); the experts through grouped_experts",
 }
+# The checks of TRAINING_CHECKS a kernel family's unpatched model fails, so that they run on neither model.
+KERNEL_UNCHECKED = {
+    "mixtral": {zoo.FUNC_JVP},  # transformers' experts' grouped product has no forward-mode AD
+}
 
 
 # Families whose patched outputs keep another layout than Hugging Face's code with the kernels, and why.
@@ -155,6 +159,12 @@ def test_every_family_eager(chunk, checks):
     exact = {f for f, r in record.items() if r["eager"].startswith("exact")}
     lost = {f: eager[f] for f in set(EXACT) | exact if f in eager and eager[f].split(":")[0] != "exact"}
     assert not lost, lost
+    # A check the record ran stays run: one the unpatched model now fails (a check that leaves the model
+    # changed, a new release) is noted as not checked under a verdict that stays exact.
+    unchecked = {f: zoo.not_checked(eager[f]) & set(checks) - zoo.not_checked(record[f]["eager"])
+                 for f in eager if f in record}
+    unchecked = {f: names for f, names in unchecked.items() if names}
+    assert not unchecked, unchecked
     # What the record replaces stays replaced: an op left alone where it was established (a new release that
     # wraps a function the patch then no longer recognises) is a regression the verdicts alone do not show.
     now = {r["family"]: r["ops"] for r in rows}
@@ -253,6 +263,8 @@ def test_family_with_kernels(family, mode):
         pytest.importorskip("torch._dynamo")
     v = zoo.check(family, mode, only=zoo.TRAINING_CHECKS)
     assert v.status == "exact", f"{family} ({KERNEL_FAMILIES[family]}), {mode}: {v.line()}\n{v.ops}"
+    # every check runs but those the unpatched model fails, listed (none left unchecked under the exact verdict)
+    assert zoo.not_checked(v.detail) == (KERNEL_UNCHECKED.get(family, set()) if mode == "eager" else set()), v.line()
     # Eager, every module's output keeps the unpatched model's layout: a kernel's output laid out otherwise
     # made the next ops copy it (Gemma 3's q_norm and o_proj), which the values do not show.
     assert "layout:" not in v.detail, v.line()
@@ -799,3 +811,12 @@ def test_a_check_that_leaves_the_model_changed_is_an_error(monkeypatch):
     [row] = zoo.run(["llama"], ("eager",), only=("loss", "grads", "gradient checkpointing", zoo.FUNC_GRAD))
     assert row["eager"].startswith("error: RuntimeError: zoo: the check 'gradient checkpointing' left the model "
                                    "changed: model.embed_tokens's _forward_hooks"), row
+
+
+def test_not_checked_reads_the_checks_back_from_a_verdict_line():
+    names = {zoo.FUNC_GRAD, zoo.FUNC_JVP, "grads", "loss and grads, bfloat16"}  # names that hold commas
+    line = f"exact: {zoo.NOT_CHECKED}{', '.join(sorted(names))}; layout: model.norm"
+    assert zoo.not_checked(line) == names
+    assert zoo.not_checked("exact") == set() and zoo.not_checked(f"exact: {zoo.NOT_CHECKED}generate") == {"generate"}
+    with pytest.raises(ValueError, match="not a list of checks"):
+        zoo.not_checked(f"exact: {zoo.NOT_CHECKED}grads, something else")
