@@ -820,3 +820,20 @@ def test_not_checked_reads_the_checks_back_from_a_verdict_line():
     assert zoo.not_checked("exact") == set() and zoo.not_checked(f"exact: {zoo.NOT_CHECKED}generate") == {"generate"}
     with pytest.raises(ValueError, match="not a list of checks"):
         zoo.not_checked(f"exact: {zoo.NOT_CHECKED}grads, something else")
+
+
+def test_a_copy_of_a_model_that_keeps_a_non_leaf_tensor():
+    # RecurrentGemma keeps its recurrent state from the last forward; after a training forward that state is no
+    # graph leaf, which deepcopy refuses: whether the bfloat16 checks could copy the model depended on the check
+    # before them.
+    import copy
+
+    model = zoo.build("llama")
+    w = torch.ones(3, requires_grad=True)
+    model.model.norm.kept = w * 2
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(model)
+    copied = zoo._copy(model)
+    assert copied.model.norm.kept.grad_fn is None and torch.equal(copied.model.norm.kept, model.model.norm.kept)
+    assert model.model.norm.kept.grad_fn is not None  # the model itself is left as it was
+    assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), model.parameters()))

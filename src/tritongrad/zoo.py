@@ -606,10 +606,19 @@ def _hooked(model, batch):
             h.remove()
 
 
+def _copy(model):
+    """``copy.deepcopy(model)``, with the tensors a module keeps from its last forward that are not graph leaves
+    (RecurrentGemma's recurrent state), which deepcopy refuses, copied detached: whether a copy could be made
+    must not depend on which check ran before."""
+    memo = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and not v.is_leaf}
+    return copy.deepcopy(model, memo)
+
+
 def _low_step(model, batch, autocast: bool):
     """A training step of a float32 model's copy in bfloat16, or under bfloat16 autocast (a float64 model as it
     is: the reference :func:`_low_problems` holds both models to): the loss and every gradient, in float64."""
-    copied = copy.deepcopy(model)
+    copied = _copy(model)
     low = next(copied.parameters()).dtype == torch.float32
     if low and not autocast:
         copied = copied.to(torch.bfloat16)
@@ -903,7 +912,7 @@ def _same_in_float64(family: str, model, device, mode: str, variant, fns: dict, 
 
 
 def _float64(model):
-    model64 = copy.deepcopy(model).double()
+    model64 = _copy(model).double()
     if getattr(model64.config, "_experts_implementation", None) not in (None, "eager"):
         model64.config._experts_implementation = "eager"  # grouped GEMMs take no float64
     return model64
@@ -1151,7 +1160,7 @@ def _patched(family: str, model, device, mode: str, variant: str | None = None):
     import tritongrad
 
     try:
-        patched = copy.deepcopy(model)
+        patched = _copy(model)
     except RuntimeError:  # non-leaf parameters (weight_norm): the same seed builds the same weights
         patched = build(family, attention=model.config._attn_implementation, variant=variant).to(device)
     try:
