@@ -927,6 +927,34 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 DEVICE = os.environ["TWO_RANKS_DEVICE"]  # cpu: gloo, the kernels in the interpreter; cuda: NCCL, a GPU a rank
 
 
+def dtensor_activations_refused(rank):
+    # Tensor parallelism is not handled: a DTensor activation, sharded over the features or replicated, reaches
+    # the op's custom op, which DTensor's dispatch refuses (no sharding strategy), never a kernel run per shard.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import tritongrad
+    mesh = init_device_mesh(DEVICE, (2,))
+    x = torch.randn(4, 8, device=DEVICE)
+    w, labels = torch.ones(8, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE)
+    calls = {"rms_norm": lambda a: tritongrad.rms_norm(a, [8], w, 1e-6),
+             "layer_norm": lambda a: tritongrad.layer_norm(a, [8], w, None, 1e-5),
+             "swiglu": lambda a: tritongrad.swiglu(a, a), "geglu": lambda a: tritongrad.geglu(a, a),
+             "cross_entropy": lambda a: tritongrad.cross_entropy(a, labels)}
+    for place in (Shard(1), Replicate()):
+        d = distribute_tensor(x, mesh, [place]).requires_grad_()
+        for weights in ("plain", "replicated"):
+            if weights == "replicated":
+                w, labels = (distribute_tensor(t, mesh, [Replicate()]) for t in (w, labels))
+            for name, call in calls.items():
+                try:
+                    call(d)
+                except (NotImplementedError, RuntimeError) as e:
+                    assert ("does not have a sharding strategy registered" in str(e)
+                            or "got mixed torch.Tensor and DTensor" in str(e)), (name, place, weights, e)
+                else:
+                    raise AssertionError(f"{name} ran on a DTensor activation ({place}, weights {weights})")
+
+
 def dtensor_weight(rank):
     # A patched norm called with a still-sharded weight: gathered, and its gradient averaged over the ranks.
     from torch.distributed.device_mesh import init_device_mesh
@@ -1078,6 +1106,7 @@ def main(rank, path):
         # the loss alone, in a sharded head's unit: at a real size on GPUs, in the interpreter's on CPU
         sharded_head(rank, *((4096, 512, 32768) if DEVICE == "cuda" else (48, 32, 320)))
         dtensor_weight(rank)
+        dtensor_activations_refused(rank)
         for head, tied in (("root", False), ("own", False), ("root", True)):
             fsdp2_model(rank, head, tied)
         fsdp2_model(rank, "root", False, "gemma2")
@@ -1121,7 +1150,7 @@ def test_two_ranks_dtensor_weight_fsdp2_and_ddp(device, tmp_path):
     # unsharded gradients. A tiny Llama patched with every op and fully_shard-ed (the LM head in the root's
     # unit, in its own unit, and tied to the embedding), Gemma 2, Phi3, GPT-NeoX and Qwen3-MoE (the ops Llama
     # does not have, the MoE's experts through grouped_experts: FSDP_OPS), and under DDP (the loss from hidden states, and on the logits), gives each rank the
-    # unpatched model's loss and the mean of its gradients over ranks.
+    # unpatched model's loss and the mean of its gradients over ranks. A DTensor activation is refused.
     pytest.importorskip("torch.distributed.tensor")
     pytest.importorskip("torch.distributed.fsdp").fully_shard
     script = tmp_path / "two_ranks.py"
