@@ -609,6 +609,24 @@ def test_models_json_is_all_that_stdout_holds(monkeypatch, capsys):
     assert "not a recognized input" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--no-kernels chooses the path off the GPU")
+def test_models_no_kernels_runs_the_references_whatever_the_environment_says():
+    # `--no-kernels` under an inherited TRITON_INTERPRET=1 ran the kernels in the interpreter and said nothing.
+    # The command re-runs itself without it and names the path; called in a process that imported triton in the
+    # interpreter, it stops instead.
+    from tritongrad import _runtime
+    from tritongrad.cli import main
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "tritongrad", "models", "no_such_family", "--no-kernels"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "the ops' PyTorch references" in out.stderr, out.stderr[-2000:]
+    assert "unknown family: no_such_family" in out.stderr
+    if _runtime.INTERPRET:
+        with pytest.raises(SystemExit, match="--no-kernels runs the ops' PyTorch references"):
+            main(["models", "llama", "--no-kernels"])
+
+
 def test_a_patched_path_that_leaves_guarded_state_changed_is_an_error_compiled(monkeypatch):
     # The linear loss's unpacked-positions flag as a class attribute: its first write adds it to the instance's
     # dict, which torch.compile guards on, so every compiled training run compiled again on its second step.

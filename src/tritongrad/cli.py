@@ -8,17 +8,32 @@ import os
 import sys
 
 
-def _ensure_backend() -> None:
-    """Without a GPU the kernels need Triton's interpreter, which must be chosen before triton is
-    imported; importing tritongrad imports triton, so re-run this command once with it set."""
+def _ensure_backend(kernels: bool, argv: list[str] | None) -> None:
+    """Off the GPU the ops run Triton's kernels in its interpreter, or with ``--no-kernels`` their PyTorch
+    references. Which of the two is fixed when triton is imported (``TRITON_INTERPRET``), and importing tritongrad
+    imports it: the command re-runs itself once with ``TRITON_INTERPRET=1`` set, or removed. Called from Python
+    (``argv`` given) in a process that imported triton the other way, it stops and says so rather than replace
+    the caller's process."""
     import torch
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        from . import _runtime
+    if torch.cuda.is_available() or (kernels and os.environ.get("TRITON_INTERPRET") == "1"):
+        return
+    from . import _runtime
 
-        if not _runtime.INTERPRET:
-            env = dict(os.environ, TRITON_INTERPRET="1")
-            os.execve(sys.executable, [sys.executable, "-m", "tritongrad", *sys.argv[1:]], env)
+    if _runtime.INTERPRET == kernels:
+        return
+    if argv is not None:
+        raise SystemExit("tritongrad: " + (
+            "the kernels need Triton's interpreter, and this process imported triton without TRITON_INTERPRET=1"
+            if kernels else "--no-kernels runs the ops' PyTorch references, and this process imported triton "
+            "with TRITON_INTERPRET=1 (its kernels would run in the interpreter)") + ": run the command in a "
+            "process of its own")
+    env = dict(os.environ)
+    if kernels:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    os.execve(sys.executable, [sys.executable, "-m", "tritongrad", *sys.argv[1:]], env)
 
 
 def demo(args) -> int:
@@ -52,8 +67,10 @@ def models(args) -> int:
     """The family matrix (:mod:`tritongrad.zoo`): exit status 1 if any family is wrong."""
     import json
 
-    from . import zoo
+    from . import _runtime, zoo
 
+    if not args.list:  # the path the verdicts are about
+        print(f"tritongrad models: {_runtime.backend()}", file=sys.stderr, flush=True)
     names = args.family or zoo.families()
     unknown = sorted(set(names) - set(zoo.families()))
     if unknown:
@@ -107,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                                "activation, biases, tied head, head width, eps, rotary width, logit scales and "
                                "caps), with a \"variant\" key in --json")
     p_models.add_argument("--no-kernels", action="store_true",
-                          help="off the GPU, the ops on their PyTorch references instead of Triton's interpreter: "
-                               "checks what patch substitutes, in seconds a family")
+                          help="off the GPU, the ops on their PyTorch references instead of Triton's interpreter, "
+                               "whatever TRITON_INTERPRET says: checks what patch substitutes, in seconds a "
+                               "family")
     p_models.set_defaults(func=models)
     try:
         from .bench.cli import add_parser as add_bench_parser
@@ -117,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if add_bench_parser is not None:
         add_bench_parser(sub)
     args = parser.parse_args(argv)
-    if not getattr(args, "no_kernels", False):
-        _ensure_backend()
+    _ensure_backend(not getattr(args, "no_kernels", False), argv)
     return args.func(args)
 
 
