@@ -14,10 +14,12 @@ from tritongrad.ops.rope import launch as rope_launch
 from tritongrad.testing import OpSuite
 
 
-def hf_apply(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+def hf_apply(q, k, cos, sin, unsqueeze_dim=1, interleaved=False, out_dtype=None):
     """Eager Hugging Face code of each mode, in the inputs' dtypes (the kit's baseline): Llama's function
     (full rotary), Phi-3's (partial), and GLM's rotation and formula without its rewrite of cos and sin (the
-    op takes them per feature)."""
+    op takes them per feature); with ``out_dtype``, the result cast to it (Olmo2's ``.to(q_type)``)."""
+    if out_dtype is not None:
+        return tuple(y.to(out_dtype) for y in hf_apply(q, k, cos, sin, unsqueeze_dim, interleaved))
     if interleaved:
         from transformers.models.glm.modeling_glm import rotate_half as glm_rotate
 
@@ -354,6 +356,38 @@ def test_mixed_dtypes_follow_promotion():
     assert qe.dtype == ke.dtype == torch.float32  # as Hugging Face's q * cos
     (qe.sum() + ke.sum()).backward()
     assert qr.grad.dtype == kr.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("interleaved_", [False, True])
+@pytest.mark.parametrize("R", [16, 8])
+def test_out_dtype_rounds_once_from_float32_tables(interleaved_, R):
+    # Olmo2's apply_rotary_pos_emb: bfloat16 q and k times float32 tables, computed in float32 and cast back to
+    # q's dtype. out_dtype=q.dtype is that: the float64 reference rounded once to bfloat16, forward and backward.
+    q, k = projections(2, 5, 4, 2, 16, torch.bfloat16, DEVICE)
+    cos, sin = randn(1, 5, R, dtype=torch.float32, device=DEVICE), randn(1, 5, R, dtype=torch.float32, device=DEVICE)
+    qr, kr = q.detach().requires_grad_(), k.detach().requires_grad_()
+    qe, ke = apply_rotary_pos_emb(qr, kr, cos, sin, interleaved=interleaved_, out_dtype=torch.bfloat16)
+    assert qe.dtype == ke.dtype == torch.bfloat16 and qe.stride() == q.stride() and ke.stride() == k.stride()
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    want = apply_rotary_pos_emb_reference(q64, k64, cos.double(), sin.double(), interleaved=interleaved_)
+    gq, gk = randn(*q.shape, dtype=torch.bfloat16, device=DEVICE), randn(*k.shape, dtype=torch.bfloat16, device=DEVICE)
+    (qe.float() * gq.float()).sum().add((ke.float() * gk.float()).sum()).backward()
+    (want[0] * gq.double()).sum().add((want[1] * gk.double()).sum()).backward()
+    # one rounding to bfloat16 (half an ulp, 2**-9 relative) of the float32 result, at most one more ulp apart
+    for got, ref in ((qe, want[0]), (ke, want[1]), (qr.grad, q64.grad), (kr.grad, k64.grad)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=2 ** -8, atol=2 ** -8 * ref.abs().max().item())
+    # and the same bits as the promoted (float32) op rounded to bfloat16, wherever that rounding is not a tie
+    qf, kf = apply_rotary_pos_emb(q, k, cos, sin, interleaved=interleaved_)
+    assert qf.dtype == torch.float32
+    assert (qf.to(torch.bfloat16) != qe.detach()).float().mean() < 0.01
+
+
+def test_out_dtype_must_be_floating():
+    q, k = projections(1, 3, 4, 2, 8, torch.bfloat16, DEVICE)
+    cos, sin = tables(1, 3, 8, torch.float32, DEVICE)
+    with pytest.raises(TypeError, match=r"out_dtype must be None or one of .*torch.int32.*q \(1, 4, 3, 8\)"):
+        apply_rotary_pos_emb(q, k, cos, sin, out_dtype=torch.int32)
 
 
 def test_empty_inputs():

@@ -834,6 +834,45 @@ def _pair_kind(fn) -> str | None:
     return None
 
 
+# Widths of cos/sin each kind is probed at (head width 8): the whole head, and a part where the kind has one.
+_ROPE_WIDTHS = {"llama": (8,), "partial": (8, 4), "glm": (8, 4), "glm_full": (8,), "interleaved": (8,),
+                "flipped": (8,), "half": (4,)}
+
+
+@functools.cache
+def rope_mixed(fn) -> str | None:
+    """What ``fn``, of a kind :func:`rope_kind` established, computes for float16/bfloat16 q and k with float32
+    cos and sin, checked bit for bit on probes: ``"cast"``, the kind's formula in float32 cast back to q's dtype
+    (Olmo2's ``q_embed.to(q_type)``: the op with ``out_dtype=q.dtype``); ``"promote"``, the float32 result
+    (Llama's ``q * cos``: the op's promotion); None, neither (the replacement keeps ``fn`` for such inputs)."""
+    kind = rope_kind(fn)[0]
+    if kind not in _ROPE_WIDTHS:
+        return None
+    pair = ((lambda q, k, cos, sin, dim: (fn(q, cos, sin, dim), fn(k, cos, sin, dim))) if _rope_single(fn)
+            else fn)
+    g = _probe_rng()
+    found = set()
+    for dtype in (torch.bfloat16, torch.float16):
+        for r in _ROPE_WIDTHS[kind]:
+            for dim in (1, 2):
+                shape_q, shape_k = ((2, 3, 5, 8), (2, 1, 5, 8)) if dim == 1 else ((2, 5, 3, 8), (2, 5, 1, 8))
+                q, k = torch.randn(*shape_q, generator=g).to(dtype), torch.randn(*shape_k, generator=g).to(dtype)
+                cos, sin = torch.randn(2, 5, r, generator=g), torch.randn(2, 5, r, generator=g)
+                try:
+                    got = tuple(pair(q, k, cos, sin, dim))
+                except Exception:  # noqa: BLE001 - a function that refuses mixed dtypes keeps them
+                    return None
+                c, s = cos.unsqueeze(dim), sin.unsqueeze(dim)
+                wide = tuple(_rope_formula(kind, x.float(), c, s) for x in (q, k))
+                if _equal(got, tuple(y.to(dtype) for y in wide)):
+                    found.add("cast")
+                elif _equal(got, wide):
+                    found.add("promote")
+                else:
+                    return None
+    return found.pop() if len(found) == 1 else None
+
+
 def rope_why_not(fn) -> str | None:
     return rope_kind(fn)[1]
 
@@ -846,8 +885,9 @@ def _one_head(x, unsqueeze_dim):
 
 def rope_function(original):
     """The replacement of a module's ``apply_rotary_pos_emb``, for the kind :func:`rope_kind` established.
-    Inputs of mixed dtypes (where the original's own promotion rules decide the result), cos/sin that
-    require grad, layouts other than ``unsqueeze_dim`` 1 or 2, and widths the kind was not established for
+    float16/bfloat16 q and k with float32 tables run the op where :func:`rope_mixed` established what the
+    original computes for them (Olmo2 casts the float32 result back to q's dtype); other mixed dtypes, cos/sin
+    that require grad, layouts other than ``unsqueeze_dim`` 1 or 2, and widths the kind was not established for
     keep the original. The one-tensor form, and q alone where the original's k defaults to None, rotate q
     beside one head of it (:func:`_one_head`)."""
     kind = rope_kind(original)[0]
@@ -915,12 +955,19 @@ def rope_function(original):
                 return alone(q, cos, sin, unsqueeze_dim)
             return apply_rotary_pos_emb(q, _one_head(q, unsqueeze_dim), cos, sin, unsqueeze_dim,
                                         _original=lambda q_, k_, c, s, d: (alone(q_, c, s, d), None))[0]
-        if (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad
+        # Mixed dtypes: float16/bfloat16 q and k with float32 tables, where rope_mixed established what the
+        # original computes for them; any other mix keeps the original (its own promotion rules decide).
+        mixed = (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype) and (
+            rope_mixed(original) if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16)
+            and cos.dtype == sin.dtype == torch.float32 else None)
+        if (mixed is None or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
                 or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]
                 or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]
-                or kind == "trailing_pairs" and (2 * cos.shape[-1] > q.shape[-1] or q.shape[-1] != k.shape[-1])):
+                or kind == "trailing_pairs" and (mixed or 2 * cos.shape[-1] > q.shape[-1]
+                                                 or q.shape[-1] != k.shape[-1])):
             return _original(q, k, cos, sin, unsqueeze_dim)
+        out_dtype = q.dtype if mixed == "cast" else None
         if kind == "trailing_pairs":  # the kernel on the last r features, read in place; the leading ones pass
             r = 2 * cos.shape[-1]
             cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
@@ -935,9 +982,8 @@ def rope_function(original):
         elif kind in ("glm", "glm_full"):
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
-        if kind in ("glm", "glm_full", "interleaved"):
-            return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, interleaved=True)
-        return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return tritongrad.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, out_dtype=out_dtype,
+                                               interleaved=kind in ("glm", "glm_full", "interleaved"))
 
     if _rope_single(original):
         def apply_rotary_pos_emb_one(x, cos, sin, unsqueeze_dim=1):

@@ -15,6 +15,8 @@ and k plus 8.4 MB of cos and sin each way, 0.69 GB in all. docs/swiglu-rope.md.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ... import _runtime as rt
@@ -47,10 +49,16 @@ def _dim(unsqueeze_dim, q=None, k=None, cos=None, sin=None) -> int:
     return d
 
 
-def _validate(q, k, cos, sin, unsqueeze_dim, *, interleaved=False) -> None:
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate(q, k, cos, sin, unsqueeze_dim, *, interleaved=False, out_dtype=None) -> None:
     dim = _dim(unsqueeze_dim, q, k, cos, sin)
     if type(interleaved) is not bool:
         raise TypeError(f"{_NAME}: interleaved must be a bool, got {interleaved!r}")
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise TypeError(f"{_NAME}: out_dtype must be None or one of float16, bfloat16, float32, float64, got "
+                        f"{out_dtype!r}; {_shapes(q, k, cos, sin)}")
     layout = _LAYOUT[dim]
     for name, x in (("q", q), ("k", k)):
         if x.dim() != 4:
@@ -161,7 +169,8 @@ def _bind(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool)
     # Token and head strides (not D's: the pair and pass offsets are constexprs) decide the vector width.
     align = rt.align(*[int(s) for st in (q_strides, k_strides, qo_strides, ko_strides) for s in st[:3]],
                      *[int(s) for s in (*c_strides[:2], *s_strides[:2])])
-    acc = torch.float64 if torch.float64 in (xq.dtype, xk.dtype, cos.dtype, sin.dtype) else torch.float32
+    dtypes = (xq.dtype, xk.dtype, cos.dtype, sin.dtype, *(y.dtype for y in (yq, yk) if y is not None))
+    acc = torch.float64 if torch.float64 in dtypes else torch.float32
     return _kernel.bind(
         (rt.cdiv(T, p.BLOCK_T) * h_blocks, B),
         xq, k_ptr=xk, qo_ptr=yq, ko_ptr=yk, cos_ptr=cos, sin_ptr=sin, T=T, HQ=HQ, HK=HK,
@@ -176,7 +185,8 @@ def _bind(xq, xk, yq, yk, cos, sin, dim: int, backward: bool, interleaved: bool)
 @op("tritongrad::apply_rotary_pos_emb", reference=apply_rotary_pos_emb_reference, validate=_validate,
     outputs=("q_embed", "k_embed"), save=("cos", "sin"), nondiff=("cos", "sin"))
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         unsqueeze_dim: int = 1, *, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         unsqueeze_dim: int = 1, *, interleaved: bool = False,
+                         out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's ``apply_rotary_pos_emb`` with one Triton kernel for q and k together, forward and
     backward: the ``rotate_half`` convention, full or partial rotary, or the interleaved one.
 
@@ -210,19 +220,23 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
             values count from the 4-D result, as torch.unsqueeze does) that broadcasts over the heads: 1 or -3,
             or 2 or -2. Any other value is an error.
         interleaved: keyword-only; the rotation's pairing, above.
+        out_dtype: keyword-only; both outputs' dtype. None (default): each output in
+            ``torch.promote_types(x.dtype, cos.dtype, sin.dtype)``, as Hugging Face's ``q * cos`` gives. A
+            model that multiplies bfloat16 q by float32 tables and casts the result back to q's dtype (Olmo2's
+            ``q_embed.to(q_type)``) is this op with ``out_dtype=q.dtype``: one rounding, no float32 copy.
 
     Returns:
-        ``(q_embed, k_embed)``: q's and k's shapes, in ``torch.promote_types(x.dtype, cos.dtype, sin.dtype)``
-        each, laid out in memory like q and k (a transposed view of [B, T, H, D] gives one too). Computed
-        in float32 (float64 when any input is float64), rounded once; passed features copied exactly.
+        ``(q_embed, k_embed)``: q's and k's shapes, in ``out_dtype`` or the promoted dtypes, laid out in
+        memory like q and k (a transposed view of [B, T, H, D] gives one too). Computed in float32 (float64
+        when any input or output is float64), rounded once; passed features copied exactly.
         Differentiable in q and k (the gradient of the passed features is the upstream gradient itself);
         upstream gradients of any strides (expanded, transposed, permuted) are read as they are. Inputs are
         never written.
     """
     dim = _dim(unsqueeze_dim)
     cs = torch.promote_types(cos.dtype, sin.dtype)
-    q_embed = _empty_as(q, torch.promote_types(q.dtype, cs))
-    k_embed = _empty_as(k, torch.promote_types(k.dtype, cs))
+    q_embed = _empty_as(q, out_dtype or torch.promote_types(q.dtype, cs))
+    k_embed = _empty_as(k, out_dtype or torch.promote_types(k.dtype, cs))
     _rope(q, k, q_embed, k_embed, cos, sin, dim, backward=False, interleaved=interleaved)
     return q_embed, k_embed
 

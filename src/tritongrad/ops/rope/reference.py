@@ -20,14 +20,14 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                   unsqueeze_dim: int = 1, *, interleaved: bool = False
-                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                                   unsqueeze_dim: int = 1, *, interleaved: bool = False,
+                                   out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[..., :R] * cos + rot(x[..., :R]) * sin`` for x = q and k, ``x[..., R:]`` passed through, with
     ``R = cos.shape[-1]`` and cos and sin unsqueezed at ``unsqueeze_dim`` to broadcast over the heads; rot is
     :func:`rotate_half`, or :func:`rotate_pairs` when ``interleaved``. Computed in float32 (float64 when any
-    input is float64) and rounded once to each output's promoted dtype, ``torch.promote_types(x.dtype,
-    cos.dtype, sin.dtype)``. Differentiable."""
-    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, cos.dtype, sin.dtype) else torch.float32
+    input or ``out_dtype`` is float64) and rounded once to ``out_dtype``, or where it is None to each output's
+    promoted dtype, ``torch.promote_types(x.dtype, cos.dtype, sin.dtype)``. Differentiable."""
+    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, cos.dtype, sin.dtype, out_dtype) else torch.float32
     c = cos.unsqueeze(unsqueeze_dim).to(acc)
     s = sin.unsqueeze(unsqueeze_dim).to(acc)
     cs = torch.promote_types(cos.dtype, sin.dtype)
@@ -36,9 +36,10 @@ def apply_rotary_pos_emb_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.
 
     def embed(x):
         xf = x.to(acc)
+        out = out_dtype or torch.promote_types(x.dtype, cs)
         if r == x.shape[-1]:  # no cat: elementwise ops keep x's layout, as Hugging Face's expression does
-            return (xf * c + rot(xf) * s).to(torch.promote_types(x.dtype, cs))
+            return (xf * c + rot(xf) * s).to(out)
         turned, passed = xf[..., :r], xf[..., r:]
-        return torch.cat((turned * c + rot(turned) * s, passed), dim=-1).to(torch.promote_types(x.dtype, cs))
+        return torch.cat((turned * c + rot(turned) * s, passed), dim=-1).to(out)
 
     return embed(q), embed(k)
