@@ -263,6 +263,8 @@ def test_family_with_kernels(family, mode):
         pytest.importorskip("torch._dynamo")
     v = zoo.check(family, mode, only=zoo.TRAINING_CHECKS)
     assert v.status == "exact", f"{family} ({KERNEL_FAMILIES[family]}), {mode}: {v.line()}\n{v.ops}"
+    # every call of a replaced function runs tritongrad's op, also with float32 tables in the bfloat16 steps
+    assert zoo.KEPT_NOTE not in v.detail, v.line()
     # every check runs but those the unpatched model fails, listed (none left unchecked under the exact verdict)
     assert zoo.not_checked(v.detail) == (KERNEL_UNCHECKED.get(family, set()) if mode == "eager" else set()), v.line()
     # Eager, every module's output keeps the unpatched model's layout: a kernel's output laid out otherwise
@@ -475,6 +477,45 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
     if kind == "half":  # full-width tables: the family's own function decides (it raises on them)
         with pytest.raises(RuntimeError):
             replaced(q, k, *(_on_device(torch.randn(2, 5, D, dtype=torch.float64)) for _ in range(2)), 2)
+
+
+@pytest.mark.parametrize("family, mixed", [("olmo2", "cast"), ("llama", "promote"), ("phi3", "promote"),
+                                           ("cohere", "cast")])
+def test_float32_tables_with_bfloat16_q_and_k_run_the_kernel(family, mixed):
+    """bfloat16 q and k with float32 tables (Olmo2's rotary embedding returns float32 tables): the probes
+    establish what the family's function returns for them, the float32 formula cast back to q's dtype (Olmo2's
+    ``.to(q_type)``) or the float32 result (Llama's ``q * cos``); the replacement runs the op's own node and
+    returns the same dtype, within one rounding of the family's function; no call is handed to the original."""
+    fn = vars(_hf.modeling_module(family))["apply_rotary_pos_emb"]
+    assert _hf.rope_mixed(fn) == mixed
+    replaced = _hf.rope_function(fn)
+    g = torch.Generator().manual_seed(0)
+    R = 8 if family == "phi3" else 16
+    q, k = (_on_device(torch.randn(*shape, generator=g).to(torch.bfloat16), True) for shape in ((2, 4, 5, 16),
+                                                                                                 (2, 2, 5, 16)))
+    cos, sin = (_on_device(torch.randn(1, 5, R, generator=g)) for _ in range(2))
+    before = dict(_hf.KEPT)
+    got = replaced(q, k, cos, sin)
+    assert _hf.KEPT == before
+    assert all(_reaches(t.grad_fn, "ApplyRotaryPosEmbBackward") for t in got)
+    want = fn(q.detach(), k.detach(), cos, sin)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == (torch.bfloat16 if mixed == "cast" else torch.float32)
+        # one rounding apart at most: float32 products and sum rounded in another order, then the cast
+        torch.testing.assert_close(a.detach().double(), b.double(), rtol=2 ** -7 if mixed == "cast" else 2e-6,
+                                   atol=0)
+
+
+def test_calls_handed_to_the_original_are_counted_and_noted(monkeypatch):
+    """A replacement that hands a call back to the original computes the right values, so only a count shows
+    that the report's "replaced" did not happen: ``_hf.KEPT`` counts those calls and the matrix notes them
+    (Olmo2's bfloat16 steps, with the probes of mixed dtypes made to establish nothing)."""
+    checks = ("loss", "grads", zoo.BFLOAT16)
+    v = zoo.check("olmo2", "eager", device=DEVICE, only=checks)
+    assert v.status == "exact" and zoo.KEPT_NOTE not in v.detail, v.line()
+    monkeypatch.setattr(_hf, "rope_mixed", lambda fn: None)
+    v = zoo.check("olmo2", "eager", device=DEVICE, only=checks)
+    assert v.status == "exact" and f"{zoo.KEPT_NOTE}rope (modeling_olmo2.apply_rotary_pos_emb) x" in v.detail, v.line()
 
 
 @pytest.mark.parametrize("family, kind", [("llama4", "complex_bthd"), ("deepseek_v2", "complex_bhtd")])

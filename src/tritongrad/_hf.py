@@ -128,6 +128,20 @@ def call_why_not(m, name: str, cls: type | None = None) -> str | None:
     return None
 
 
+# Calls that a module-wide replacement handed back to the original function, by (op, function), since the
+# process began or the caller cleared it: the report says what was replaced; this says which calls still ran
+# the original (inputs the replacement was not established for). zoo notes them per family.
+KEPT: dict[tuple[str, str], int] = {}
+
+
+def kept(op: str, fn) -> None:
+    """Count a call that ``op``'s replacement handed to the original ``fn`` (not while compiling: a compiled
+    graph records the original's ops, and the count would be a side effect to trace)."""
+    if not torch.compiler.is_compiling():
+        key = (op, f"{getattr(fn, '__module__', '?').rsplit('.', 1)[-1]}.{getattr(fn, '__qualname__', '?')}")
+        KEPT[key] = KEPT.get(key, 0) + 1
+
+
 def _equal(a, b) -> bool:
     if isinstance(a, (tuple, list)):
         return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
@@ -850,6 +864,11 @@ def rope_mixed(fn) -> str | None:
         return None
     pair = ((lambda q, k, cos, sin, dim: (fn(q, cos, sin, dim), fn(k, cos, sin, dim))) if _rope_single(fn)
             else fn)
+    with torch.autocast("cpu", enabled=False), torch.no_grad():  # the dtypes as given, wherever it is asked
+        return _rope_mixed_probe(pair, kind)
+
+
+def _rope_mixed_probe(pair, kind: str) -> str | None:
     g = _probe_rng()
     found = set()
     for dtype in (torch.bfloat16, torch.float16):
@@ -891,6 +910,7 @@ def rope_function(original):
     keep the original. The one-tensor form, and q alone where the original's k defaults to None, rotate q
     beside one head of it (:func:`_one_head`)."""
     kind = rope_kind(original)[0]
+    mixed_rule = rope_mixed(original)  # probed here, outside the calls' autocast, transforms and tracing
     if kind in ("complex_bhtd", "complex_bthd"):
         dim = 1 if kind == "complex_bhtd" else 2
 
@@ -899,6 +919,7 @@ def rope_function(original):
                     or freqs_cis.device != xq.device or freqs_cis.dim() != 3 or xq.dim() != 4 or xk.dim() != 4 or freqs_cis.requires_grad
                     or 2 * freqs_cis.shape[-1] != xq.shape[-1] or xq.dtype not in (torch.float16, torch.bfloat16,
                                                                                   torch.float32)):
+                kept("rope", original)
                 return original(xq, xk, freqs_cis)
             # The original multiplies in float32 and rounds once to xq's dtype: float32 tables, then the cast.
             cos = freqs_cis.real.repeat_interleave(2, -1)
@@ -915,6 +936,7 @@ def rope_function(original):
                     or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad or sin.requires_grad
                     or cos.dim() != 3
                     or unsqueeze_dim not in (1, 2, -2, -3) or cos.shape[-1] != q.shape[-1]):
+                kept("rope", original)
                 return original(q, k, cos, sin, position_ids, unsqueeze_dim)
             half = q.shape[-1] // 2
             # out[j] = q[2j] c[j] - q[2j+1] s[j], out[j + D/2] = q[2j+1] c[j'] + q[2j] s[j'] (j' = j + D/2, or j
@@ -932,6 +954,7 @@ def rope_function(original):
         def apply_rotary_pos_emb_gptj(tensor, sin, cos):
             if (tensor.dim() != 4 or cos.dim() != 3 or tensor.dtype != cos.dtype or sin.dtype != cos.dtype
                     or cos.requires_grad or sin.requires_grad or 2 * cos.shape[-1] != tensor.shape[-1]):
+                kept("rope", original)
                 return original(tensor, sin, cos)
             cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
             return tritongrad.apply_rotary_pos_emb(tensor, _one_head(tensor, 2), cos, sin, 2, interleaved=True)[0]
@@ -952,13 +975,14 @@ def rope_function(original):
             if alone is None:  # k is required: the original's error
                 return original(q, k, cos, sin, unsqueeze_dim)
             if cos is None or sin is None or q.dim() != 4 or unsqueeze_dim not in (1, 2, -2, -3):
+                kept("rope", original)
                 return alone(q, cos, sin, unsqueeze_dim)
             return apply_rotary_pos_emb(q, _one_head(q, unsqueeze_dim), cos, sin, unsqueeze_dim,
                                         _original=lambda q_, k_, c, s, d: (alone(q_, c, s, d), None))[0]
         # Mixed dtypes: float16/bfloat16 q and k with float32 tables, where rope_mixed established what the
         # original computes for them; any other mix keeps the original (its own promotion rules decide).
         mixed = (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype) and (
-            rope_mixed(original) if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16)
+            mixed_rule if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16)
             and cos.dtype == sin.dtype == torch.float32 else None)
         if (mixed is None or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
@@ -966,6 +990,7 @@ def rope_function(original):
                 or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]
                 or kind == "trailing_pairs" and (mixed or 2 * cos.shape[-1] > q.shape[-1]
                                                  or q.shape[-1] != k.shape[-1])):
+            kept("rope", original)
             return _original(q, k, cos, sin, unsqueeze_dim)
         out_dtype = q.dtype if mixed == "cast" else None
         if kind == "trailing_pairs":  # the kernel on the last r features, read in place; the leading ones pass

@@ -966,6 +966,7 @@ FUNC_GRAD = "grads, torch.func.grad"
 FUNC_JVP = "loss's directional derivative, torch.func.jvp"
 
 # The checks that exercise the kernels (the others differ only in what the model computes around them).
+KEPT_NOTE = "calls the patch handed to the original: "  # _hf.KEPT, counted over the patched model's checks
 TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", FUNC_GRAD, FUNC_JVP,
                    *LOW_PRECISION)
 
@@ -1040,8 +1041,10 @@ def _check(family: str, mode: str, device, only, variant) -> Verdict:
     if isinstance(patched, Verdict):
         return patched
     patched, ops = patched
+    kept_before = dict(_hf.KEPT)
     with _layouts(patched, layouts[1], not compiled), _graph_breaks() as broke:
         got, errors = _checks(patched, fns, only=want)
+    kept = {k: n - kept_before.get(k, 0) for k, n in _hf.KEPT.items() if n > kept_before.get(k, 0)}
     recompiled = _own_recompile(model, fns, errors) if compiled else ""
     if recompiled:  # the family's own recompilation, not the patch's: the values are still checked
         lenient = {k: v for k, v in _check_fns(batch, True, recompiles_ok=True).items() if k in fns}
@@ -1076,6 +1079,8 @@ def _check(family: str, mode: str, device, only, variant) -> Verdict:
     moved = _layout_moved(*layouts)
     if moved:
         notes.append(moved)
+    if kept:  # right values, but the calls ran the original's ops: the report's "replaced" did not happen
+        notes.append(KEPT_NOTE + ", ".join(f"{op} ({fn}) x{n}" for (op, fn), n in sorted(kept.items())))
     return Verdict(family, mode, "exact", "; ".join(notes), ops)
 
 
