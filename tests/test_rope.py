@@ -595,6 +595,33 @@ def test_export():
         torch.testing.assert_close(a, b)
 
 
+def test_out_dtype_compiled_and_exported():
+    # The schema's optional dtype: traced (aot_eager traces the backward too) and exported as eager computes.
+    q, k = (x.detach().requires_grad_() for x in projections(2, 5, 4, 2, 16, torch.bfloat16, DEVICE))
+    cos, sin = randn(1, 5, 16, dtype=torch.float32, device=DEVICE), randn(1, 5, 16, dtype=torch.float32, device=DEVICE)
+
+    def loss(q, k):
+        qe, ke = apply_rotary_pos_emb(q, k, cos, sin, out_dtype=torch.bfloat16)
+        assert qe.dtype == ke.dtype == torch.bfloat16
+        return (qe.float() * torch.arange(16, device=DEVICE)).sum() + (ke.float() ** 2).sum()
+
+    eager = loss(q, k)
+    want = torch.autograd.grad(eager, (q, k))
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k)
+    assert torch.equal(compiled, eager)
+    for a, b in zip(torch.autograd.grad(compiled, (q, k)), want):
+        assert torch.equal(a, b)
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, cos, sin):
+            return apply_rotary_pos_emb(q, k, cos, sin, out_dtype=torch.bfloat16)
+
+    ep = torch.export.export(Attn(), (q.detach(), k.detach(), cos, sin))
+    for a, b in zip(ep.module()(q.detach(), k.detach(), cos, sin), apply_rotary_pos_emb(q, k, cos, sin,
+                                                                                          out_dtype=torch.bfloat16)):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.detach())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_and_replay():
     q, k = projections(2, 64, 8, 2, 128, torch.bfloat16, "cuda")
