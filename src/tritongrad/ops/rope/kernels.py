@@ -37,9 +37,10 @@ The backward is the forward with s replaced by s' = [-s2, -s1] on each pair (the
 y2 = dy2 c2 - dy1 s1), so one kernel serves both (``BACKWARD``); the passed features are copied either way.
 cos and sin get no gradient.
 
-Precision: loads are cast to ACC (float32, float64 when any input is float64); each output is rounded
-once, on store (eager PyTorch in bfloat16 rounds x * c, rot(x) * s and their sum). Passed features are
-copied exactly (the output dtype holds every value of the input's).
+Precision: loads are cast to ACC (float32, float64 when any input or output is float64); each output is
+rounded once, on store, to its dtype (eager PyTorch in bfloat16 rounds x * c, rot(x) * s and their sum).
+Passed features are copied exactly where the output dtype holds every value of the input's (the promoted
+dtype does; an ``out_dtype`` narrower than x rounds them once too).
 
 Layout: q and k are read in place as [B, T, H, D] through four strides each (the transposed views of
 [B, T, H, D] projections, contiguous [B, H, T, D], or any other strides, e.g. an expanded upstream gradient);
