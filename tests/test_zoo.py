@@ -480,25 +480,35 @@ def test_rotary_variants_are_established_and_computed_by_the_kernel(family, kind
 
 
 @pytest.mark.parametrize("family, mixed", [("olmo2", "cast"), ("llama", "promote"), ("phi3", "promote"),
-                                           ("cohere", "cast")])
+                                           ("cohere", "cast"), ("gptj", "promote"), ("deepseek_v3", "promote"),
+                                           ("deepseek_v4", "cast")])
 def test_float32_tables_with_bfloat16_q_and_k_run_the_kernel(family, mixed):
-    """bfloat16 q and k with float32 tables (Olmo2's rotary embedding returns float32 tables): the probes
-    establish what the family's function returns for them, the float32 formula cast back to q's dtype (Olmo2's
-    ``.to(q_type)``) or the float32 result (Llama's ``q * cos``); the replacement runs the op's own node and
-    returns the same dtype, within one rounding of the family's function; no call is handed to the original."""
-    fn = vars(_hf.modeling_module(family))["apply_rotary_pos_emb"]
+    """bfloat16 q and k with float32 tables (Olmo2's and GPT-J's rotary tables are float32, and every family's
+    under bfloat16 autocast): the probes establish what the family's function returns for them, the float32
+    formula cast back to q's dtype (Olmo2's ``.to(q_type)``) or the float32 result (Llama's ``q * cos``); the
+    replacement runs the op's own node and returns the same dtype, within one rounding of the family's
+    function; no call is handed to the original. Each form: Llama's, partial (Phi3), interleaved (Cohere),
+    GPT-J's one tensor with per-pair tables, DeepSeek's interleave, DeepSeek-V4's trailing pairs (one tensor)."""
+    name = "apply_rotary_pos_emb_interleave" if family == "deepseek_v3" else "apply_rotary_pos_emb"
+    fn = vars(_hf.modeling_module(family))[name]
     assert _hf.rope_mixed(fn) == mixed
     replaced = _hf.rope_function(fn)
     g = torch.Generator().manual_seed(0)
-    R = 8 if family == "phi3" else 16
+    R = {"phi3": 8, "gptj": 8, "deepseek_v4": 4}.get(family, 16)
     q, k = (_on_device(torch.randn(*shape, generator=g).to(torch.bfloat16), True) for shape in ((2, 4, 5, 16),
                                                                                                  (2, 2, 5, 16)))
+    if family == "gptj":  # [B, T, H, D], one tensor at a time
+        q, k = (_on_device(x.detach().transpose(1, 2).contiguous(), True) for x in (q, k))
     cos, sin = (_on_device(torch.randn(1, 5, R, generator=g)) for _ in range(2))
+    call = {"gptj": lambda f, q, k: (f(q, sin, cos), f(k, sin, cos)),
+            "deepseek_v3": lambda f, q, k: f(q, k, cos, sin, None, 1),
+            "deepseek_v4": lambda f, q, k: (f(q, cos, sin), f(k, cos, sin))}.get(family,
+                                                                              lambda f, q, k: f(q, k, cos, sin))
     before = dict(_hf.KEPT)
-    got = replaced(q, k, cos, sin)
+    got = call(replaced, q, k)
     assert _hf.KEPT == before
-    assert all(_reaches(t.grad_fn, "ApplyRotaryPosEmbBackward") for t in got)
-    want = fn(q.detach(), k.detach(), cos, sin)
+    assert all(_reaches(t.grad_fn, "ApplyRotaryPosEmbBackward", 6) for t in got)
+    want = call(fn, q.detach(), k.detach())
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == (torch.bfloat16 if mixed == "cast" else torch.float32)
         # one rounding apart at most: float32 products and sum rounded in another order, then the cast

@@ -848,32 +848,45 @@ def _pair_kind(fn) -> str | None:
     return None
 
 
-# Widths of cos/sin each kind is probed at (head width 8): the whole head, and a part where the kind has one.
+# Widths of cos/sin each kind is probed at (head width 8): the whole head, and a part where the kind has one;
+# the layouts (1: heads before the tokens, 2: after).
 _ROPE_WIDTHS = {"llama": (8,), "partial": (8, 4), "glm": (8, 4), "glm_full": (8,), "interleaved": (8,),
-                "flipped": (8,), "half": (4,)}
+                "flipped": (8,), "half": (4,), "gptj": (4,), "deinterleave": (8,), "deinterleave_half": (8,),
+                "trailing_pairs": (2, 4)}
+
+
+def _rope_pair(fn, kind: str):
+    """``fn`` as ``pair(q, k, cos, sin, dim) -> (q_embed, k_embed)`` and the layouts it takes."""
+    if kind == "gptj":  # (tensor, sin, cos), [B, T, H, R] only
+        return (lambda q, k, cos, sin, dim: (fn(q, sin, cos), fn(k, sin, cos))), (2,)
+    if kind in ("deinterleave", "deinterleave_half"):  # (q, k, cos, sin, position_ids, unsqueeze_dim)
+        return (lambda q, k, cos, sin, dim: fn(q, k, cos, sin, None, dim)), (1, 2)
+    if _rope_single(fn):
+        return (lambda q, k, cos, sin, dim: (fn(q, cos, sin, dim), fn(k, cos, sin, dim))), (1, 2)
+    return fn, (1, 2)
 
 
 @functools.cache
 def rope_mixed(fn) -> str | None:
     """What ``fn``, of a kind :func:`rope_kind` established, computes for float16/bfloat16 q and k with float32
-    cos and sin, checked bit for bit on probes: ``"cast"``, the kind's formula in float32 cast back to q's dtype
-    (Olmo2's ``q_embed.to(q_type)``: the op with ``out_dtype=q.dtype``); ``"promote"``, the float32 result
-    (Llama's ``q * cos``: the op's promotion); None, neither (the replacement keeps ``fn`` for such inputs)."""
+    cos and sin (Olmo2's and GPT-J's tables, and every family's under bfloat16 autocast), checked bit for bit on
+    probes: ``"cast"``, the kind's formula in float32 cast back to q's dtype (Olmo2's ``q_embed.to(q_type)``:
+    the op with ``out_dtype=q.dtype``); ``"promote"``, the float32 result (Llama's ``q * cos``: the op's
+    promotion); None, neither (the replacement keeps ``fn`` for such inputs)."""
     kind = rope_kind(fn)[0]
     if kind not in _ROPE_WIDTHS:
         return None
-    pair = ((lambda q, k, cos, sin, dim: (fn(q, cos, sin, dim), fn(k, cos, sin, dim))) if _rope_single(fn)
-            else fn)
+    pair, dims = _rope_pair(fn, kind)
     with torch.autocast("cpu", enabled=False), torch.no_grad():  # the dtypes as given, wherever it is asked
-        return _rope_mixed_probe(pair, kind)
+        return _rope_mixed_probe(pair, kind, dims)
 
 
-def _rope_mixed_probe(pair, kind: str) -> str | None:
+def _rope_mixed_probe(pair, kind: str, dims: tuple) -> str | None:
     g = _probe_rng()
     found = set()
     for dtype in (torch.bfloat16, torch.float16):
         for r in _ROPE_WIDTHS[kind]:
-            for dim in (1, 2):
+            for dim in dims:
                 shape_q, shape_k = ((2, 3, 5, 8), (2, 1, 5, 8)) if dim == 1 else ((2, 5, 3, 8), (2, 5, 1, 8))
                 q, k = torch.randn(*shape_q, generator=g).to(dtype), torch.randn(*shape_k, generator=g).to(dtype)
                 cos, sin = torch.randn(2, 5, r, generator=g), torch.randn(2, 5, r, generator=g)
@@ -911,6 +924,15 @@ def rope_function(original):
     beside one head of it (:func:`_one_head`)."""
     kind = rope_kind(original)[0]
     mixed_rule = rope_mixed(original)  # probed here, outside the calls' autocast, transforms and tracing
+
+    def mixed(q, k, cos, sin):
+        """False: one dtype; "cast" or "promote": float16/bfloat16 q and k with float32 tables, as rope_mixed
+        established; None: another mix, which keeps the original (its own promotion rules decide)."""
+        if q.dtype == cos.dtype and k.dtype == cos.dtype and sin.dtype == cos.dtype:
+            return False
+        if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16) and cos.dtype == sin.dtype == torch.float32:
+            return mixed_rule
+        return None
     if kind in ("complex_bhtd", "complex_bthd"):
         dim = 1 if kind == "complex_bhtd" else 2
 
@@ -932,9 +954,9 @@ def rope_function(original):
     if kind in ("deinterleave", "deinterleave_half"):
         def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
             # position_ids: established as None (transformers' own callers pass none; the function ignores it).
-            if (position_ids is not None or q.dim() != 4 or k.dim() != 4 or q.dtype != cos.dtype
-                    or k.dtype != cos.dtype or sin.dtype != cos.dtype or cos.requires_grad or sin.requires_grad
-                    or cos.dim() != 3
+            m = mixed(q, k, cos, sin)
+            if (position_ids is not None or q.dim() != 4 or k.dim() != 4 or m is None
+                    or cos.requires_grad or sin.requires_grad or cos.dim() != 3
                     or unsqueeze_dim not in (1, 2, -2, -3) or cos.shape[-1] != q.shape[-1]):
                 kept("rope", original)
                 return original(q, k, cos, sin, position_ids, unsqueeze_dim)
@@ -945,19 +967,22 @@ def rope_function(original):
             second = slice(0, half) if kind == "deinterleave_half" else slice(half, None)
             c = torch.stack((cos[..., :half], cos[..., second]), -1).flatten(-2)
             s = torch.stack((sin[..., :half], sin[..., second]), -1).flatten(-2)
-            q_embed, k_embed = tritongrad.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim, interleaved=True)
+            q_embed, k_embed = tritongrad.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim, interleaved=True,
+                                                               out_dtype=q.dtype if m == "cast" else None)
             return tuple(y.unflatten(-1, (half, 2)).transpose(-1, -2).flatten(-2) for y in (q_embed, k_embed))
 
         apply_rotary_pos_emb_interleave._tritongrad_original = original
         return marked(apply_rotary_pos_emb_interleave, "rope")
     if kind == "gptj":
         def apply_rotary_pos_emb_gptj(tensor, sin, cos):
-            if (tensor.dim() != 4 or cos.dim() != 3 or tensor.dtype != cos.dtype or sin.dtype != cos.dtype
+            m = mixed(tensor, tensor, cos, sin)
+            if (tensor.dim() != 4 or cos.dim() != 3 or m is None
                     or cos.requires_grad or sin.requires_grad or 2 * cos.shape[-1] != tensor.shape[-1]):
                 kept("rope", original)
                 return original(tensor, sin, cos)
             cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
-            return tritongrad.apply_rotary_pos_emb(tensor, _one_head(tensor, 2), cos, sin, 2, interleaved=True)[0]
+            return tritongrad.apply_rotary_pos_emb(tensor, _one_head(tensor, 2), cos, sin, 2, interleaved=True,
+                                                   out_dtype=tensor.dtype if m == "cast" else None)[0]
 
         apply_rotary_pos_emb_gptj._tritongrad_original = original
         return marked(apply_rotary_pos_emb_gptj, "rope")
@@ -979,26 +1004,21 @@ def rope_function(original):
                 return alone(q, cos, sin, unsqueeze_dim)
             return apply_rotary_pos_emb(q, _one_head(q, unsqueeze_dim), cos, sin, unsqueeze_dim,
                                         _original=lambda q_, k_, c, s, d: (alone(q_, c, s, d), None))[0]
-        # Mixed dtypes: float16/bfloat16 q and k with float32 tables, where rope_mixed established what the
-        # original computes for them; any other mix keeps the original (its own promotion rules decide).
-        mixed = (q.dtype != cos.dtype or k.dtype != cos.dtype or sin.dtype != cos.dtype) and (
-            mixed_rule if q.dtype == k.dtype and q.dtype in (torch.float16, torch.bfloat16)
-            and cos.dtype == sin.dtype == torch.float32 else None)
-        if (mixed is None or cos.requires_grad
+        m = mixed(q, k, cos, sin)
+        if (m is None or cos.requires_grad
                 or sin.requires_grad or unsqueeze_dim not in (1, 2, -2, -3) or cos.dim() != 3
                 or kind in _FULL_WIDTH and cos.shape[-1] != q.shape[-1]
                 or kind == "half" and 2 * cos.shape[-1] != q.shape[-1]
-                or kind == "trailing_pairs" and (mixed or 2 * cos.shape[-1] > q.shape[-1]
-                                                 or q.shape[-1] != k.shape[-1])):
+                or kind == "trailing_pairs" and (2 * cos.shape[-1] > q.shape[-1] or q.shape[-1] != k.shape[-1])):
             kept("rope", original)
             return _original(q, k, cos, sin, unsqueeze_dim)
-        out_dtype = q.dtype if mixed == "cast" else None
+        out_dtype = q.dtype if m == "cast" else None
         if kind == "trailing_pairs":  # the kernel on the last r features, read in place; the leading ones pass
             r = 2 * cos.shape[-1]
             cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
             D = q.shape[-1]
             q_rot, k_rot = tritongrad.apply_rotary_pos_emb(q[..., D - r:], k[..., D - r:], cos, sin, unsqueeze_dim,
-                                                           interleaved=True)
+                                                           interleaved=True, out_dtype=out_dtype)
             return torch.cat((q[..., :D - r], q_rot), -1), torch.cat((k[..., :D - r], k_rot), -1)
         if kind == "half":
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
