@@ -23,6 +23,9 @@ no such values make buildable and trainable unpatched on CPU says why in :data:`
   float32 cannot show);
 - :func:`tritongrad.unpatch` restores the model: its classes, and outputs bit for bit the unpatched model's.
 
+An exact verdict notes what the values cannot show: the first module whose output the patched model lays out
+otherwise (eager), and the calls a module-wide replacement handed back to the original (``_hf.KEPT``).
+
 ``mode="compiled"`` runs the patched model's training step (and the packed one) under ``torch.compile``
 (``backend="aot_eager"`` off the GPU: it traces the backward with fake tensors, with the layouts a compiled
 model's backward really gets), twice: the second step must reuse the first's graphs (no recompilation) and
