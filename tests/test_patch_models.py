@@ -1432,3 +1432,39 @@ def test_a_decorator_that_fails_on_the_recompiled_layer_forward_is_a_refusal(tmp
     assert forward is None and norm is None
     assert why == ("Layer.forward's decorator @where raised IndexError: not a source file on the recompiled "
                    "forward"), why
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """A gated norm (Mamba2's, Qwen3-Next's form): Llama's RMSNorm on the input alone, times silu(gate)."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, gate=None):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * h.to(dtype)
+        return out if gate is None else out * torch.nn.functional.silu(gate)
+
+
+def test_a_norm_called_with_more_than_its_input_runs_its_own_forward_and_is_counted():
+    # Established on the input alone (Llama's semantics): called with a gate it runs its own forward, with the
+    # right values, and the call is counted in _hf.KEPT, which the family matrix notes (the report said
+    # replaced). Called with the input alone it runs the op and nothing is counted.
+    from tritongrad import _hf
+
+    norm = GatedRMSNorm(16)
+    with torch.no_grad():
+        norm.weight.mul_(torch.linspace(0.5, 1.5, 16))
+    forward = _hf.norm_forward("llama", "variance_epsilon")
+    x, gate = torch.randn(3, 16), torch.randn(3, 16)
+    key = ("rms_norm", f"{__name__.rsplit('.', 1)[-1]}.GatedRMSNorm")
+    before = _hf.KEPT.get(key, 0)
+    torch.testing.assert_close(forward(norm, x), norm(x))
+    assert _hf.KEPT.get(key, 0) == before
+    torch.testing.assert_close(forward(norm, x, gate), norm(x, gate))
+    torch.testing.assert_close(forward(norm, x, gate=gate), norm(x, gate))
+    assert _hf.KEPT.get(key, 0) == before + 2
