@@ -1435,7 +1435,7 @@ def test_a_decorator_that_fails_on_the_recompiled_layer_forward_is_a_refusal(tmp
 
 
 class GatedRMSNorm(torch.nn.Module):
-    """A gated norm (Mamba2's, Qwen3-Next's form): Llama's RMSNorm on the input alone, times silu(gate)."""
+    """A gated norm (Mamba2's form): Llama's RMSNorm on the input alone, times silu(gate) where given."""
 
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
@@ -1450,21 +1450,32 @@ class GatedRMSNorm(torch.nn.Module):
         return out if gate is None else out * torch.nn.functional.silu(gate)
 
 
-def test_a_norm_called_with_more_than_its_input_runs_its_own_forward_and_is_counted():
-    # Established on the input alone (Llama's semantics): called with a gate it runs its own forward, with the
-    # right values, and the call is counted in _hf.KEPT, which the family matrix notes (the report said
-    # replaced). Called with the input alone it runs the op and nothing is counted.
+class KwargsRMSNorm(GatedRMSNorm):
+    """Llama's RMSNorm whose forward takes (and ignores) keyword arguments."""
+
+    def forward(self, hidden_states, **kwargs):
+        return super().forward(hidden_states)
+
+
+def test_a_gated_norm_is_left_alone_and_a_norm_called_with_more_is_counted():
+    # A forward that takes a gate beyond its input is called with it (Mamba2, Bamba, Zamba2, NemotronH, ...):
+    # established on the input alone, the op would never run while the report said replaced. It is left alone,
+    # with the reason. A norm established on its input that is called with more (here keyword arguments its
+    # forward ignores) runs its own forward, with the right values, and the call is counted in _hf.KEPT, which
+    # the family matrix notes; called with the input alone it runs the op and nothing is counted.
     from tritongrad import _hf
 
-    norm = GatedRMSNorm(16)
+    kind, why = _hf.instance_norm_kind(GatedRMSNorm(16))
+    assert kind is None and "GatedRMSNorm.forward takes gate beyond its input (a gated norm)" in why
+    norm = KwargsRMSNorm(16)
     with torch.no_grad():
         norm.weight.mul_(torch.linspace(0.5, 1.5, 16))
+    assert _hf.instance_norm_kind(norm)[0] == "llama"
     forward = _hf.norm_forward("llama", "variance_epsilon")
-    x, gate = torch.randn(3, 16), torch.randn(3, 16)
-    key = ("rms_norm", f"{__name__.rsplit('.', 1)[-1]}.GatedRMSNorm")
+    x = torch.randn(3, 16)
+    key = ("rms_norm", f"{__name__.rsplit('.', 1)[-1]}.KwargsRMSNorm")
     before = _hf.KEPT.get(key, 0)
     torch.testing.assert_close(forward(norm, x), norm(x))
     assert _hf.KEPT.get(key, 0) == before
-    torch.testing.assert_close(forward(norm, x, gate), norm(x, gate))
-    torch.testing.assert_close(forward(norm, x, gate=gate), norm(x, gate))
-    assert _hf.KEPT.get(key, 0) == before + 2
+    torch.testing.assert_close(forward(norm, x, extra=1), norm(x))
+    assert _hf.KEPT.get(key, 0) == before + 1

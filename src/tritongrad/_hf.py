@@ -235,6 +235,16 @@ def _simple_state(m: torch.nn.Module) -> tuple:
 
 
 def _norm_probe(cls: type, probe, D: int) -> tuple[str | None, str]:
+    # A forward that takes more than its input (a gated norm's ``gate=None``) is called with it: the norm of the
+    # input alone, established here, would never run (the calls with more run the norm's own forward).
+    try:
+        params = list(inspect.signature(original_forward_of(cls)).parameters.values())[2:]
+    except (TypeError, ValueError):
+        params = []
+    extra = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if extra:
+        return None, (f"{cls.__name__}.forward takes {', '.join(extra)} beyond its input (a gated norm): rms_norm "
+                      "computes the norm of the input alone")
     eps_name = eps_attr(probe)
     if eps_name is None or not isinstance(getattr(probe, "weight", None), torch.nn.Parameter):
         return None, f"{cls.__name__} has no 1-D weight and float eps"
