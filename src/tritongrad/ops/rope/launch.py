@@ -228,7 +228,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     Returns:
         ``(q_embed, k_embed)``: q's and k's shapes, in ``out_dtype`` or the promoted dtypes, laid out in
         memory like q and k (a transposed view of [B, T, H, D] gives one too). Computed in float32 (float64
-        when any input or output is float64), rounded once; passed features copied exactly.
+        when any input or output is float64), rounded once; passed features copied exactly (rounded once
+        where ``out_dtype`` is narrower than x).
         Differentiable in q and k (the gradient of the passed features is the upstream gradient itself);
         upstream gradients of any strides (expanded, transposed, permuted) are read as they are. Inputs are
         never written.
