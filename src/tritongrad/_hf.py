@@ -814,7 +814,7 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
         return None, "apply_rotary_pos_emb has no readable signature"
     params = list(sig.parameters.values())
     if [p.name for p in params] == ["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"]:  # DeepSeek's
-        pair = lambda q, k, cos, sin, dim: fn(q, k, cos, sin, None, dim)  # noqa: E731
+        pair = _rope_pair(fn, "deinterleave")[0]
         for kind in ("deinterleave", "deinterleave_half"):
             if params[5].default == 1 and _rope_matches(pair, kind, 8):
                 return kind, None
@@ -827,13 +827,12 @@ def rope_kind(fn) -> tuple[str | None, str | None]:
                 return kind, None
         return None, f"apply_rotary_emb{sig} does not compute pairs rotated by its complex table in either layout"
     if [p.name for p in params] == ["tensor", "sin", "cos"]:  # GPT-J's: [B, T, H, R] and per-pair tables
-        pair = lambda q, k, cos, sin, dim: (fn(q, sin, cos), fn(k, sin, cos))  # noqa: E731
+        pair = _rope_pair(fn, "gptj")[0]
         if _rope_matches(pair, "gptj", 4, dims=(2,)):
             return "gptj", None
         return None, f"apply_rotary_pos_emb{sig} does not compute GPT-J's rotary (per-pair tables, pairs rotated)"
     if _rope_single(fn):
-        one = fn
-        fn = lambda q, k, cos, sin, dim: (one(q, cos, sin, dim), one(k, cos, sin, dim))  # noqa: E731
+        fn = _rope_pair(fn, "llama")[0]  # q and k in two calls
     elif [p.name for p in params] != ["q", "k", "cos", "sin", "unsqueeze_dim"] or params[4].default != 1:
         return None, f"apply_rotary_pos_emb{sig} is not (q, k, cos, sin, unsqueeze_dim=1) nor (x, cos, sin, unsqueeze_dim=1)"
     kind = _pair_kind(fn)

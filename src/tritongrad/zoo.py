@@ -968,8 +968,8 @@ PACKED = ("loss, packed sequences", "grads, packed sequences")
 FUNC_GRAD = "grads, torch.func.grad"
 FUNC_JVP = "loss's directional derivative, torch.func.jvp"
 
-# The checks that exercise the kernels (the others differ only in what the model computes around them).
 KEPT_NOTE = "calls the patch handed to the original: "  # _hf.KEPT, counted over the patched model's checks
+# The checks that exercise the kernels (the others differ only in what the model computes around them).
 TRAINING_CHECKS = ("loss", "grads", "logits", "gradient checkpointing", "second backward", FUNC_GRAD, FUNC_JVP,
                    *LOW_PRECISION)
 
