@@ -877,6 +877,23 @@ def test_an_op_that_drops_its_derivative_under_torch_func_is_wrong(monkeypatch, 
     assert v.status == "wrong" and f"{check}: " in v.detail and "grads:" not in v.detail, v.line()
 
 
+def test_the_directional_derivative_is_held_to_its_terms_along_one_direction_in_both_precisions():
+    # XGLM's derivative along the check's direction is a sum over parameters that cancels to 1/1500 of its terms,
+    # so float32 rounding of the terms moved it by 5.7e-4 of itself on a GPU. The check holds the difference to the
+    # terms' magnitude, and the float64 model differentiates along the same direction (its angles were float32 ones
+    # before, which turned it: 5.5e-3 in float64 against -9.7e-3 in float32, and the float64 rule vouched for nothing).
+    model = zoo.build("xglm").to(DEVICE)
+    batch = zoo._batch(256, DEVICE)
+    with zoo._in_float64():
+        want = zoo._func_jvp(zoo._float64(model), batch)
+    assert want["terms"] > 1000 * want["d loss"].abs()  # the cancellation this test is about
+    patched, _ = zoo._patched("xglm", model, DEVICE, "eager")
+    for m in (model, patched):
+        got = zoo._func_jvp(m, batch)
+        assert zoo._error(zoo.FUNC_JVP, got, want)[0] < zoo.GRAD_RTOL / 10
+        assert (got["d loss"] - want["d loss"]).abs() < 0.1 * want["d loss"].abs()
+
+
 def test_the_checks_after_gradient_checkpointing_run_on_the_model_as_it_was():
     # transformers' gradient_checkpointing_enable hooks the embeddings to make their output require grad, and its
     # disable removes the hook only under PEFT: left on, the torch.func checks after it raised on the unpatched
